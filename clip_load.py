@@ -1,0 +1,336 @@
+"""Getting CLIP into clip4idc: weights, the BPE tokenizer, image preprocessing.
+
+    python clip_load.py                      # tokenizer + preprocessing demo (no weights needed)
+    python clip_load.py --weights ViT-B/32   # also load (downloading if needed) and embed the demo pair
+
+- `load_clip` reads OpenAI's released TorchScript archive (fp16 weights), a plain `torch.save`d state dict,
+  the authors' CLIP4IDC checkpoints (keys prefixed `clip.`) or our own `adapted.pt`, and returns the fp32 model
+  from `model.py` in eval mode. "ViT-B/32" resolves to ~/.cache/clip/ViT-B-32.pt (downloaded, SHA256 checked).
+- `tokenize` / `decode`: OpenAI's byte-level BPE (same ids as `clip.tokenize`); the vocabulary ships in
+  `assets/bpe_simple_vocab_16e6.txt.gz` (MIT licence, from openai/CLIP) and is checksummed on load.
+- `preprocess`: PIL + numpy, no torchvision. Squash-resize to the model's input size (the CLIP4IDC authors'
+  choice: a change at the border survives) or OpenAI's short-side resize + centre crop, then CLIP's mean/std.
+"""
+import gzip
+import hashlib
+import html
+import os
+import sys
+import urllib.request
+import zipfile
+from functools import lru_cache
+from pathlib import Path
+
+import ftfy
+import numpy as np
+import regex as re
+import torch
+from PIL import Image
+
+from model import build_model
+
+# -----------------------------------------------------------------------------
+# weights
+
+MODELS = {  # the sha256 is the URL's path component, as OpenAI publishes it
+    "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
+                "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
+}
+CACHE = Path(os.environ.get("CLIP_CACHE", Path.home() / ".cache" / "clip"))
+NON_PARAMETERS = ("input_resolution", "context_length", "vocab_size")  # scalars in OpenAI's state dict
+
+
+def sha256(path, chunk=1 << 20):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve(name_or_path):
+    """A released model name -> its cached file (downloaded if absent); anything else is a path."""
+    if name_or_path not in MODELS:
+        path = Path(name_or_path).expanduser()
+        if not path.is_file():
+            raise SystemExit(f"CLIP weights: no file at {path}. Give a path to a checkpoint or one of "
+                             f"{list(MODELS)} (downloaded to {CACHE}); see README 'Weights'.")
+        return path
+    url = MODELS[name_or_path]
+    expected = url.split("/")[-2]
+    path = CACHE / Path(url).name
+    if path.is_file() and sha256(path) == expected:
+        return path
+    if path.is_file():
+        print(f"{path} has the wrong SHA256 (truncated or corrupt download?): downloading it again")
+    return download(url, path, expected)
+
+
+def download(url, path, expected):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".part")
+    print(f"downloading {url} -> {path}")
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r, open(tmp, "wb") as f:
+            total, done = int(r.headers.get("Content-Length", 0)), 0
+            while block := r.read(1 << 20):
+                f.write(block)
+                done += len(block)
+                print(f"\r  {done / 2**20:.0f}/{total / 2**20:.0f} MiB", end="", flush=True)
+        print()
+    except OSError as e:  # URLError, timeouts, disk full
+        tmp.unlink(missing_ok=True)
+        raise SystemExit(f"could not download {url} ({e}). Offline? Download ViT-B-32.pt on a machine with "
+                         f"internet and copy it to {path}, or pass --clip PATH; see README 'Weights'.") from None
+    if (got := sha256(tmp)) != expected:
+        tmp.unlink()
+        raise SystemExit(f"downloaded {url} but its SHA256 is {got}, expected {expected}: try again")
+    tmp.rename(path)  # atomic: a crash never leaves a half file under the final name
+    return path
+
+
+def read_state_dict(path):
+    """Any supported checkpoint file -> (CLIP state dict with our key names, extra info dict)."""
+    path = Path(path)
+    what = f"{path} ({path.stat().st_size / 2**20:.1f} MiB)"
+    try:
+        if zipfile.is_zipfile(path) and any(n.endswith("constants.pkl") for n in zipfile.ZipFile(path).namelist()):
+            sd = torch.jit.load(str(path), map_location="cpu").state_dict()  # OpenAI's TorchScript archive
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # zip/pickle/jit errors all mean the same thing to the user
+        raise SystemExit(f"could not read {what}: {type(e).__name__}: {str(e).splitlines()[0][:200]}. "
+                         f"The file is truncated, corrupt, or not a PyTorch checkpoint: download it again "
+                         f"(README 'Weights').") from None
+    extra = {}
+    if isinstance(sd, dict) and isinstance(sd.get("model"), dict):  # our adapted.pt / captioner.pt
+        extra = {k: v for k, v in sd.items() if k != "model"}
+        sd = sd["model"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise SystemExit(f"{what} holds a {type(sd).__name__}, not a state dict of tensors: not a CLIP checkpoint")
+    if any(k.startswith("clip.") for k in sd):  # the authors' CLIP4IDC checkpoints: keep the CLIP part
+        sd = {k[len("clip."):]: v for k, v in sd.items() if k.startswith("clip.")}
+    sd = {k: v for k, v in sd.items() if k not in NON_PARAMETERS}
+    if "visual.conv1.weight" not in sd or "visual.proj" not in sd or "token_embedding.weight" not in sd:
+        found = ", ".join(list(sd)[:5])
+        raise SystemExit(f"{what} is not a CLIP ViT checkpoint (found keys {found}, ...; expected "
+                         f"visual.conv1.weight, visual.proj, token_embedding.weight). ResNet CLIPs are not "
+                         f"supported: use ViT-B/32.")
+    return sd, extra
+
+
+def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
+    """Load CLIP (+ the CLIP4IDC pair parameters when the file has them) in fp32, eval mode.
+
+    Sizes come from the tensors' shapes (`model.build_model`), so ViT-B/32 and any smaller ViT load alike.
+    n_inter: how many of the last vision blocks run on the joint pair sequence (None: the file's own value
+    when it stores one, else 3). Missing pair parameters (OpenAI's release) are freshly initialized.
+    """
+    path = resolve(path_or_name)
+    sd, extra = read_state_dict(path)
+    if n_inter is None:
+        n_inter = extra.get("config", {}).get("n_inter", 3)
+    try:
+        model = build_model(sd, n_inter=n_inter)
+        model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
+    except (RuntimeError, KeyError, ValueError, AssertionError) as e:
+        raise SystemExit(f"{path} does not fit the CLIP ViT architecture: {str(e).splitlines()[0][:300]} ... "
+                         f"(is it a CLIP ViT checkpoint? see README 'Weights')") from None
+    return model.to(device).eval()
+
+
+# -----------------------------------------------------------------------------
+# tokenizer: OpenAI's byte-level BPE (clip/simple_tokenizer.py), same ids
+
+BPE_PATH = Path(__file__).resolve().parent / "assets" / "bpe_simple_vocab_16e6.txt.gz"
+BPE_SHA256 = "924691ac288e54409236115652ad4aa250f48203de50a9e4722a6ecd48d6804a"
+SOT, EOT = 49406, 49407  # <|startoftext|>, <|endoftext|>; padding is 0
+PAT = re.compile(r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+""",
+                 re.IGNORECASE)
+
+
+def bytes_to_unicode():
+    """Every byte -> a printable unicode character, so BPE works on bytes without whitespace/control chars."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+@lru_cache(maxsize=1)
+def vocab():
+    """(encoder: token -> id, bpe_ranks: merge pair -> rank), built from the shipped merges file."""
+    if not BPE_PATH.is_file() or sha256(BPE_PATH) != BPE_SHA256:
+        raise SystemExit(f"{BPE_PATH} is missing or corrupt (SHA256 must be {BPE_SHA256}): restore it from git "
+                         f"or from the openai-clip package (clip/bpe_simple_vocab_16e6.txt.gz)")
+    merges = gzip.open(BPE_PATH).read().decode("utf-8").split("\n")
+    merges = [tuple(m.split()) for m in merges[1:49152 - 256 - 2 + 1]]
+    tokens = list(bytes_to_unicode().values())
+    tokens = tokens + [t + "</w>" for t in tokens] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
+    return {t: i for i, t in enumerate(tokens)}, {m: i for i, m in enumerate(merges)}
+
+
+@lru_cache(maxsize=100_000)
+def bpe(word):
+    """One pre-tokenized word -> its BPE pieces (space-separated), merging the lowest-rank pair first."""
+    ranks = vocab()[1]
+    parts = list(word[:-1]) + [word[-1] + "</w>"]
+    while len(parts) > 1:
+        pairs = {(a, b) for a, b in zip(parts, parts[1:])}
+        best = min(pairs, key=lambda p: ranks.get(p, float("inf")))
+        if best not in ranks:
+            break
+        merged, i = [], 0
+        while i < len(parts):
+            if i < len(parts) - 1 and (parts[i], parts[i + 1]) == best:
+                merged.append(parts[i] + parts[i + 1])
+                i += 2
+            else:
+                merged.append(parts[i])
+                i += 1
+        parts = merged
+    return parts
+
+
+def clean(text):
+    text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def encode(text):
+    """A string -> BPE ids without start/end tokens."""
+    encoder = vocab()[0]
+    byte_encoder = bytes_to_unicode()
+    ids = []
+    for word in re.findall(PAT, clean(text)):
+        if word in ("<|startoftext|>", "<|endoftext|>"):  # special tokens written in the text stay whole
+            ids.append(encoder[word])
+            continue
+        word = "".join(byte_encoder[b] for b in word.encode("utf-8"))
+        ids.extend(encoder[piece] for piece in bpe(word))
+    return ids
+
+
+def tokenize(texts, context_length=77, truncate=False):
+    """Like `clip.tokenize`: LongTensor [N, context_length] = SOT, ids, EOT, zero padding."""
+    if isinstance(texts, str):
+        texts = [texts]
+    out = torch.zeros(len(texts), context_length, dtype=torch.long)
+    for i, text in enumerate(texts):
+        ids = [SOT] + encode(text) + [EOT]
+        if len(ids) > context_length:
+            if not truncate:
+                raise ValueError(f"text {i} is {len(ids)} tokens, longer than context length {context_length}: "
+                                 f"{text[:80]!r} (pass truncate=True to cut it)")
+            ids = ids[:context_length - 1] + [EOT]
+        out[i, :len(ids)] = torch.tensor(ids)
+    return out
+
+
+def decode(ids):
+    """Token ids (list or 1-D tensor) -> text; stops at EOT (padding follows it), skips SOT. Id 0 is "!"."""
+    decoder = {i: t for t, i in vocab()[0].items()}
+    byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+    pieces = []
+    for i in (ids.tolist() if torch.is_tensor(ids) else ids):
+        if i == EOT:
+            break
+        if i == SOT:
+            continue
+        pieces.append(decoder[i])
+    text = bytearray(byte_decoder[c] for c in "".join(pieces)).decode("utf-8", errors="replace")
+    return text.replace("</w>", " ").strip()
+
+
+# -----------------------------------------------------------------------------
+# images
+
+MEAN = (0.48145466, 0.4578275, 0.40821073)
+STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def to_rgb(image):
+    """Any PIL mode -> RGB. 16-bit and float greyscale are rescaled to 8 bits first (PIL would clip them)."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
+        a = np.asarray(image, dtype=np.float32)
+        hi = 65535.0 if image.mode.startswith("I;16") or a.max() > 255 else (1.0 if a.max() <= 1 else 255.0)
+        image = Image.fromarray(np.clip(a / hi * 255 + 0.5, 0, 255).astype(np.uint8), "L")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def resize_uint8(image, size=224, crop=False):
+    """PIL image -> uint8 tensor [3, size, size]: bicubic squash (default) or short side + centre crop."""
+    image = to_rgb(image)
+    if crop:  # OpenAI's preprocessing
+        w, h = image.size
+        s = size / min(w, h)
+        image = image.resize((max(size, round(w * s)), max(size, round(h * s))), Image.BICUBIC)
+        w, h = image.size
+        left, top = round((w - size) / 2), round((h - size) / 2)
+        image = image.crop((left, top, left + size, top + size))
+    else:
+        image = image.resize((size, size), Image.BICUBIC)
+    return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)  # (3, size, size)
+
+
+_MEAN_T, _STD_T = torch.tensor(MEAN).view(3, 1, 1), torch.tensor(STD).view(3, 1, 1)
+
+
+def normalize(x):
+    """uint8 [..., 3, H, W] -> float32 normalized with CLIP's mean/std."""
+    mean, std = _MEAN_T.to(x.device), _STD_T.to(x.device)
+    return (x.float() / 255 - mean) / std
+
+
+def preprocess(image, size=224, crop=False):
+    """PIL image of any size/mode -> FloatTensor [3, size, size], ready for the model."""
+    return normalize(resize_uint8(image, size, crop))
+
+
+def open_image(path):
+    try:
+        image = Image.open(path)
+        image.load()
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"cannot read image {path}: {e}") from None
+    return image
+
+
+def load_image(path, size=224, crop=False):
+    return preprocess(open_image(path), size, crop)
+
+
+# -----------------------------------------------------------------------------
+# demo
+
+if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", default=None, help="also load CLIP weights (a path or 'ViT-B/32') and embed the pair")
+    p.add_argument("--text", default="the small red metal cube changed to blue", help="text to tokenize")
+    args = p.parse_args()
+    ids = tokenize(args.text)[0]
+    n = int((ids != 0).sum())
+    encoder = vocab()[0]
+    pieces = {i: t for t, i in encoder.items()}
+    print(f"text: {args.text!r}\nids: {ids[:n].tolist()}\npieces: {[pieces[int(i)] for i in ids[:n]]}")
+    print(f"decoded: {decode(ids)!r}")
+    pair = Path(__file__).resolve().parent.parent / "shared" / "data" / "real_pairs"
+    if (pair / "CLEVR_new_000000.png").is_file():
+        x = load_image(pair / "CLEVR_new_000000.png")
+        print(f"image: {pair / 'CLEVR_new_000000.png'} -> {tuple(x.shape)}, mean {x.mean():.3f}, std {x.std():.3f}")
+    if args.weights:
+        model = load_clip(args.weights)
+        with torch.no_grad():
+            print("text features:", tuple(model.encode_text(tokenize(args.text)).shape))
+            if (pair / "CLEVR_new_000000.png").is_file():
+                y = load_image(pair / "CLEVR_new_000000_del.png")
+                tokens, v = model.encode_pair(x[None], y[None])
+                print(f"pair tokens {tuple(tokens.shape)}, pair vector {tuple(v.shape)}")
+    sys.exit(0)

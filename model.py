@@ -1,0 +1,433 @@
+"""The networks of CLIP4IDC: CLIP ViT (image + text towers), the intra/inter pair encoder, the captioner.
+
+Module and parameter names equal the keys of OpenAI's released `ViT-B-32.pt`, so its state dict loads with
+`strict=True` and no remapping; `build_model` reads every size off the tensors' shapes (as openai/CLIP does), so
+ViT-B/32 and the small from-scratch models of the CPU preset are built by the same code.
+
+Pair encoder (paper Sec. 3.1, eq. 2-5): the first N_intra vision blocks see each image alone; the two token
+sequences then get a per-image embedding (e1, e2), a joint positional embedding p and a LayerNorm, and the last
+N_inter blocks attend across both images. Its tokens (B, 2(n+1), embed) feed the captioner; the mean of its two
+[CLS] tokens is the pair vector v used for retrieval.
+"""
+import math
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# building blocks (OpenAI's names: ln_1, attn.in_proj_weight, mlp.c_fc, ...)
+
+USE_SDPA = True  # False: the plain softmax path below, kept for readers and checked equal in the tests
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 whatever the input dtype (as in CLIP), cast back after."""
+
+    def forward(self, x):
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(),
+                            self.eps).type(x.dtype)
+
+
+class QuickGELU(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(1.702 * x)
+
+
+def attention(q, k, v, causal=False):
+    """(B, heads, T, hs) x3 -> (B, heads, T, hs). Causal masks assume q and k end at the same position."""
+    if USE_SDPA:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal and q.shape[2] > 1))
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, heads, Tq, Tk)
+    if causal:
+        Tq, Tk = q.shape[2], k.shape[2]
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+        att = att.masked_fill(~mask, float("-inf"))
+    return att.softmax(dim=-1) @ v
+
+
+class MultiheadAttention(nn.Module):
+    """Batch-first self-attention with nn.MultiheadAttention's parameter names, so OpenAI's weights load."""
+
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * width, width))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * width))
+        self.out_proj = nn.Linear(width, width)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+
+    def forward(self, x, causal=False):
+        B, T, C = x.shape
+        q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, h, T, hs)
+        y = attention(q, k, v, causal).transpose(1, 2).reshape(B, T, C)
+        return self.out_proj(y)
+
+
+class ResidualAttentionBlock(nn.Module):
+    """Pre-LN Transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, width, heads):
+        super().__init__()
+        self.ln_1 = LayerNorm(width)
+        self.attn = MultiheadAttention(width, heads)
+        self.ln_2 = LayerNorm(width)
+        self.mlp = nn.Sequential(OrderedDict([
+            ("c_fc", nn.Linear(width, 4 * width)), ("gelu", QuickGELU()), ("c_proj", nn.Linear(4 * width, width))]))
+
+    def forward(self, x, causal=False):
+        x = x + self.attn(self.ln_1(x), causal)
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, width, layers, heads):
+        super().__init__()
+        self.width, self.layers = width, layers
+        self.resblocks = nn.ModuleList([ResidualAttentionBlock(width, heads) for _ in range(layers)])
+
+    def forward(self, x, causal=False):
+        for block in self.resblocks:
+            x = block(x, causal)
+        return x
+
+
+# -----------------------------------------------------------------------------
+# CLIP's vision tower, extended into the pair encoder
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, input_resolution, patch_size, width, layers, heads, output_dim, n_inter=3):
+        super().__init__()
+        assert 0 <= n_inter <= layers, f"n_inter={n_inter} must be within 0..{layers} (the vision layers)"
+        self.input_resolution, self.n_inter = input_resolution, n_inter
+        self.conv1 = nn.Conv2d(3, width, kernel_size=patch_size, stride=patch_size, bias=False)
+        scale = width ** -0.5
+        n_tokens = (input_resolution // patch_size) ** 2 + 1  # n patches + [CLS]
+        self.class_embedding = nn.Parameter(scale * torch.randn(width))
+        self.positional_embedding = nn.Parameter(scale * torch.randn(n_tokens, width))
+        self.ln_pre = LayerNorm(width)
+        self.transformer = Transformer(width, layers, heads)
+        self.ln_post = LayerNorm(width)
+        self.proj = nn.Parameter(scale * torch.randn(width, output_dim))
+        # CLIP4IDC's new parameters, under the authors' names: e1, e2 (eq. 3), p and the mid LayerNorm (eq. 4)
+        self.bef_embedding = nn.Parameter(scale * torch.randn(width))
+        self.aft_embedding = nn.Parameter(scale * torch.randn(width))
+        self.joint_positional_embedding = nn.Parameter(scale * torch.randn(2 * n_tokens, width))
+        self.ln_mid = LayerNorm(width)
+
+    def stem(self, x):
+        """(B, 3, H, W) -> (B, n+1, width): patches, [CLS], positional embedding, ln_pre."""
+        x = self.conv1(x.to(self.conv1.weight.dtype))  # (B, width, grid, grid)
+        x = x.flatten(2).transpose(1, 2)  # (B, n, width)
+        cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
+        x = torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)  # (B, n+1, width)
+        return self.ln_pre(x)
+
+    def forward(self, x):
+        """Plain CLIP image features: (B, 3, H, W) -> (B, output_dim)."""
+        x = self.transformer(self.stem(x))
+        return self.ln_post(x[:, 0]) @ self.proj
+
+    def forward_pair(self, before, after):
+        """(B, 3, H, W) x2 -> tokens (B, 2(n+1), output_dim), pair vector (B, output_dim)."""
+        B = before.shape[0]
+        x = self.stem(torch.cat([before, after]))  # both images in one batch: (2B, n+1, width)
+        blocks = self.transformer.resblocks
+        n_intra = len(blocks) - self.n_inter
+        for block in blocks[:n_intra]:  # eq. (2): intra blocks, each image alone
+            x = block(x)
+        x = torch.cat([x[:B], x[B:]], dim=1)  # (B, 2(n+1), width)
+        if self.n_inter > 0:
+            n1 = x.shape[1] // 2
+            e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
+            x = self.ln_mid(x + e + self.joint_positional_embedding)  # eq. (4), ln_mid as in the authors' code
+            for block in blocks[n_intra:]:  # inter blocks: full attention over both images
+                x = block(x)
+        tokens = self.ln_post(x) @ self.proj  # all 2(n+1) tokens go to the captioner: (B, 2(n+1), output_dim)
+        v = (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2  # eq. (5): mean of the two [CLS] tokens
+        return tokens, v
+
+
+# -----------------------------------------------------------------------------
+# CLIP: both towers
+
+
+@dataclass
+class CLIPConfig:
+    """OpenAI's build arguments (read off a state dict, or chosen for a from-scratch model)."""
+    embed_dim: int = 512
+    image_resolution: int = 224
+    vision_layers: int = 12
+    vision_width: int = 768
+    vision_patch_size: int = 32
+    context_length: int = 77
+    vocab_size: int = 49408
+    transformer_width: int = 512
+    transformer_heads: int = 8
+    transformer_layers: int = 12
+    n_inter: int = 3  # CLIP4IDC: how many of the last vision blocks are inter blocks (N_intra = layers - n_inter)
+
+
+class CLIP(nn.Module):
+    def __init__(self, cfg: CLIPConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.visual = VisionTransformer(cfg.image_resolution, cfg.vision_patch_size, cfg.vision_width,
+                                        cfg.vision_layers, cfg.vision_width // 64 or 1, cfg.embed_dim, cfg.n_inter)
+        self.transformer = Transformer(cfg.transformer_width, cfg.transformer_layers, cfg.transformer_heads)
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.transformer_width)
+        self.positional_embedding = nn.Parameter(torch.empty(cfg.context_length, cfg.transformer_width))
+        self.ln_final = LayerNorm(cfg.transformer_width)
+        self.text_projection = nn.Parameter(torch.empty(cfg.transformer_width, cfg.embed_dim))
+        self.logit_scale = nn.Parameter(torch.tensor(math.log(1 / 0.07)))
+        self.initialize_parameters()
+
+    def initialize_parameters(self):
+        """OpenAI's initialization, used when training from scratch (the small CPU preset)."""
+        nn.init.normal_(self.token_embedding.weight, std=0.02)
+        nn.init.normal_(self.positional_embedding, std=0.01)
+        for tower in (self.transformer, self.visual.transformer):
+            proj_std = tower.width ** -0.5 * (2 * tower.layers) ** -0.5
+            for block in tower.resblocks:
+                nn.init.normal_(block.attn.in_proj_weight, std=tower.width ** -0.5)
+                nn.init.normal_(block.attn.out_proj.weight, std=proj_std)
+                nn.init.normal_(block.mlp.c_fc.weight, std=(2 * tower.width) ** -0.5)
+                nn.init.normal_(block.mlp.c_proj.weight, std=proj_std)
+        nn.init.normal_(self.text_projection, std=self.transformer.width ** -0.5)
+
+    def encode_image(self, image):
+        """(B, 3, H, W) -> (B, embed_dim), as OpenAI's CLIP."""
+        return self.visual(image)
+
+    def encode_text(self, text):
+        """(B, L) token ids, L <= context_length -> (B, embed_dim), features at the end-of-text token."""
+        L = text.shape[1]
+        x = self.token_embedding(text) + self.positional_embedding[:L]  # (B, L, width)
+        x = self.ln_final(self.transformer(x, causal=True))
+        eot = text.argmax(dim=-1)  # the end-of-text id (49407) is the largest id
+        return x[torch.arange(x.shape[0]), eot] @ self.text_projection
+
+    def encode_pair(self, before, after):
+        """The CLIP4IDC pair encoder: tokens (B, 2(n+1), embed_dim) and pair vector (B, embed_dim)."""
+        return self.visual.forward_pair(before, after)
+
+    def forward(self, image, text):
+        """OpenAI's logits_per_image, logits_per_text."""
+        img = F.normalize(self.encode_image(image), dim=-1)
+        txt = F.normalize(self.encode_text(text), dim=-1)
+        logits = self.logit_scale.exp() * img @ txt.t()
+        return logits, logits.t()
+
+
+def config_from_state_dict(sd, n_inter=3):
+    """Read OpenAI's build arguments off the tensors' shapes (openai/CLIP `build_model`)."""
+    vision_width = sd["visual.conv1.weight"].shape[0]
+    vision_layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
+    grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
+    patch = sd["visual.conv1.weight"].shape[-1]
+    width = sd["ln_final.weight"].shape[0]
+    return CLIPConfig(
+        embed_dim=sd["text_projection"].shape[1], image_resolution=patch * grid, vision_layers=vision_layers,
+        vision_width=vision_width, vision_patch_size=patch, context_length=sd["positional_embedding"].shape[0],
+        vocab_size=sd["token_embedding.weight"].shape[0], transformer_width=width,
+        transformer_heads=max(1, width // 64),
+        transformer_layers=len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")}),
+        n_inter=n_inter)
+
+
+PAIR_KEYS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding",
+             "visual.ln_mid.weight", "visual.ln_mid.bias")
+
+
+def build_model(sd, n_inter=3):
+    """A CLIP whose sizes match the state dict `sd`. Its pair parameters (absent from OpenAI's release) are
+    added to `sd` freshly initialized so that `load_state_dict(sd, strict=True)` checks every other key."""
+    model = CLIP(config_from_state_dict(sd, n_inter))
+    own = model.state_dict()
+    for k in PAIR_KEYS:
+        if k not in sd:
+            sd[k] = own[k]
+    return model
+
+
+def config_dict(model):
+    return asdict(model.cfg)
+
+
+# ---- captioner
+# -----------------------------------------------------------------------------
+# The captioning Transformer (paper Sec. 3.3): an encoder over the pair encoder's 2(n+1) output tokens, and a
+# causal decoder with cross-attention to them, trained from scratch with word-level cross entropy. Pre-LN blocks
+# (stable without a warmup tuned per size); dropout on every residual branch and on the input embeddings.
+
+
+@dataclass
+class CaptionerConfig:
+    vocab_size: int = 100
+    memory_dim: int = 512  # the pair encoder's embed_dim
+    memory_len: int = 100  # its 2(n+1) tokens
+    width: int = 512  # paper: 3+3 layers, hidden 512, 8 heads, FFN 2048, dropout 0.1
+    heads: int = 8
+    enc_layers: int = 3
+    dec_layers: int = 3
+    max_len: int = 32  # generated tokens, <eos> included
+    dropout: float = 0.1
+
+
+class Attention(nn.Module):
+    """Multi-head attention, self (source=None) or cross (queries from x, keys/values from source).
+
+    Key/value cache for decoding: `cache` is one dict per layer and kind. Self-attention appends the new
+    position's keys/values to the prefix's, so a step costs one token; cross-attention projects the memory once
+    and reuses it."""
+
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.q_proj = nn.Linear(width, width)
+        self.kv_proj = nn.Linear(width, 2 * width)
+        self.out_proj = nn.Linear(width, width)
+
+    def split(self, x):
+        B, T, C = x.shape
+        return x.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, heads, T, hs)
+
+    def forward(self, x, source=None, causal=False, cache=None):
+        q = self.split(self.q_proj(x))
+        if source is not None and cache is not None and "k" in cache:
+            k, v = cache["k"], cache["v"]  # the memory's keys/values, computed at the first step
+        else:
+            k, v = map(self.split, self.kv_proj(x if source is None else source).chunk(2, dim=-1))
+            if cache is not None:
+                if source is None and "k" in cache:  # grow the prefix by the new position(s)
+                    k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+                cache["k"], cache["v"] = k, v
+        # with a cache, q is the last position only and sees every cached key: no mask needed (attention()
+        # masks only when q has more than one position)
+        y = attention(q, k, v, causal)  # (B, heads, T, hs)
+        return self.out_proj(y.transpose(1, 2).flatten(2))  # (B, T, width)
+
+
+class CaptionBlock(nn.Module):
+    """Encoder block (self-attention, MLP) or, with cross=True, decoder block (causal self-attention,
+    cross-attention to the memory, MLP)."""
+
+    def __init__(self, width, heads, dropout, cross=False):
+        super().__init__()
+        self.ln_1 = LayerNorm(width)
+        self.attn = Attention(width, heads)
+        self.ln_x = LayerNorm(width) if cross else None
+        self.cross_attn = Attention(width, heads) if cross else None
+        self.ln_2 = LayerNorm(width)
+        self.mlp = nn.Sequential(OrderedDict([
+            ("c_fc", nn.Linear(width, 4 * width)), ("gelu", nn.GELU()), ("c_proj", nn.Linear(4 * width, width))]))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, memory=None, cache=None):
+        c_self = c_cross = None
+        if cache is not None:
+            c_self, c_cross = cache.setdefault("self", {}), cache.setdefault("cross", {})
+        x = x + self.drop(self.attn(self.ln_1(x), causal=self.cross_attn is not None, cache=c_self))
+        if self.cross_attn is not None:
+            x = x + self.drop(self.cross_attn(self.ln_x(x), memory, cache=c_cross))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class Captioner(nn.Module):
+    def __init__(self, cfg: CaptionerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.mem_proj = nn.Linear(cfg.memory_dim, cfg.width)
+        self.mem_pos = nn.Parameter(torch.zeros(cfg.memory_len, cfg.width))
+        self.encoder = nn.ModuleList([CaptionBlock(cfg.width, cfg.heads, cfg.dropout) for _ in range(cfg.enc_layers)])
+        self.ln_enc = LayerNorm(cfg.width)
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.positional_embedding = nn.Parameter(torch.zeros(cfg.max_len + 1, cfg.width))  # <bos> + max_len
+        self.decoder = nn.ModuleList([CaptionBlock(cfg.width, cfg.heads, cfg.dropout, cross=True)
+                                      for _ in range(cfg.dec_layers)])
+        self.ln_final = LayerNorm(cfg.width)
+        self.drop = nn.Dropout(cfg.dropout)
+        for m in self.modules():  # GPT-2's initialization
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
+        nn.init.normal_(self.mem_pos, std=0.01)
+        nn.init.normal_(self.positional_embedding, std=0.01)
+
+    def encode(self, memory):
+        """Pair encoder tokens (B, 2(n+1), memory_dim) -> encoded memory (B, 2(n+1), width)."""
+        x = self.drop(self.mem_proj(memory.to(self.mem_proj.weight.dtype)) + self.mem_pos)
+        for block in self.encoder:
+            x = block(x)
+        return self.ln_enc(x)
+
+    def decode(self, tokens, memory, caches=None, start=0):
+        """Token ids (B, T) at positions start..start+T-1 -> next-token logits (B, T, vocab). Output
+        projection tied to the input embedding (fewer parameters, better with small caption sets)."""
+        x = self.drop(self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]])
+        for i, block in enumerate(self.decoder):
+            x = block(x, memory, None if caches is None else caches[i])
+        return self.ln_final(x) @ self.token_embedding.weight.t()
+
+    def forward(self, memory, tokens):
+        """Teacher forcing: (B, M, memory_dim), (B, T) -> logits (B, T, vocab)."""
+        return self.decode(tokens, self.encode(memory))
+
+    @torch.no_grad()
+    def generate(self, memory, bos, eos, max_len=None, use_cache=True):
+        """Batched greedy decoding -> ids (B, <= max_len), <eos> included where reached, 0 (pad) after it.
+        With the cache each step runs the decoder on the newest token only; without it, on the whole prefix
+        (the reference the tests compare against)."""
+        max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
+        mem = self.encode(memory)
+        B = mem.shape[0]
+        out = torch.full((B, 1), bos, dtype=torch.long, device=mem.device)
+        caches = [{} for _ in self.decoder] if use_cache else None
+        done = torch.zeros(B, dtype=torch.bool, device=mem.device)
+        for t in range(max_len):
+            if use_cache:
+                logits = self.decode(out[:, -1:], mem, caches, start=t)[:, -1]
+            else:
+                logits = self.decode(out, mem)[:, -1]
+            nxt = logits.argmax(-1).masked_fill(done, 0)  # (B,)
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            done |= nxt == eos
+            if done.all():
+                break
+        return out[:, 1:]
+
+    @torch.no_grad()
+    def beam_search(self, memory, bos, eos, beam=3, max_len=None):
+        """Batched beam search with the key/value cache; the best beam by log-probability per token."""
+        max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
+        mem = self.encode(memory).repeat_interleave(beam, dim=0)  # (B*K, M, width)
+        B, K, dev = memory.shape[0], beam, mem.device
+        out = torch.full((B * K, 1), bos, dtype=torch.long, device=dev)
+        scores = torch.full((B, K), float("-inf"), device=dev)
+        scores[:, 0] = 0  # all beams start equal: keep one so the first step gives K different words
+        done = torch.zeros(B * K, dtype=torch.bool, device=dev)
+        lengths = torch.zeros(B * K, device=dev)
+        caches = [{} for _ in self.decoder]
+        for t in range(max_len):
+            logp = self.decode(out[:, -1:], mem, caches, start=t)[:, -1].float().log_softmax(-1)  # (B*K, V)
+            V = logp.shape[-1]
+            logp[done] = float("-inf")
+            logp[done, 0] = 0  # a finished beam continues with padding at no cost
+            top, idx = (scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=-1)  # (B, K)
+            src = (idx // V + torch.arange(B, device=dev)[:, None] * K).view(-1)  # the beam each came from
+            nxt = (idx % V).view(-1)
+            out = torch.cat([out[src], nxt[:, None]], dim=1)
+            lengths = lengths[src] + (~done[src]).float()
+            done = done[src] | (nxt == eos)
+            scores = top
+            for c in caches:  # the prefix cache follows its beam; the memory's is the same for all beams
+                c["self"]["k"], c["self"]["v"] = c["self"]["k"][src], c["self"]["v"][src]
+            if done.all():
+                break
+        best = (scores.view(-1) / lengths.clamp(min=1)).view(B, K).argmax(-1)  # length-normalized
+        return out.view(B, K, -1)[torch.arange(B, device=dev), best, 1:]

@@ -1,0 +1,177 @@
+"""What both training stages share: device/distributed setup, the lr schedule, the training epoch with its
+progress line, atomic resumable checkpoints, and the cross-process gather for the contrastive loss.
+
+`adapt.py` and `caption.py` import from here; nothing here knows which stage it serves.
+"""
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# -----------------------------------------------------------------------------
+# device, numerics, processes
+
+
+def setup(seed=0, device=None):
+    """One process's view of the run. Under `torchrun` (RANK/WORLD_SIZE set) it joins the process group:
+    NCCL on CUDA, gloo on CPU. fp32 master weights everywhere; bf16 autocast on CUDA only."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if device is None:
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    seed_everything(seed + rank)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    return SimpleNamespace(device=device, rank=rank, world=world, main=rank == 0, amp=amp)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state():
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather(x):
+    """All-gather (B, D) features from every process, keeping the gradient of this process's own rows, so the
+    contrastive loss sees the global batch (as the authors do). Identity in a single process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return x
+    import torch.distributed.nn  # differentiable collectives
+    return torch.cat(torch.distributed.nn.all_gather(x), dim=0)
+
+
+def unwrap(model):
+    return model.module if hasattr(model, "module") else model
+
+
+def log(ctx, *args):
+    if ctx.main:
+        print(*args, flush=True)
+
+
+# -----------------------------------------------------------------------------
+# optimization
+
+
+def warmup_cosine(optimizer, total_steps, warmup_frac=0.1):
+    """Linear warmup over the first `warmup_frac` of the steps, then cosine decay to 0 (the authors' schedule).
+    Each parameter group keeps its own base lr."""
+    warmup = max(1, int(warmup_frac * total_steps))
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def param_groups(named_params, lr_for, weight_decay):
+    """Adam(W) groups from (name, param) pairs: `lr_for(name)` -> lr, or None to freeze that parameter.
+    1-D tensors (LayerNorm, biases, embeddings vectors) get no weight decay."""
+    groups = {}
+    for name, p in named_params:
+        lr = lr_for(name)
+        if lr is None:
+            p.requires_grad_(False)
+            continue
+        wd = weight_decay if p.ndim >= 2 else 0.0
+        groups.setdefault((lr, wd), []).append(p)
+    return [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
+
+
+def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, epoch, epochs, step, total_steps,
+                grad_clip=1.0, log_every=20, unit="pairs"):
+    """One pass over `loader`. `loss_fn(batch) -> (loss, n_samples)` runs the model under autocast.
+    Prints `step/total loss lr units/s ETA` every `log_every` steps; stops with a clear message on NaN/inf.
+    Returns (mean loss, step)."""
+    model.train()
+    t0, seen, total, count = time.time(), 0, 0.0, 0
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for batch in loader:
+        with ctx.amp:
+            loss, n = loss_fn(batch)
+        if not torch.isfinite(loss):
+            raise SystemExit(f"loss is {loss.item()} at step {step} (epoch {epoch}): stopping. The last good "
+                             f"checkpoint is on disk; lower the learning rate or check the data, then --resume.")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        seen += n * ctx.world
+        total, count = total + loss.item(), count + 1
+        if step % log_every == 0 or count == len(loader):
+            rate = seen / (time.time() - t0)
+            eta = (total_steps - step) * (time.time() - t0) / count
+            log(ctx, f"epoch {epoch + 1}/{epochs} step {step}/{total_steps} | loss {loss.item():.4f} | "
+                     f"lr {optimizer.param_groups[0]['lr']:.2e} | {rate:.1f} {unit}/s | ETA {fmt_time(eta)}")
+    return total / max(1, count), step
+
+
+def fmt_time(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: plain dicts, written to a temp file and renamed (a crash never leaves half a file)
+
+
+def save_atomic(obj, path):
+    path = str(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def last_path(out):
+    """Where the resumable state of a run writing `out` lives: adapted.pt -> adapted.last.pt."""
+    root, ext = os.path.splitext(str(out))
+    return f"{root}.last{ext or '.pt'}"
+
+
+def load_resume(out, device="cpu"):
+    path = last_path(out)
+    if not os.path.isfile(path):
+        raise SystemExit(f"--resume: no resumable state at {path} (written after each epoch of a run with "
+                         f"--out {out}). Start without --resume.")
+    try:
+        return torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:
+        raise SystemExit(f"--resume: cannot read {path} ({type(e).__name__}: {e}); start without --resume") from None
+
+
+def interrupted(ctx, out):
+    log(ctx, f"\ninterrupted: the last finished epoch is saved in {last_path(out)}; continue with --resume")
+    sys.exit(130)
