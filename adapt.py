@@ -1,0 +1,328 @@
+"""Stage 1 of CLIP4IDC: adapt CLIP to image *pairs* by contrastive pair <-> text retrieval (paper Sec. 3.2).
+
+    python adapt.py --data clevr                         # writes adapted.pt
+    torchrun --nproc_per_node=4 adapt.py --data clevr    # same run on 4 GPUs (global batch = --batch-size)
+    python adapt.py --data clevr --n-inter 0             # the 12/0 ablation (paper Table 7)
+
+The pair encoder (model.py) turns (before, after) into a vector v; CLIP's text tower turns the caption into g;
+the symmetric InfoNCE loss over the batch (eq. 6-8) pulls each pair to its own caption. Retrieval (R@1/5/10,
+median/mean rank, both directions) is measured on val after every epoch, where the best checkpoint is chosen;
+test is evaluated once, at the end, with the chosen weights.
+
+Presets (printed in a banner, every value overridable by its flag):
+- paper: OpenAI's ViT-B/32 found (~/.cache/clip/ViT-B-32.pt or --clip PATH) -> the authors' settings.
+- small: no CLIP weights -> a small CLIP-shaped model trained from scratch, minutes on a CPU.
+"""
+import argparse
+import math
+import os
+import time
+from dataclasses import asdict
+
+import torch
+import torch.nn.functional as F
+
+import clip_load
+import data
+import model as M
+from train_utils import (gather, interrupted, last_path, load_resume, log, param_groups, rng_state, save_atomic,
+                         set_rng_state, setup, train_epoch, warmup_cosine)
+
+# -----------------------------------------------------------------------------
+# presets: the authors' settings, and a small from-scratch model that learns on a CPU in minutes
+
+PRESETS = {
+    "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, context_length=32, batch_size=128, epochs=12,
+                  lr_new=1e-4, lr_clip=1e-7, weight_decay=0.2, warmup=0.1, grad_clip=1.0, workers=8,
+                  eval_batch_size=256),
+    "small": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=64, epochs=3,
+                  lr_new=1e-3, lr_clip=1e-3, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
+                  eval_batch_size=256, vision_width=128, vision_layers=12, patch_size=16, text_width=128,
+                  text_layers=3, embed_dim=128),
+}
+NEW_PARAMS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding", "visual.ln_mid.")
+# the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
+FROZEN = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
+          "visual.positional_embedding", "visual.ln_pre.")
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # data
+    p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier"], help="dataset")
+    p.add_argument("--data-root", default=None, help="dataset directory (default data/<name>; clevr falls back "
+                                                     "to a generated synthetic set when absent)")
+    p.add_argument("--synth-pairs", type=int, default=3000, help="size of the synthetic set, when it is used")
+    p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing (counted)")
+    p.add_argument("--swap-prob", type=float, default=0.5,
+                   help="CLEVR: probability of replacing the before image by its non-semantic version")
+    p.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (preset)")
+    # model
+    p.add_argument("--preset", default="auto", choices=["auto", "paper", "small"],
+                   help="auto: paper when CLIP weights are found, else small")
+    p.add_argument("--clip", default=None, help="CLIP weights: a path, or ViT-B/32 (downloaded) (preset)")
+    p.add_argument("--n-inter", type=int, default=None, help="inter blocks; N_intra = layers - n_inter (preset)")
+    p.add_argument("--image-size", type=int, default=None, help="input size, small preset (paper: 224)")
+    p.add_argument("--context-length", type=int, default=None, help="caption tokens incl. start/end (preset)")
+    for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"small preset model size: {name}")
+    # optimization
+    p.add_argument("--epochs", type=int, default=None, help="training epochs (preset)")
+    p.add_argument("--batch-size", type=int, default=None, help="global batch: pairs per step over all processes")
+    p.add_argument("--lr-new", type=float, default=None, help="lr of the new pair parameters e1, e2, p, ln_mid")
+    p.add_argument("--lr-clip", type=float, default=None, help="lr of the CLIP weights")
+    p.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay (matrices only)")
+    p.add_argument("--warmup", type=float, default=None, help="fraction of steps of linear warmup, then cosine")
+    p.add_argument("--grad-clip", type=float, default=None, help="max gradient norm (0: off)")
+    # run
+    p.add_argument("--out", default="adapted.pt", help="best-on-val checkpoint; resumable state in *.last.pt")
+    p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
+    p.add_argument("--eval-batch-size", type=int, default=None, help="pairs per batch when encoding for eval")
+    p.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
+    args = p.parse_args(argv)
+    found = args.clip is not None or (clip_load.CACHE / "ViT-B-32.pt").is_file()
+    args.preset = ("paper" if found else "small") if args.preset == "auto" else args.preset
+    for k, v in PRESETS[args.preset].items():  # a flag given on the command line wins over the preset
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    assert 0 < args.batch_size and 0 <= args.swap_prob <= 1 and 0 <= args.warmup < 1, "check the numbers"
+    return args
+
+
+# -----------------------------------------------------------------------------
+# model
+
+
+def build_model(args):
+    if args.clip:  # paper preset: OpenAI's CLIP + freshly initialized pair parameters
+        return clip_load.load_clip(args.clip, n_inter=args.n_inter)
+    cfg = M.CLIPConfig(embed_dim=args.embed_dim, image_resolution=args.image_size,
+                       vision_layers=args.vision_layers, vision_width=args.vision_width,
+                       vision_patch_size=args.patch_size, context_length=args.context_length,
+                       transformer_width=args.text_width, transformer_heads=max(1, args.text_width // 64),
+                       transformer_layers=args.text_layers, n_inter=args.n_inter)
+    return M.CLIP(cfg)
+
+
+def lr_for(args):
+    """New pair parameters at lr_new, CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP."""
+    def lr(name):
+        if name.startswith(NEW_PARAMS):
+            return args.lr_new if args.n_inter > 0 else None  # 12/0: e1, e2, p, ln_mid are never used
+
+        if args.clip and name.startswith(FROZEN):
+            return None
+        return args.lr_clip
+    return lr
+
+
+class PairText(torch.nn.Module):
+    """One training forward (what DDP wraps, so it can sync gradients): pair vectors, caption features, scale."""
+
+    def __init__(self, clip):
+        super().__init__()
+        self.clip = clip
+
+    def forward(self, before, after, ids):
+        return self.clip.encode_pair(before, after)[1], self.clip.encode_text(ids), self.clip.logit_scale
+
+
+def contrastive_loss(v, g, logit_scale):
+    """eq. (6)-(8): InfoNCE over the (global) batch, pair -> text and text -> pair, averaged.
+    v: pair vectors (B, D), g: caption features (B, D); row i of each belongs together."""
+    v, g = gather(F.normalize(v.float(), dim=-1)), gather(F.normalize(g.float(), dim=-1))  # (N, D), N = global B
+    scale = logit_scale.clamp(max=math.log(100)).exp()  # temperature >= 0.01, as the authors clamp it
+    logits = scale * v @ g.t()  # (N, N) cosine similarities
+    labels = torch.arange(len(logits), device=logits.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+# -----------------------------------------------------------------------------
+# retrieval evaluation
+
+
+@torch.no_grad()
+def encode_split(model, items, args, ctx, cache=None):
+    """Pair vectors (P, D) and caption features (T, D), normalized; owner[t] = index of caption t's pair."""
+    model.eval()
+    ds = data.ImageDataset(items, args.image_size, cache=cache)
+    loader = data.make_loader(ds, args.eval_batch_size, workers=args.workers, device=ctx.device)
+    pairs = []
+    for before, after, _ in loader:
+        with ctx.amp:
+            pairs.append(model.encode_pair(before.to(ctx.device), after.to(ctx.device))[1].float())
+    # every non-empty caption is a retrieval target (Spot-the-Diff has a few empty sentences)
+    owner, captions = map(list, zip(*[(i, c) for i, it in enumerate(items) for c in it.captions if c.strip()]))
+    owner = torch.tensor(owner)
+    texts = []
+    for i in range(0, len(captions), args.eval_batch_size):
+        ids = clip_load.tokenize(captions[i:i + args.eval_batch_size], args.context_length, truncate=True)
+        with ctx.amp:
+            texts.append(model.encode_text(ids.to(ctx.device)).float())
+    return F.normalize(torch.cat(pairs), dim=-1).cpu(), F.normalize(torch.cat(texts), dim=-1).cpu(), owner
+
+
+def retrieval_metrics(sim, owner):
+    """sim (P, T) pair-caption similarities; every caption of a pair counts as correct for it. Ties are ranked
+    pessimistically (a model that outputs constants gets chance-level ranks, not rank 1). Ranks are 1-based."""
+    P, T = sim.shape
+    mine = owner[None, :] == torch.arange(P)[:, None]  # (P, T): caption t belongs to pair p
+    # text -> pair: where does the caption's own pair rank among all pairs?
+    own = sim[owner, torch.arange(T)]  # (T,)
+    t2p = (sim >= own[None, :]).sum(0)  # (T,)
+    # pair -> text: where does the best of the pair's own captions rank among the other captions?
+    best = sim.masked_fill(~mine, float("-inf")).max(1).values  # (P,)
+    p2t = (sim.masked_fill(mine, float("-inf")) >= best[:, None]).sum(1) + 1  # (P,)
+    out = {}
+    for name, ranks in (("pair->text", p2t), ("text->pair", t2p)):
+        r = ranks.float()
+        out.update({f"{name} R@{k}": 100 * (r <= k).float().mean().item() for k in (1, 5, 10)})
+        out[f"{name} MdR"], out[f"{name} MnR"] = r.median().item(), r.mean().item()
+    out["R@mean"] = sum(out[f"{d} R@{k}"] for d in ("pair->text", "text->pair") for k in (1, 5, 10)) / 6
+    return out
+
+
+def chance_metrics(owner, P):
+    """The same figures for a ranking at random (exact expectations for R@K, approximate ranks)."""
+    T = len(owner)
+    per_pair = torch.bincount(owner, minlength=P).tolist()
+    out = {}
+    for k in (1, 5, 10):  # P(at least one of c own captions among the top k of T) = 1 - C(T-c, k) / C(T, k)
+        none = lambda c: math.prod(max(0, T - c - i) / (T - i) for i in range(min(k, T)))
+        out[f"pair->text R@{k}"] = 100 * sum(1 - none(c) for c in per_pair) / P
+        out[f"text->pair R@{k}"] = 100 * min(k, P) / P
+    out["text->pair MdR"] = out["text->pair MnR"] = (P + 1) / 2
+    return out
+
+
+def evaluate(model, items, args, ctx, cache=None):
+    v, g, owner = encode_split(model, items, args, ctx, cache)
+    return retrieval_metrics(v @ g.t(), owner)
+
+
+def fmt(m):
+    return (f"pair->text R@1/5/10 {m['pair->text R@1']:.1f}/{m['pair->text R@5']:.1f}/{m['pair->text R@10']:.1f} "
+            f"MdR {m.get('pair->text MdR', float('nan')):.0f} | text->pair R@1/5/10 {m['text->pair R@1']:.1f}/"
+            f"{m['text->pair R@5']:.1f}/{m['text->pair R@10']:.1f} MdR {m['text->pair MdR']:.0f}")
+
+
+# -----------------------------------------------------------------------------
+# the run
+
+
+def main(argv=None):
+    args = get_args(argv)
+    ctx = setup(args.seed, args.device)
+    log(ctx, f"== adapt.py: preset '{args.preset}' on {ctx.device} x{ctx.world} ==")
+    if args.preset == "small":
+        log(ctx, "   no CLIP weights given or found: training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo). "
+                 "For the paper's results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip (README 'Weights').")
+    log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
+
+    # data: one sample per caption, the CLEVR distractor swap; val/test pairs with all their captions
+    root = data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs) if ctx.main else None
+    if ctx.world > 1:  # rank 0 may have generated the synthetic set; the others wait for it
+        torch.distributed.barrier()
+        root = data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs)
+    split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
+    train_items, val_items, test_items = split("train"), split("val"), split("test")
+    cache = None
+    if args.preset == "small":  # decode the small set once: PNG decoding would cost more than the model's step
+        cache = data.ImageCache(train_items + val_items + test_items, args.image_size, workers=os.cpu_count())
+        log(ctx, f"   decoded {len(cache.index)} images to memory at {cache.rate:.0f} images/s")
+    train_ds = data.CaptionDataset(train_items, args.image_size, args.context_length,
+                                   swap_prob=args.swap_prob if args.data == "clevr" else 0.0, cache=cache)
+    sampler = data.EpochSampler(len(train_ds), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)
+    local_batch = args.batch_size // ctx.world
+    loader = data.make_loader(train_ds, local_batch, workers=args.workers, device=ctx.device, sampler=sampler,
+                              drop_last=True)
+    log(ctx, f"   {args.data} at {root}: train {len(train_items)} pairs / {len(train_ds)} captions, "
+             f"val {len(val_items)} pairs, test {len(test_items)} pairs")
+
+    # model, optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
+    model = build_model(args).to(ctx.device)
+    groups = param_groups(model.named_parameters(), lr_for(args), args.weight_decay)
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6)
+    total_steps = args.epochs * len(loader)
+    scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
+    n_train = sum(p.numel() for g in groups for p in g["params"])
+    log(ctx, f"   model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({n_train / 1e6:.1f}M "
+             f"trained), vision {model.cfg.vision_layers - model.cfg.n_inter} intra + {model.cfg.n_inter} inter "
+             f"blocks, {model.cfg.image_resolution}px; {total_steps} steps of {args.batch_size} pairs")
+
+    start, step, best, history = 0, 0, -1.0, []
+    if args.resume:
+        state = load_resume(args.out)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start, step, best, history = state["epoch"], state["step"], state["best"], state["history"]
+        log(ctx, f"   resumed from {last_path(args.out)} after epoch {start} (best val R@mean {best:.2f})")
+    net = PairText(model)
+    if ctx.world > 1:
+        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+    if args.compile:
+        net = torch.compile(net)
+
+    def loss_fn(batch):
+        before, after, ids, _ = (t.to(ctx.device, non_blocking=True) for t in batch)
+        return contrastive_loss(*net(before, after, ids)), len(ids)
+
+    chance = chance_metrics(torch.tensor([i for i, it in enumerate(test_items) for c in it.captions if c.strip()]),
+                            len(test_items))
+    t_start = time.time()
+    try:
+        for epoch in range(start, args.epochs):
+            sampler.set_epoch(epoch)
+            t0 = time.time()
+            loss, step = train_epoch(ctx, net, loader, loss_fn, optimizer, scheduler, epoch, args.epochs, step,
+                                     total_steps, args.grad_clip, args.log_every)
+            if ctx.main:  # select on val, never on test
+                val = evaluate(model, val_items, args, ctx, cache)
+                history.append({"epoch": epoch + 1, "loss": loss, **val})
+                improved = val["R@mean"] > best
+                log(ctx, f"epoch {epoch + 1}/{args.epochs} done in {time.time() - t0:.0f}s | loss {loss:.4f} | "
+                         f"val {fmt(val)}{' | best so far: saved' if improved else ''}")
+                if improved:
+                    best = val["R@mean"]
+                    save_atomic(checkpoint(model, args, root, {"val": val, "epoch": epoch + 1}), args.out)
+                save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "scheduler": scheduler.state_dict(), "rng": rng_state(), "epoch": epoch + 1,
+                             "step": step, "best": best, "history": history, "args": vars(args)},
+                            last_path(args.out))
+            if ctx.world > 1:
+                torch.distributed.barrier()
+    except KeyboardInterrupt:
+        interrupted(ctx, args.out)
+
+    # final: the best-on-val weights, evaluated once on test
+    if ctx.main:
+        ckpt = torch.load(args.out, map_location="cpu", weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        test = evaluate(model, test_items, args, ctx, cache)
+        ckpt["metrics"].update(test=test, chance=chance, history=history)
+        save_atomic(ckpt, args.out)
+        log(ctx, f"test (best val epoch {ckpt['metrics']['epoch']}): {fmt(test)}")
+        log(ctx, f"chance:   {fmt({**chance, 'pair->text MdR': float('nan')})}")
+        log(ctx, f"done in {(time.time() - t_start) / 60:.1f} min: test text->pair R@1 {test['text->pair R@1']:.1f} "
+                 f"({test['text->pair R@1'] / chance['text->pair R@1']:.0f}x chance), pair->text R@1 "
+                 f"{test['pair->text R@1']:.1f} ({test['pair->text R@1'] / chance['pair->text R@1']:.0f}x chance) "
+                 f"-> {args.out}")
+    if ctx.world > 1:
+        torch.distributed.destroy_process_group()
+
+
+def checkpoint(model, args, root, metrics):
+    """What caption.py and clip_load.load_clip need to rebuild the encoder, plus what produced it."""
+    return {"model": model.state_dict(), "config": asdict(model.cfg), "stage": "adapt",
+            "tokenizer": {"context_length": args.context_length, "bpe_sha256": clip_load.BPE_SHA256},
+            "data": {"name": args.data, "root": str(root), "image_size": args.image_size},
+            "metrics": metrics, "args": vars(args)}
+
+
+if __name__ == "__main__":
+    main()
