@@ -1,0 +1,663 @@
+"""Caption metrics that reproduce coco-caption (pycocoevalcap) in pure Python: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D.
+
+Papers in image (difference) captioning report coco-caption's numbers: Stanford's Java PTB tokenizer, then BLEU,
+METEOR 1.5 (a Java jar), ROUGE-L and CIDEr-D. This file computes the same numbers with no Java, in seconds:
+
+    python metrics.py --refs refs.json --cands cands.json   # refs: {id: [sentence, ...]}, cands: {id: sentence}
+    python metrics.py --bench                               # 8,000 candidates x 6 references, timed
+
+    from metrics import evaluate
+    scores = evaluate(refs, cands)                          # {"BLEU-1": 0.41, ..., "CIDEr-D": 0.63}
+    scores, items = evaluate(refs, cands, per_item=True)    # items["CIDEr-D"][id] -> that item's score
+
+Scores are on coco-caption's scale (fractions; CIDEr-D roughly 0-10); papers print them x100. On the real sets in
+../shared/reference, tokenization, BLEU-1..4, ROUGE-L and CIDEr-D equal coco-caption's, per item (to 1e-15).
+METEOR's stages: exact and stem always; synonym when WordNet 3.0 is found ($WORDNET_DIR, nltk's wordnet data, or
+Debian's wordnet-base in /usr/share/wordnet); paraphrase when $METEOR_PARAPHRASE points at Meteor's paraphrase-en.gz
+(in pycocoevalcap/meteor/data/). A missing source is reported once and its stage skipped. Against the jar: all four
+stages 0.0000 / -0.0001 (two reference sets); without paraphrase -0.003 / -0.010; without WordNet too -0.010 / -0.017.
+"""
+import argparse
+import gzip
+import json
+import math
+import os
+import random
+import re
+import time
+import warnings
+from collections import Counter, defaultdict
+from functools import lru_cache
+from operator import itemgetter
+from pathlib import Path
+
+import numpy as np
+
+METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D")
+ASSETS = Path(__file__).resolve().parent / "assets" / "meteor"
+
+# -----------------------------------------------------------------------------
+# Tokenization: coco-caption runs Stanford CoreNLP 3.4.1's PTBTokenizer (-preserveLines -lowerCase), then drops
+# these tokens (pycocoevalcap/tokenizer/ptbtokenizer.py). The upper-case bracket escapes never match lower-cased
+# output, so "(" survives as "-lrb-": we keep that quirk.
+PUNCTUATIONS = {"''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-",
+                ".", "?", "!", ",", ":", "-", "--", "...", ";"}
+_ABBREV = ("mr|mrs|ms|dr|prof|st|jr|sr|gen|gov|lt|col|capt|sgt|rep|sen|rev|mt|ft|inc|co|corp|ltd|bros|vs|etc|ca"
+           "|jan|feb|mar|apr|jun|jul|aug|sep|sept|oct|nov|dec")
+_TOKEN = re.compile(r"""
+    (?:https?://|www\.)[^\s"'()\[\]{}<>]*[^\s"'()\[\]{}<>.,;:!?]     # urls
+  | '(?:s|m|d|re|ve|ll)\b|n't\b                                      # clitics already split off: "it 's"
+  | (?:[a-z]\.){2,}(?![a-z0-9])                                      # acronyms keep their periods: u.s. e.g. p.m.
+  | (?:(?<=\s)|^)[-.]\d+(?:[.,]\d+)*                                 # -5 .5
+  | (?:[a-z]|""" + _ABBREV + r""")\.(?![a-z0-9])                     # single letters, known abbreviations: j. inc.
+  | (?:no|nos|vol|art|pp)\.(?=\s*\d)                                 # "no. 5"
+  | [^\W_]\w*(?:(?:[-/.&@]|(?<=\d)[,:](?=\d)|(?<=[^\W\d_])'(?=[^\W\d_]))\w+)*(?:\+\+|\#)?  # t-shirt 3.5 1,000 o'clock
+  | \.\.\.+|--+|[!?]+                                                # runs: ... -- ?!
+  | \S                                                               # any other symbol, alone
+""", re.VERBOSE)
+_BRACKETS = {"(": "-lrb-", ")": "-rrb-", "[": "-lsb-", "]": "-rsb-", "{": "-lcb-", "}": "-rcb-"}
+_SPLIT_WORDS = {"cannot": ["can", "not"], "gonna": ["gon", "na"], "gotta": ["got", "ta"], "wanna": ["wan", "na"],
+                "lemme": ["lem", "me"], "gimme": ["gim", "me"]}
+_PLAIN = re.compile(r"[a-z0-9 ]*")
+_CLITIC = re.compile(r"(.*[^'])(n't|'s|'m|'d|'re|'ve|'ll)")
+_UNICODE = str.maketrans({"\u201c": '"', "\u201d": '"', "\u201e": '"', "\u2018": "'", "\u2019": "'", "\u201a": "'",
+                          "\u2014": " -- ", "\u2013": " -- ", "\u2026": " ... ", "\u00a0": " "})
+
+
+def tokenize(sentence):
+    """PTB-style tokens, lower-cased, punctuation dropped, joined by spaces: what coco-caption scores.
+    "The man's T-shirt (left) isn't red." -> "the man 's t-shirt -lrb- left -rrb- is n't red" """
+    low = sentence.lower()
+    if _PLAIN.fullmatch(low) and not any(w in _SPLIT_WORDS for w in low.split()):
+        return " ".join(low.split())  # the common case, and fast: nothing to split but at spaces
+    out = []
+    for tok in _TOKEN.findall(sentence.translate(_UNICODE).lower()):
+        if tok in _SPLIT_WORDS:
+            out += _SPLIT_WORDS[tok]
+        elif (m := _CLITIC.fullmatch(tok)):  # don't -> do n't, man's -> man 's (PTB splits clitics)
+            out += [m.group(1), m.group(2)]
+        elif not (tok in PUNCTUATIONS or tok in ('"', "`") or re.fullmatch(r"-{2,}|\.{3,}", tok)):
+            out.append(_BRACKETS.get(tok, tok))
+    return " ".join(out)
+
+
+@lru_cache(maxsize=1 << 16)  # a sentence recurs across references, metrics and calls: count it once
+def _ngrams(sentence):
+    """Counts of the 1..4-grams of a tokenized sentence, as word tuples (coco-caption's precook). Do not modify."""
+    words = sentence.split()
+    return Counter(g for k in range(1, 5) for g in zip(*(words[i:] for i in range(k))))
+
+
+# -----------------------------------------------------------------------------
+# BLEU (Papineni et al. 2002) as pycocoevalcap/bleu/bleu_scorer.py computes it: clipped n-gram precision summed over
+# the corpus, brevity penalty against the reference length closest to each candidate (ties: the shorter one). The
+# tiny/small constants are coco-caption's; they make a zero count give ~1e-16 instead of 0 per item.
+def bleu(refs_tok, cands_tok):
+    """-> ([BLEU-1..4] corpus, {id: [BLEU-1..4]})"""
+    guess_total, correct_total, test_total, ref_total, per_item = [0] * 4, [0] * 4, 0, 0, {}
+    for i, cand in cands_tok.items():
+        ref_counts = [_ngrams(r) for r in refs_tok[i]]
+        test_len = len(cand.split())
+        ref_len = min((abs(len(r.split()) - test_len), len(r.split())) for r in refs_tok[i])[1]
+        guess, correct = [max(0, test_len - k) for k in range(4)], [0] * 4
+        for g, c in _ngrams(cand).items():  # clipped at the n-gram's largest count in any one reference
+            correct[len(g) - 1] += min(c, max(rc.get(g, 0) for rc in ref_counts))
+        per_item[i] = _bleu_from_counts(correct, guess, test_len, ref_len)
+        test_total, ref_total = test_total + test_len, ref_total + ref_len
+        guess_total = [a + b for a, b in zip(guess_total, guess)]
+        correct_total = [a + b for a, b in zip(correct_total, correct)]
+    return _bleu_from_counts(correct_total, guess_total, test_total, ref_total), per_item
+
+
+def _bleu_from_counts(correct, guess, test_len, ref_len, tiny=1e-15, small=1e-9):
+    scores, prod = [], 1.0
+    for k in range(len(correct)):
+        prod *= (correct[k] + tiny) / (guess[k] + small)
+        scores.append(prod ** (1.0 / (k + 1)))  # geometric mean of the first k+1 precisions
+    ratio = (test_len + tiny) / (ref_len + small)
+    if ratio < 1:  # brevity penalty exp(1 - r/c)
+        scores = [s * math.exp(1 - 1 / ratio) for s in scores]
+    return scores
+
+
+# -----------------------------------------------------------------------------
+# ROUGE-L (Lin 2004) as pycocoevalcap/rouge/rouge.py: LCS precision and recall, each maximized over the references,
+# combined by an F-measure with beta = 1.2; the corpus figure is the mean over items.
+def _lcs(a, b):
+    """Length of the longest common subsequence of token lists a and b, bit-parallel (Allison & Dix 1986, Hyyrö
+    2004): bit i of v is 0 where the LCS grows at a[i]; one integer add per token of b instead of a len(a) row."""
+    match = defaultdict(int)
+    for i, t in enumerate(a):
+        match[t] |= 1 << i
+    ones = (1 << len(a)) - 1
+    v = ones
+    for t in b:
+        u = v & match[t]
+        v = ((v + u) | (v - u)) & ones
+    return len(a) - v.bit_count()
+
+
+def rouge_l(refs_tok, cands_tok, beta=1.2):
+    """-> (corpus mean, {id: score})"""
+    per_item = {}
+    for i, cand in cands_tok.items():
+        c = cand.split(" ")  # split(" ") as coco-caption: an empty candidate is one empty token
+        prec, rec = 0.0, 0.0
+        for ref in refs_tok[i]:
+            r = ref.split(" ")
+            lcs = _lcs(r, c)
+            prec, rec = max(prec, lcs / len(c)), max(rec, lcs / len(r))
+        per_item[i] = (1 + beta ** 2) * prec * rec / (rec + beta ** 2 * prec) if prec > 0 and rec > 0 else 0.0
+    return _mean(per_item), per_item
+
+
+def _mean(per_item):
+    return sum(per_item.values()) / max(len(per_item), 1)
+
+
+# -----------------------------------------------------------------------------
+# CIDEr-D (Vedantam et al. 2015) as pycocoevalcap/cider/cider_scorer.py: tf-idf vectors of 1..4-grams, with document
+# frequencies counted over the evaluated items' references, idf = log(#items) - log(max(1, df)); per n, the cosine
+# of candidate and reference with the candidate's weights clipped at the reference's (min(h, r) * r); a Gaussian
+# penalty on the length difference (sigma 6; coco-caption's "length" is the number of bigrams); averaged over n and
+# references, x10. The corpus figure is the mean over items.
+def cider_d_prepare(refs_tok):
+    """The part that depends only on the references: document frequencies and reference vectors. Build it once to
+    score many candidate sets against the same references (see cider_d and cider_d_constant)."""
+    df = Counter()
+    for refs in refs_tok.values():  # a "document" is one item's set of references
+        df.update(set().union(*[_ngrams(r) for r in refs]))
+    log_items = math.log(len(refs_tok))
+    prep = {"idf": {g: log_items - math.log(d) for g, d in df.items()}, "log_items": log_items, "ids": list(refs_tok),
+            "vectors": {}}
+    prep["refs"] = {i: [_tfidf(r, prep) for r in refs] for i, refs in refs_tok.items()}
+    return prep
+
+
+def _tfidf(sentence, prep):
+    """-> ({n-gram: tf * idf}, [norm of the 1..4-gram parts], length in bigrams), once per distinct sentence"""
+    if sentence not in prep["vectors"]:
+        idf, unseen = prep["idf"], prep["log_items"]  # an n-gram no reference has: df counts as 1
+        vec = {g: tf * idf.get(g, unseen) for g, tf in _ngrams(sentence).items()}
+        sq = [0.0] * 4
+        for g, w in vec.items():
+            sq[len(g) - 1] += w * w
+        prep["vectors"][sentence] = (vec, [math.sqrt(x) for x in sq], max(len(sentence.split()) - 1, 0))
+    return prep["vectors"][sentence]
+
+
+def _cider_pair(hyp, ref, sigma=6.0):
+    (hv, hn, hl), (rv, rn, rl) = hyp, ref
+    val = [0.0] * 4
+    for g in hv.keys() & rv.keys():
+        val[len(g) - 1] += min(hv[g], rv[g]) * rv[g]  # the "-D" clipping: no more credit than the reference has
+    cos = [v / (hn[k] * rn[k]) if hn[k] != 0 and rn[k] != 0 else v for k, v in enumerate(val)]
+    return sum(cos) / 4 * math.exp(-((hl - rl) ** 2) / (2 * sigma ** 2))
+
+
+def cider_d(refs_tok, cands_tok, prepared=None):
+    """-> (corpus mean, {id: score}). `prepared` (from cider_d_prepare(refs_tok)) skips the reference pass."""
+    prep = prepared or cider_d_prepare(refs_tok)
+    per_item = {}
+    for i, cand in cands_tok.items():
+        hyp = _tfidf(cand, prep)
+        per_item[i] = 10.0 * sum(_cider_pair(hyp, r) for r in prep["refs"][i]) / len(prep["refs"][i])
+    return _mean(per_item), per_item
+
+
+def cider_d_constant(prepared, captions, sigma=6.0):
+    """Corpus CIDEr-D of each tokenized caption if it were the output for every item: [float] per caption.
+    A constant caption has the same tf-idf vector everywhere, so each of its n-grams touches only the references
+    that contain it (numpy over an inverted index): about a millisecond per caption instead of a full pass."""
+    if "index" not in prepared:  # built on first use: n-gram -> (reference rows, weights, the rows' norms)
+        index, lengths, items = defaultdict(lambda: ([], [], [])), [], []
+        for j, i in enumerate(prepared["ids"]):
+            for vec, norm, length in prepared["refs"][i]:
+                for g, w in vec.items():
+                    if w > 0:  # an n-gram in every item's references (idf 0) adds nothing
+                        for lst, x in zip(index[g], (len(lengths), w, norm[len(g) - 1])):
+                            lst.append(x)
+                lengths.append(length), items.append(j)
+        prepared["index"] = {g: tuple(map(np.array, lists)) for g, lists in index.items()}
+        prepared["row_len"], prepared["row_item"] = np.array(lengths, dtype=float), np.array(items)
+    rows_len, row_item = prepared["row_len"], prepared["row_item"]
+    out = []
+    for cap in captions:
+        hv, hn, hl = _tfidf(cap, prepared)
+        per_row = np.zeros(len(rows_len))
+        for g, w in hv.items():
+            if w > 0 and g in prepared["index"]:
+                r, rw, rn = prepared["index"][g]  # rows are distinct within one n-gram's list
+                per_row[r] += np.minimum(w, rw) * rw / (hn[len(g) - 1] * rn)
+        per_row *= np.exp(-((hl - rows_len) ** 2) / (2 * sigma ** 2)) / 4
+        out.append(float((np.bincount(row_item, per_row) / np.bincount(row_item)).mean() * 10.0))
+    return out
+
+
+# -----------------------------------------------------------------------------
+# METEOR 1.5 (Denkowski & Lavie 2014) as coco-caption runs it: `java -jar meteor-1.5.jar - - -stdio -l en -norm`,
+# i.e. English, task "rank": stages exact, stem, synonym, paraphrase with weights 1.0 0.6 0.8 0.6, alpha 0.85,
+# beta 0.2, gamma 0.6, delta 0.75. Ported from the jar's classes (edu.cmu.meteor.*); names below point at them.
+ALPHA, BETA, GAMMA, DELTA = 0.85, 0.2, 0.6, 0.75
+STAGE_WEIGHTS = (1.0, 0.6, 0.8, 0.6)  # exact, stem, synonym, paraphrase
+SEARCH_WEIGHTS = (1.0, 0.5, 0.5, 0.5)  # what the aligner's beam search counts per matched word (MeteorScorer)
+BEAM = 40
+WORDNET_DIRS = ("/usr/share/wordnet",)  # where Debian/Ubuntu's wordnet-base puts WordNet 3.0
+FUNCTION_WORDS = set(ASSETS.joinpath("english.words").read_text(encoding="utf-8").splitlines())
+
+# Normalizer.normalizeLine (English, punctuation kept): Moses-style rules, in the jar's order. Runs of dots and
+# commas never reach here (tokenize() drops them), so the jar's DOTMULTI steps are left out.
+_ALPHA = "A-Za-z\u0160\u017d\u0161\u017e\u0178\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u017e\u0400-\u0527\ua640-\ua66e" \
+         "\ua67e-\ua697\u1d00-\u1d7f"
+_ALNUM = "0-9" + _ALPHA
+_NORM_RULES = [(re.compile(p, re.ASCII), r) for p, r in [
+    (rf"([^{_ALNUM}\s.'`,\-\u2018\u2019])", r" \1 "),  # symbols become tokens
+    (r"([^\d]),([^\d])", r"\1 , \2"), (r"(\d),([^\d])", r"\1 , \2"), (r"([^\d]),(\d)", r"\1 , \2"),
+    ("([`\u2018\u2019])", "'"), ("([\u201c\u201d]|'')", ' " '), ("\u2013", "-"), ("--", "-"),
+    (rf"([{_ALNUM}.])-([{_ALNUM}])", r"\1 \2"),  # t-shirt -> t shirt
+    (rf"([^{_ALPHA}])'([^{_ALPHA}])", r"\1 ' \2"), (rf"([^{_ALPHA}\d])'([{_ALPHA}])", r"\1 ' \2"),  # 's -> ' s
+    (rf"([{_ALPHA}])'([^{_ALPHA}])", r"\1 ' \2"), (rf"([{_ALPHA}])'([{_ALPHA}])", r"\1 '\2"), (r"(\d)'(s)", r"\1 '\2"),
+]]
+_NONBREAKING = {"v": 1, "vs": 1, "i.e": 1, "rev": 1, "e.g": 1, "pp": 2}  # nonbreaking/english.prefixes, lower-case
+
+
+def meteor_normalize(sentence):
+    """The jar's -norm on an already tokenized sentence -> list of words. "do n't" -> do n 't, "man 's" -> man ' s"""
+    if _PLAIN.fullmatch(sentence):
+        return sentence.split()  # no rule applies to plain words
+    s = " " + sentence + " "
+    for pattern, repl in _NORM_RULES:
+        s = pattern.sub(repl, s)
+    words, out = s.split(), []
+    for j, w in enumerate(words):  # a final period stays only on abbreviations
+        nxt = words[j + 1] if j + 1 < len(words) else ""
+        if len(w) > 1 and w.endswith("."):
+            head, kind = w[:-1], _NONBREAKING.get(w[:-1])
+            if "." in head and re.search(f"[{_ALPHA}]", head):
+                out.append(w.replace(".", ""))  # u.s. -> us
+            elif kind == 1 or re.match("[a-z]", nxt) or (kind == 2 and re.match("[0-9]", nxt)):
+                out.append(w)
+            else:
+                out += [head, "."]
+        else:
+            out.append(w)
+    return [w.lower() for w in out]
+
+
+_warned = set()
+
+
+def _warn_once(message):
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+@lru_cache(maxsize=None)
+def _stemmer():
+    try:
+        from nltk.stem.snowball import SnowballStemmer  # Snowball English, as the jar's org.tartarus englishStemmer
+    except ImportError:
+        _warn_once("METEOR: nltk is not installed: stem stage skipped (pip install nltk)")
+        return None
+    return SnowballStemmer("english").stem
+
+
+def _nltk_wordnet():
+    """nltk's WordNet data folder (a path pointer; it may sit inside wordnet.zip), or None."""
+    try:
+        import nltk
+    except ImportError:
+        return None
+    for where in ("corpora/wordnet", "corpora/wordnet.zip/wordnet/"):  # as nltk.download('wordnet') leaves it
+        try:
+            return nltk.data.find(where)
+        except LookupError:
+            pass
+    return None
+
+
+@lru_cache(maxsize=None)
+def load_wordnet(wordnet_dir=None):
+    """WordNet 3.0 as Meteor's synonym files hold it (synonym/english.synsets, english.exceptions, which the jar
+    extracted from WordNet 3.0): word -> synset offsets (all parts of speech in one id space, as the jar has them)
+    from index.{noun,verb,adj,adv}, and irregular form -> base forms from {noun,verb,adj,adv}.exc.
+    Looks in `wordnet_dir`, $WORDNET_DIR, nltk's data (nltk.download('wordnet')), then WORDNET_DIRS.
+    -> (synsets, bases), or None after saying so once."""
+    folder = lambda d: lambda name: open(Path(d, name), encoding="latin-1")
+    openers = [folder(d) for d in (wordnet_dir, os.environ.get("WORDNET_DIR")) if d and Path(d, "index.noun").exists()]
+    if (root := _nltk_wordnet()) is not None:
+        openers.append(lambda name: root.join(name).open(encoding="latin-1"))
+    openers += [folder(d) for d in WORDNET_DIRS if Path(d, "index.noun").exists()]
+    if not openers:
+        _warn_once("METEOR: WordNet not found: synonym stage skipped. Set WORDNET_DIR to a WordNet 3.0 dict/ "
+                   "folder, run nltk.download('wordnet'), or apt-get install wordnet-base")
+        return None
+    synsets, bases = defaultdict(set), defaultdict(list)
+    for pos in ("noun", "verb", "adj", "adv"):
+        with openers[0](f"index.{pos}") as f:
+            for line in f:  # lemma pos synset_cnt p_cnt [ptr...] sense_cnt tagsense_cnt offset...
+                if not line.startswith(" "):  # the licence header is indented
+                    fields = line.split()
+                    synsets[fields[0]].update(fields[-int(fields[2]):])
+        with openers[0](f"{pos}.exc") as f:
+            for line in f:  # irregular_form base [base...]
+                fields = line.split()
+                bases[fields[0]] += fields[1:]
+    return dict(synsets), dict(bases)
+
+
+_MORPH = [("s", ""), ("ses", "s"), ("xes", "x"), ("zes", "z"), ("ches", "ch"), ("shes", "sh"), ("men", "man"),
+          ("ies", "y"), ("s", ""), ("ies", "y"), ("es", "e"), ("es", ""), ("ed", "e"), ("ed", ""), ("ing", "e"),
+          ("ing", ""), ("er", ""), ("est", ""), ("er", "e"), ("est", "e")]
+
+
+def _synonym_sets(word, wordnet):
+    """SynonymDictionary: synsets of the word and of its base form (irregular form table, else suffix rules)."""
+    synsets, bases = wordnet
+    out = set(synsets.get(word, ()))
+    if word in bases:
+        for b in bases[word]:
+            out |= synsets.get(b, set())
+        return out
+    ful = "ful" if word.endswith("ful") else ""  # the jar means to strip -ful but only re-appends it (sic)
+    if word.endswith("ss") or len(word) <= 2:
+        return out
+    for suffix, add in _MORPH:
+        if word.endswith(suffix) and word[:len(word) - len(suffix)] + add in synsets:
+            return out | synsets.get(word[:len(word) - len(suffix)] + add + ful, set())
+    return out
+
+
+def _synonyms(vocab, wordnet):
+    """{word: the other words of `vocab` that share a synset with it}, through an inverted index of synsets."""
+    sets, words_of = {w: _synonym_sets(w, wordnet) for w in vocab}, defaultdict(set)
+    for w, ids in sets.items():
+        for x in ids:
+            words_of[x].add(w)
+    return {w: set().union(*(words_of[x] for x in ids)) - {w} for w, ids in sets.items()}
+
+
+_paraphrase_cache = {}  # path -> (vocabulary, table filtered on it)
+
+
+def load_paraphrases(path, vocab):
+    """Meteor's paraphrase table (paraphrase-en.gz: lines prob / phrase / paraphrase), keeping only entries whose
+    words all occur in `vocab` (no other entry can match these sentences). -> {phrase tuple: [paraphrase tuple]}"""
+    table = defaultdict(list)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for _, a, b in zip(f, f, f):  # 5.3M entries: ~10 s
+            a, b = a.split(), b.split()
+            if all(w in vocab for w in a) and all(w in vocab for w in b):
+                table[tuple(a)].append(tuple(b))
+    return dict(table)
+
+
+def _candidate_matches(hyp, ref, sources):
+    """Every match any stage proposes, grouped by start in the reference, in the jar's order (Exact/Stem/Synonym/
+    ParaphraseMatcher), and how many matches cover each word. A match is (stage, ref start, ref length, hyp start,
+    hyp length, hyp bitmask, ref bitmask, what the beam search counts for it)."""
+    at, cov_h, cov_r = [[] for _ in ref], [0] * len(hyp), [0] * len(ref)
+
+    def add(stage, s, ln, ms, ml):
+        w = SEARCH_WEIGHTS[stage]
+        at[s].append((stage, s, ln, ms, ml, ((1 << ml) - 1) << ms, ((1 << ln) - 1) << s, int(ml * w) + int(ln * w)))
+        for x in range(ms, ms + ml):
+            cov_h[x] += 1
+        for x in range(s, s + ln):
+            cov_r[x] += 1
+
+    stems, synonyms, para = sources  # {word: stem}, {word: its synonyms}, {phrase: [paraphrase]}; None: stage off
+    if hyp == ref:  # identical sentences: the jar runs the exact stage only
+        stems = synonyms = para = None
+    keyed = [(0, hyp, ref)] + ([(1, [stems[w] for w in hyp], [stems[w] for w in ref])] if stems else [])
+    for stage, hyp_keys, ref_keys in keyed:  # same word; then same stem, different word
+        where = defaultdict(list)
+        for j, k in enumerate(hyp_keys):
+            where[k].append(j)
+        for i, k in enumerate(ref_keys):
+            for j in where.get(k, ()):
+                if stage == 0 or hyp[j] != ref[i]:
+                    add(stage, i, 1, j, 1)
+    for i, r in enumerate(ref) if synonyms else ():  # different words sharing a WordNet synset
+        for j, h in enumerate(hyp) if synonyms[r] else ():
+            if h in synonyms[r]:
+                add(2, i, 1, j, 1)
+    if para:  # phrases of the reference paraphrased in the hypothesis, then the other way round
+        for a, b, swap in ((ref, hyp, False), (hyp, ref, True)):
+            for k in range(len(a)):
+                for length in range(1, len(a) - k + 1):
+                    for p in para.get(tuple(a[k:k + length]), ()):
+                        for m in range(len(b) - len(p) + 1):
+                            if tuple(b[m:m + len(p)]) == p:
+                                add(3, m, len(p), k, length) if swap else add(3, k, length, m, len(p))
+    return at, cov_h, cov_r
+
+
+_BEAM_ORDER = itemgetter(0, 1, 2)
+
+
+def _align(hyp, ref, sources):
+    """Aligner.align + resolve: fix the matches nothing competes with, then a beam search over reference positions
+    for the alignment with the most matched words (counted with SEARCH_WEIGHTS, truncated to int as the jar does),
+    then fewest chunks, then smallest total distance. -> chosen matches"""
+    at, cov_h, cov_r = _candidate_matches(hyp, ref, sources)
+    fixed, used_h, used_r = {}, 0, 0
+    for i, ms in enumerate(at):
+        if len(ms) == 1:
+            m = ms[0]
+            if all(cov_r[x] == 1 for x in range(i, i + m[2])) and all(cov_h[x] == 1 for x in range(m[3], m[3] + m[4])):
+                fixed[i], used_h, used_r = m, used_h | m[5], used_r | m[6]
+    if len(fixed) == sum(map(len, at)):
+        return list(fixed.values())  # nothing to choose
+    # A partial alignment: (-score, chunks, distance, next ref position, hyp end of the last match, used hyp words,
+    # used ref words, chosen matches). Each step sorts stably on the first three and keeps BEAM, as the jar does.
+    beam = [(0, 0, 0, 0, -1, used_h, used_r, ())]
+    for i in range(len(ref) + 1):
+        prev, beam = sorted(beam, key=_BEAM_ORDER)[:BEAM] if len(beam) > 1 else beam, []
+        for neg, chunks, dist, idx, last, uh, ur, chosen in prev:
+            if i == len(ref):
+                beam.append((neg, chunks + (last != -1), dist, idx, last, uh, ur, chosen))
+            elif ur >> i & 1:  # covered already: by an earlier multi-word match, or by a fixed match starting here
+                if i < idx:
+                    beam.append((neg, chunks, dist, idx, last, uh, ur, chosen))
+                elif idx in fixed:
+                    _, s, ln, ms, ml, _, _, gain = fixed[idx]
+                    beam.append((neg - gain, chunks + (last != -1 and ms != last), dist + abs(s - ms), s + ln, ms + ml,
+                                 uh, ur, chosen))
+            else:
+                for m in at[i]:  # extend with each candidate that fits ...
+                    _, s, ln, ms, ml, mh, mr, gain = m
+                    if not (uh & mh or ur & mr):
+                        beam.append((neg - gain, chunks + (last != -1 and ms != last), dist, s + ln, ms + ml, uh | mh,
+                                     ur | mr, chosen + (m,)))
+                        dist += abs(s - ms)  # the jar adds the child's distance to the parent (sic)
+                beam.append((neg, chunks + (last != -1), dist, idx + 1, -1, uh, ur, chosen))  # ... or leave i open
+    return list(fixed.values()) + list(min(beam, key=_BEAM_ORDER)[7])
+
+
+def _meteor_stats(hyp, ref, sources):
+    """MeteorScorer.getMeteorStats: the 23 sufficient statistics of one alignment, as the jar prints them:
+    hyp length, ref length, hyp/ref function words, per stage (hyp content, ref content, hyp function, ref
+    function) matched words, chunks, hyp matched words, ref matched words."""
+    matches = {m[1]: m for m in _align(hyp, ref, sources)}  # by start in the reference
+    st = [len(hyp), len(ref), sum(w in FUNCTION_WORDS for w in hyp), sum(w in FUNCTION_WORDS for w in ref)] + [0] * 19
+    for stage, s, ln, ms, ml, *_ in matches.values():
+        for w in hyp[ms:ms + ml]:
+            st[4 + 4 * stage + (2 if w in FUNCTION_WORDS else 0)] += 1
+        for w in ref[s:s + ln]:
+            st[5 + 4 * stage + (2 if w in FUNCTION_WORDS else 0)] += 1
+    chunks, i, end = 0, 0, -1  # Aligner.getCountAndChunks: a chunk ends at an unmatched reference word or where
+    while i < len(ref):        # the next match does not continue in the hypothesis
+        if i in matches:
+            _, s, ln, ms, ml, *_ = matches[i]
+            chunks += end != -1 and ms != end
+            i, end = s + ln, ms + ml
+        else:
+            chunks, i, end = chunks + (end != -1), i + 1, -1
+    chunks += end != -1
+    st[20], st[21], st[22] = chunks, sum(st[4:20:2]), sum(st[5:20:2])
+    return st
+
+
+def _meteor_score(st):
+    """MeteorScorer.computeMetrics: weighted precision and recall (content words weigh DELTA, function words
+    1 - DELTA), their harmonic mean weighted by ALPHA, times 1 - GAMMA * (chunks / matches) ** BETA."""
+    t_w = sum(STAGE_WEIGHTS[k] * (DELTA * st[4 + 4 * k] + (1 - DELTA) * st[6 + 4 * k]) for k in range(4))
+    r_w = sum(STAGE_WEIGHTS[k] * (DELTA * st[5 + 4 * k] + (1 - DELTA) * st[7 + 4 * k]) for k in range(4))
+    if t_w == 0 or r_w == 0:
+        return 0.0  # the jar gets 0/0 = NaN there and reports 0
+    p = t_w / (DELTA * (st[0] - st[2]) + (1 - DELTA) * st[2])
+    r = r_w / (DELTA * (st[1] - st[3]) + (1 - DELTA) * st[3])
+    fmean = 1.0 / ((1 - ALPHA) / p + ALPHA / r)
+    frag = 0.0 if _perfect(st) else st[20] / ((st[21] + st[22]) / 2)
+    return max(fmean * (1 - GAMMA * frag ** BETA), 0.0)
+
+
+def _perfect(st):
+    return sum(st[4:20:2]) == st[0] and sum(st[5:20:2]) == st[1] and st[20] == 1
+
+
+def meteor(refs_tok, cands_tok, wordnet_dir=None, paraphrase=None):
+    """-> (corpus score from the summed statistics, {id: score}), as coco-caption's EVAL line. Per item, the
+    reference with the best score is kept (the first one on ties). paraphrase: path to paraphrase-en.gz (default
+    $METEOR_PARAPHRASE); wordnet_dir: a WordNet 3.0 dict folder (default: see load_wordnet)."""
+    norm = {s: meteor_normalize(s) for s in {*cands_tok.values(), *(r for i in cands_tok for r in refs_tok[i])}}
+    vocab = {w for words in norm.values() for w in words}
+    stemmer, wordnet = _stemmer(), load_wordnet(wordnet_dir)
+    para, path = None, paraphrase or os.environ.get("METEOR_PARAPHRASE")
+    if path:
+        seen, para = _paraphrase_cache.get(str(path), (set(), None))
+        if para is None or not vocab <= seen:  # a table kept for a larger vocabulary serves any part of it
+            seen, para = seen | vocab, load_paraphrases(path, seen | vocab)
+            _paraphrase_cache[str(path)] = seen, para
+    else:
+        _warn_once("METEOR: no paraphrase table: paraphrase stage skipped. Set METEOR_PARAPHRASE to Meteor 1.5's "
+                   "paraphrase-en.gz (in pycocoevalcap/meteor/data/) for the jar's figure")
+    sources = ({w: stemmer(w) for w in vocab} if stemmer else None, _synonyms(vocab, wordnet) if wordnet else None,
+               para)
+    total, per_item, cache = [0.0] * 23, {}, {}
+    for i, cand in cands_tok.items():
+        best, best_score = None, -1.0
+        for ref in refs_tok[i]:
+            if (cand, ref) not in cache:  # the same pair recurs often in templated data (CLEVR-Change)
+                st = _meteor_stats(norm[cand], norm[ref], sources)
+                cache[cand, ref] = (st, _meteor_score(st))
+            st, score = cache[cand, ref]
+            if score > best_score:
+                best, best_score = st, score
+        per_item[i] = best_score
+        for k in range(23):  # MeteorStats.addStats: a perfect segment adds no chunk
+            if k != 20 or not _perfect(best):
+                total[k] += best[k]
+    return _meteor_score(total), per_item
+
+
+# -----------------------------------------------------------------------------
+def _check(refs, cands):
+    """Same ids, strings only, at least one reference each: else a clear error instead of a quietly wrong number."""
+    if not isinstance(refs, dict) or not isinstance(cands, dict):
+        raise TypeError("refs must be {id: [sentence, ...]} and cands {id: sentence}")
+    if not cands:
+        raise ValueError("no candidates to score")
+    missing, unused = [i for i in cands if i not in refs], [i for i in refs if i not in cands]
+    if missing or unused:
+        raise ValueError(f"refs and cands must have the same ids: {len(missing)} candidate ids have no references "
+                         f"(e.g. {missing[:3]}), {len(unused)} reference ids have no candidate (e.g. {unused[:3]}); "
+                         "pass refs restricted to the ids you score: {i: refs[i] for i in cands}")
+    out = {}
+    for i, c in cands.items():
+        if isinstance(c, (list, tuple)) and len(c) == 1:  # coco-caption's {id: [caption]} form
+            c = c[0]
+        if not isinstance(c, str):
+            raise TypeError(f"candidate {i!r} must be a string, got {type(c).__name__}: {c!r}")
+        r = refs[i]
+        if isinstance(r, str) or not isinstance(r, (list, tuple)) or not r:
+            raise TypeError(f"references of {i!r} must be a non-empty list of strings, got {r!r}")
+        if not all(isinstance(s, str) for s in r):
+            raise TypeError(f"references of {i!r} must all be strings, got {r!r}")
+        out[i] = c
+    return out
+
+
+def evaluate(refs, cands, per_item=False, wordnet_dir=None, paraphrase=None):
+    """Raw sentences in, coco-caption's figures out. refs: {id: [sentence, ...]}, cands: {id: sentence}.
+    -> {"BLEU-1": ..., "CIDEr-D": ...}, or (that, {metric: {id: score}}) with per_item=True.
+    Empty sentences (also after dropping punctuation) are scored as coco-caption does: an empty candidate scores 0,
+    an empty reference matches nothing but still counts (CIDEr-D averages over it); both are reported once."""
+    cands = _check(refs, cands)
+    tok = {s: tokenize(s) for s in {*cands.values(), *(r for i in cands for r in refs[i])}}  # once per distinct
+    cands_tok = {i: tok[c] for i, c in cands.items()}
+    refs_tok = {i: [tok[r] for r in refs[i]] for i in cands}
+    n_empty_c, n_empty_r = sum(not c for c in cands_tok.values()), sum(not r for rs in refs_tok.values() for r in rs)
+    if n_empty_c or n_empty_r:
+        warnings.warn(f"{n_empty_c} empty candidates (score 0) and {n_empty_r} empty references after tokenization",
+                      stacklevel=2)
+    return evaluate_tokenized(refs_tok, cands_tok, per_item, wordnet_dir, paraphrase)
+
+
+def evaluate_tokenized(refs_tok, cands_tok, per_item=False, wordnet_dir=None, paraphrase=None):
+    """evaluate() on text already tokenized (e.g. coco-caption's own tokenization)."""
+    b, b_items = bleu(refs_tok, cands_tok)
+    corpus = {f"BLEU-{k + 1}": b[k] for k in range(4)}
+    items = {f"BLEU-{k + 1}": {i: s[k] for i, s in b_items.items()} for k in range(4)}
+    corpus["METEOR"], items["METEOR"] = meteor(refs_tok, cands_tok, wordnet_dir, paraphrase)
+    corpus["ROUGE-L"], items["ROUGE-L"] = rouge_l(refs_tok, cands_tok)
+    corpus["CIDEr-D"], items["CIDEr-D"] = cider_d(refs_tok, cands_tok)
+    return (corpus, items) if per_item else corpus
+
+
+def format_table(scores):
+    return "  ".join(f"{m} {100 * scores[m]:.1f}" for m in METRICS)
+
+
+# -----------------------------------------------------------------------------
+def _bench(n_items=8000, n_refs=6, seed=0):
+    """CLEVR-Change-sized synthetic set: n_items candidates, n_refs references each, from CLEVR-like templates."""
+    rng = random.Random(seed)
+    obj = lambda: " ".join([rng.choice(["small", "large", "tiny", "big"]), rng.choice(
+        ["red", "blue", "green", "gray", "brown", "purple", "cyan", "yellow"]), rng.choice(
+        ["rubber", "metal", "matte", "shiny"]), rng.choice(["cube", "sphere", "cylinder", "ball", "block", "thing"])])
+    templates = [lambda: f"the {obj()} changed to {rng.choice(['red', 'blue', 'green', 'yellow'])}",
+                 lambda: f"the {obj()} that was behind the {obj()} is missing",
+                 lambda: f"someone added a {obj()} to the left of the {obj()}",
+                 lambda: f"the {obj()} moved to a different location",
+                 lambda: f"the {obj()} became {rng.choice(['rubber', 'metal'])}",
+                 lambda: "there is no difference", lambda: "the two scenes seem identical",
+                 lambda: f"the {obj()} has disappeared from the scene"]
+    refs = {i: [rng.choice(templates)() for _ in range(n_refs)] for i in range(n_items)}
+    cands = {i: rng.choice(templates)() for i in range(n_items)}
+    load_wordnet(), _stemmer()  # one-off loads (~1 s), not per call
+    wall, cpu = time.time(), time.process_time()
+    scores = evaluate(refs, cands)
+    print(f"bench: {n_items} candidates x {n_refs} references: {time.time() - wall:.2f} s wall, "
+          f"{time.process_time() - cpu:.2f} s CPU\n  {format_table(scores)}")
+    _ngrams.cache_clear()
+    cpu = time.process_time()
+    refs_tok = {i: [tokenize(s) for s in v] for i, v in refs.items()}
+    cands_tok = {i: tokenize(s) for i, s in cands.items()}
+    print(f"  tokenize {time.process_time() - cpu:.2f} s CPU")
+    for name, fn in (("BLEU", bleu), ("METEOR", meteor), ("ROUGE-L", rouge_l), ("CIDEr-D", cider_d)):
+        cpu = time.process_time()
+        fn(refs_tok, cands_tok)
+        print(f"  {name:8s} {time.process_time() - cpu:.2f} s CPU")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="coco-caption metrics in pure Python (printed x100, as papers do)")
+    parser.add_argument("--refs", help="JSON file {id: [reference sentence, ...]}")
+    parser.add_argument("--cands", help="JSON file {id: candidate sentence}")
+    parser.add_argument("--wordnet", default=None, help="WordNet 3.0 dict folder (default: $WORDNET_DIR, nltk, "
+                                                        "/usr/share/wordnet)")
+    parser.add_argument("--paraphrase", default=None, help="Meteor's paraphrase-en.gz (default: $METEOR_PARAPHRASE)")
+    parser.add_argument("--bench", action="store_true", help="time 8,000 candidates x 6 references")
+    args = parser.parse_args()
+    if args.bench:
+        _bench()
+    elif args.refs and args.cands:
+        refs, cands = json.loads(Path(args.refs).read_text()), json.loads(Path(args.cands).read_text())
+        scores = evaluate(refs, cands, wordnet_dir=args.wordnet, paraphrase=args.paraphrase)
+        print(" | ".join(f"{m:>7s}" for m in METRICS))
+        print(" | ".join(f"{100 * scores[m]:7.2f}" for m in METRICS))
+    else:
+        parser.error("give --refs and --cands, or --bench")
