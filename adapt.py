@@ -35,9 +35,11 @@ PRESETS = {
     "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, context_length=32, batch_size=128, epochs=12,
                   lr_new=1e-4, lr_clip=1e-7, weight_decay=0.2, warmup=0.1, grad_clip=1.0, workers=8,
                   eval_batch_size=256),
-    "small": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=64, epochs=3,
-                  lr_new=1e-3, lr_clip=1e-3, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
-                  eval_batch_size=256, vision_width=128, vision_layers=12, patch_size=16, text_width=128,
+    # small: ViT-B/32's 12 blocks and 8x8-patch grid, 1/12 of its width; from scratch, so no frozen parts and one
+    # lr (1e-3 collapses all pairs onto one vector; 3e-4 learns), batch 32 for more steps in the CPU budget
+    "small": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=3,
+                  lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
+                  eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=12, text_width=128,
                   text_layers=3, embed_dim=128),
 }
 NEW_PARAMS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding", "visual.ln_mid.")

@@ -1,0 +1,519 @@
+"""Stage 2 of CLIP4IDC: a Transformer captioner on the adapted pair encoder (paper Sec. 3.3).
+
+    python caption.py --ckpt adapted.pt      # train; select on val CIDEr-D; test -> captioner.pt, captions.json
+    python caption.py --ckpt captioner.pt    # evaluate a trained captioner on test (--beam 3, --gallery out.png)
+    python caption.py --ckpt captioner.pt --before a.png --after b.png   # caption your own two images
+    torchrun --nproc_per_node 4 caption.py --ckpt adapted.pt             # several GPUs (or CPU processes)
+
+The pair encoder's 2(n+1) output tokens are the memory of an encoder-decoder Transformer trained with word-level
+cross entropy. The pair encoder is fine-tuned at its own tiny learning rate (authors: 1e-7) or kept frozen
+(--freeze-encoder: its tokens are then computed once per pair, the big saving on a CPU). CLEVR-Change uses the
+"total" setting in training and evaluation: (default, semantic) pairs with change captions and (default,
+non-semantic) distractor pairs with no-change captions. The model is chosen on val CIDEr-D with early stopping
+(the authors chose on test); the test scores (metrics.py: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D), CIDEr-D per change
+type (paper Table 2) and the best constant-caption baseline go to --results.
+"""
+import argparse
+import json
+import os
+import textwrap
+import time
+import warnings
+from collections import Counter
+from dataclasses import asdict
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from PIL import Image, ImageDraw
+
+import metrics
+from clip_load import MODELS, load_clip, load_image, open_image, resolve, to_rgb
+from data import EpochSampler, ImageCache, ImageDataset, load_items, make_loader, resolve_root
+from model import PAIR_KEYS, Captioner, CaptionerConfig
+from train_utils import (fmt_time, interrupted, last_path, load_resume, log, param_groups, rng_state, save_atomic,
+                         set_rng_state, setup, train_epoch, unwrap, warmup_cosine)
+
+PRESETS = {
+    # CPU, adapt.py's small encoder: frozen (its tokens computed once), a captioner sized for ~30 s per epoch on
+    # 2 cores (the encoder layers over the 2(n+1) memory tokens are most of the cost)
+    "small": dict(width=192, heads=4, enc_layers=1, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
+                  freeze_encoder=True, epochs=15),
+    # the authors' settings (DESIGN.md "Authors' training settings"): 3+3 layers, 512 wide, encoder at 1e-7
+    "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
+                  freeze_encoder=False, epochs=50),
+}
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+PAD, BOS, EOS, UNK = range(4)
+CHANGE_TYPES = ("color", "material", "move", "add", "drop", "distractor")
+
+
+# -----------------------------------------------------------------------------
+# word-level vocabulary (the paper's word-level cross entropy), built from the training captions
+
+
+def words(sentence):
+    return metrics.tokenize(sentence).split()  # PTB-style, as the evaluation sees it
+
+
+def build_vocab(captions, min_count=1):
+    counts = Counter(w for c in captions for w in words(c))
+    return SPECIALS + sorted(w for w, n in counts.items() if n >= min_count)
+
+
+def encode_captions(items, vocab, max_len):
+    """All captions of all items -> ids (N_captions, max_len + 1) = <bos> words <eos> <pad>..., and per item the
+    first row and the count of its captions."""
+    index = {w: i for i, w in enumerate(vocab)}
+    rows = []
+    for it in items:
+        for c in it.captions:
+            ids = [BOS] + [index.get(w, UNK) for w in words(c)][:max_len - 1] + [EOS]
+            rows.append(ids + [PAD] * (max_len + 1 - len(ids)))
+    counts = torch.tensor([len(it.captions) for it in items])
+    return torch.tensor(rows), torch.cumsum(counts, 0) - counts, counts
+
+
+def to_text(ids, vocab):
+    out = []
+    for i in ids:
+        if i == EOS:
+            break
+        if i not in (PAD, BOS):
+            out.append(vocab[i])
+    return " ".join(out)
+
+
+# -----------------------------------------------------------------------------
+# the model: pair encoder + captioner in one module (one optimizer, one DDP wrapper, one state dict)
+
+
+class IDC(nn.Module):
+    def __init__(self, clip, captioner):
+        super().__init__()
+        self.clip, self.captioner = clip, captioner
+
+    def memory(self, inputs):
+        """[cached encoder tokens] or [before, after] images -> memory (B, 2(n+1), embed_dim)."""
+        return inputs[0] if len(inputs) == 1 else self.clip.encode_pair(*inputs)[0]
+
+    def forward(self, inputs, tokens):
+        return self.captioner(self.memory(inputs), tokens)  # (B, T, vocab)
+
+    @torch.no_grad()
+    def caption(self, inputs, beam=1):
+        mem = self.memory(inputs)
+        if beam > 1:
+            return self.captioner.beam_search(mem, BOS, EOS, beam)
+        return self.captioner.generate(mem, BOS, EOS)
+
+
+class Features(torch.utils.data.Dataset):
+    """Cached pair-encoder tokens -> (tokens, item index); a frozen encoder runs once per pair, not per epoch."""
+
+    def __init__(self, feats):
+        self.feats = feats
+
+    def __len__(self):
+        return len(self.feats)
+
+    def __getitem__(self, key):
+        i = key[0] if isinstance(key, tuple) else key  # EpochSampler yields (index, seed)
+        return self.feats[i], i
+
+
+@torch.no_grad()
+def encode_all(model, loader, ctx):
+    """Images -> pair-encoder tokens for every item, stored in fp16 (half the memory, far below the noise)."""
+    out = []
+    for before, after, _ in loader:
+        with ctx.amp:
+            out.append(model.memory([before.to(ctx.device), after.to(ctx.device)]).half().cpu())
+    return torch.cat(out)
+
+
+def build(ckpt, device, n_inter=None, extra=None):
+    """A captioner checkpoint (caption.py's own) -> (IDC model, vocab)."""
+    clip = load_clip(ckpt, device, n_inter)
+    captioner = Captioner(CaptionerConfig(**extra["captioner_config"]))
+    captioner.load_state_dict(extra["captioner"])
+    return IDC(clip, captioner).to(device).eval(), extra["vocab"]
+
+
+def read_extra(path):
+    """The non-model entries of our own checkpoints ({} for OpenAI's archive or a bare state dict). mmap: reading
+    the small entries of a big file costs nothing."""
+    path = resolve(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # TorchScript archives and legacy files: load_clip reads them (or explains why not)
+        return {}
+    return {k: v for k, v in obj.items() if k != "model"} if isinstance(obj, dict) and "model" in obj else {}
+
+
+# -----------------------------------------------------------------------------
+# evaluation
+
+
+@torch.no_grad()
+def predict(model, loader, items, vocab, ctx, beam=1):
+    """Captions of every item the loader yields -> {item id: caption}."""
+    model = unwrap(model).eval()
+    out = {}
+    for *inputs, idx in loader:
+        with ctx.amp:
+            ids = model.caption([x.to(ctx.device) for x in inputs], beam)
+        for i, row in zip(idx.tolist(), ids.tolist()):
+            out[items[i].id] = to_text(row, vocab)
+    return out
+
+
+def score(items, preds, by_type=False):
+    """metrics.evaluate on these items (x100); by_type: CIDEr-D per CLEVR-Change type, each type's subset scored
+    on its own (as Park et al.'s per-type evaluation, the paper's Table 2)."""
+    refs = {it.id: it.captions for it in items}
+    scores = {k: 100 * v for k, v in metrics.evaluate(refs, preds).items()}
+    types = {}
+    for t in CHANGE_TYPES if by_type else ():
+        ids = [it.id for it in items if it.change_type == t]
+        if ids:
+            refs_tok = {i: [metrics.tokenize(r) for r in refs[i]] for i in ids}
+            types[t] = 100 * metrics.cider_d(refs_tok, {i: metrics.tokenize(preds[i]) for i in ids})[0]
+    return scores, types
+
+
+def constant_baseline(train_items, items, limit=5000):
+    """The single training caption scoring highest on CIDEr-D when given for every pair of `items`: what a model
+    that ignores the images can reach, so a reader sees what the captioner adds. Candidates: the `limit` most
+    frequent distinct training captions (0: all)."""
+    counts = Counter(metrics.tokenize(c) for it in train_items for c in it.captions)
+    candidates = [c for c, _ in counts.most_common(limit or None)]
+    refs = {it.id: it.captions for it in items}
+    prepared = metrics.cider_d_prepare({i: [metrics.tokenize(c) for c in r] for i, r in refs.items()})
+    cider = metrics.cider_d_constant(prepared, candidates)
+    best = max(range(len(candidates)), key=lambda i: cider[i])
+    scores = {k: 100 * v for k, v in metrics.evaluate(refs, {i: candidates[best] for i in refs}).items()}
+    return {"caption": candidates[best], "scores": scores}
+
+
+def summary(scores):
+    return " ".join(f"{k} {scores[k]:.1f}" for k in metrics.METRICS if k in scores)
+
+
+def draw_gallery(path, items, preds, n=8, height=128):
+    """Contact sheet: before | after | generated and reference captions, one test pair per row."""
+    picks = items[:: max(1, len(items) // n)][:n]
+    text_w, rows = 440, []
+    for it in picks:
+        ims = [to_rgb(open_image(p)) for p in (it.before, it.after)]
+        ims = [im.resize((max(1, round(im.width * height / im.height)), height)) for im in ims]
+        row = Image.new("RGB", (sum(im.width for im in ims) + 8 + text_w, height + 8), "white")
+        x = 0
+        for im in ims:
+            row.paste(im, (x, 4))
+            x += im.width + 4
+        lines = [f"[{it.change_type or it.id}]"]
+        lines += textwrap.wrap(f"generated: {preds[it.id]}", 70) + textwrap.wrap(f"reference: {it.captions[0]}", 70)
+        ImageDraw.Draw(row).multiline_text((x + 6, 6), "\n".join(lines), fill="black", spacing=3)
+        rows.append(row)
+    sheet = Image.new("RGB", (max(r.width for r in rows), sum(r.height for r in rows)), "white")
+    y = 0
+    for r in rows:
+        sheet.paste(r, (0, y))
+        y += r.height
+    sheet.save(path)
+    print(f"gallery of {len(rows)} test pairs -> {path}")
+
+
+# -----------------------------------------------------------------------------
+# arguments
+
+
+def parse_args(argv=None):
+    class Formatter(argparse.RawDescriptionHelpFormatter):  # shows the defaults that are not None/False
+        def _get_help_string(self, action):
+            shown = action.default not in (None, False, argparse.SUPPRESS)
+            return action.help + (" (default: %(default)s)" if shown else "")
+    pre = lambda k: "[" + ", ".join(f"{n}: {v[k]}" for n, v in PRESETS.items()) + "]"  # the presets' values
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    # input, output
+    p.add_argument("--ckpt", default="adapted.pt", help="adapted.pt (train a captioner on it); a raw CLIP file or "
+                   "'ViT-B/32' (the no-adaptation ablation); or a captioner.pt (evaluate it / caption images)")
+    p.add_argument("--out", default="captioner.pt", help="where the best captioner goes (+ .last.pt to resume)")
+    p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
+    p.add_argument("--resume", action="store_true", help="continue the run that writes --out from its last epoch")
+    p.add_argument("--preset", choices=["auto", "small", "paper"], default="auto", help="defaults for the flags "
+                   "left unset: auto = small for adapt.py's small encoder, paper for ViT-B/32")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
+    # data
+    p.add_argument("--data", choices=["clevr", "spot", "ier"], default=None,
+                   help="dataset (default: the one the checkpoint was adapted on, else clevr)")
+    p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's, else data/...)")
+    p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
+    p.add_argument("--workers", type=int, default=2, help="image-loading processes")
+    # model
+    p.add_argument("--n-inter", type=int, default=None, help="inter blocks of the pair encoder (default: the "
+                   "checkpoint's, 3 for a raw CLIP)")
+    p.add_argument("--width", type=int, default=None, help=f"captioner width {pre('width')}")
+    p.add_argument("--heads", type=int, default=None, help=f"captioner attention heads {pre('heads')}")
+    p.add_argument("--enc-layers", type=int, default=None, help=f"captioner encoder layers {pre('enc_layers')}")
+    p.add_argument("--dec-layers", type=int, default=None, help=f"captioner decoder layers {pre('dec_layers')}")
+    p.add_argument("--dropout", type=float, default=0.1, help="captioner dropout (paper 0.1)")
+    p.add_argument("--max-len", type=int, default=32, help="most tokens per caption, <eos> included (paper 32)")
+    p.add_argument("--min-count", type=int, default=1, help="training-caption count for a word to enter the vocab")
+    # optimization
+    p.add_argument("--epochs", type=int, default=None, help=f"most epochs {pre('epochs')}")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"pairs per step, all processes together {pre('batch_size')}")
+    p.add_argument("--lr", type=float, default=None, help=f"captioner learning rate {pre('lr')}")
+    p.add_argument("--encoder-lr", type=float, default=None,
+                   help=f"pair-encoder learning rate, 0 = frozen {pre('encoder_lr')}")
+    p.add_argument("--freeze-encoder", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"keep the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (matrices only)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    p.add_argument("--patience", type=int, default=10, help="stop after this many epochs without val CIDEr-D gain")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument("--log-every", type=int, default=50, help="steps between progress lines")
+    # decoding, output figures
+    p.add_argument("--beam", type=int, default=1, help="beam size (1: greedy, as the paper)")
+    p.add_argument("--eval-batch-size", type=int, default=64, help="pairs per decoding batch")
+    p.add_argument("--baseline-candidates", type=int, default=5000,
+                   help="constant-caption baseline: try the N most frequent training captions (0: all)")
+    p.add_argument("--gallery", default=None, help="also draw test pairs with their captions into this PNG")
+    p.add_argument("--gallery-n", type=int, default=8, help="pairs in the gallery")
+    # your own two images
+    p.add_argument("--before", default=None, help="caption this image pair (needs a captioner --ckpt)")
+    p.add_argument("--after", default=None, help="the 'after' image of --before")
+    args = p.parse_args(argv)
+    if bool(args.before) != bool(args.after):
+        p.error("--before and --after go together")
+    assert args.beam >= 1 and args.max_len >= 2 and args.patience >= 1
+    return args
+
+
+def apply_preset(args, extra):
+    """auto: small for adapt.py's small from-scratch encoder, paper for a ViT-B/32 (OpenAI's, adapted or raw)."""
+    small = extra.get("config", {}).get("vision_width", 768) < 768
+    name = args.preset if args.preset != "auto" else ("small" if small else "paper")
+    for k, v in PRESETS[name].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if not args.freeze_encoder and args.encoder_lr <= 0:
+        raise SystemExit(f"--no-freeze-encoder needs --encoder-lr > 0 (preset {name} has {args.encoder_lr:g})")
+    return name
+
+
+# -----------------------------------------------------------------------------
+# main: caption two images, evaluate a captioner, or train one
+
+
+def caption_images(args):
+    extra = read_extra(args.ckpt)
+    if extra.get("stage") != "caption":
+        raise SystemExit(f"--before/--after need a trained captioner: {args.ckpt} is not one (train it with "
+                         f"`python caption.py --ckpt adapted.pt`, then pass --ckpt captioner.pt)")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, vocab = build(args.ckpt, device, extra=extra)
+    size = model.clip.cfg.image_resolution  # any size and mode: squashed to the encoder's input, RGB
+    before, after = (load_image(p, size)[None].to(device) for p in (args.before, args.after))
+    print(to_text(model.caption([before, after], args.beam)[0].tolist(), vocab))
+
+
+def data_source(args, extra, ctx):
+    """Dataset name and directory: the flags, else what the encoder was adapted on."""
+    info = extra.get("data") or {}
+    name = args.data or info.get("name", "clevr")
+    root = args.data_root or (info.get("root") if info.get("name") == name else None)
+    if ctx.world > 1 and not ctx.main:  # rank 0 may be rendering the synthetic set: wait for it
+        torch.distributed.barrier()
+    root = resolve_root(name, root)
+    if ctx.world > 1 and ctx.main:
+        torch.distributed.barrier()
+    return name, root
+
+
+def loader_for(items, args, ctx, size, feats=None, shuffle=False, batch=None, cache=None):
+    """Batches of ([encoder tokens] or [before, after], item index): in order, or shuffled as a function of
+    (seed, epoch) so that a resumed run sees the same batches."""
+    dataset = Features(feats) if feats is not None else ImageDataset(items, size, cache=cache)
+    sampler = None
+    if shuffle and ctx.world > 1:  # each process its own share of the epoch's order
+        sampler = EpochSampler(len(dataset), True, args.seed, rank=ctx.rank, world=ctx.world)
+    return make_loader(dataset, batch or args.eval_batch_size, shuffle, 0 if feats is not None else args.workers,
+                       ctx.device, sampler=sampler, drop_last=shuffle and len(dataset) > (batch or 1), seed=args.seed)
+
+
+def test_and_report(model, test_loader, train_items, test_items, vocab, args, ctx, name):
+    t0 = time.time()
+    preds = predict(model, test_loader, test_items, vocab, ctx, args.beam)
+    scores, by_type = score(test_items, preds, by_type=name == "clevr")
+    baseline = constant_baseline(train_items, test_items, args.baseline_candidates)
+    results = {"scores": scores, "scores_by_type": by_type, "baseline": baseline,
+               "predictions": [{"id": it.id, "before": it.before, "after": it.after, "caption": preds[it.id],
+                                "references": it.captions} for it in test_items]}
+    if ctx.main:
+        with open(args.results + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(args.results + ".tmp", args.results)
+        types = " ".join(f"{t} {v:.1f}" for t, v in by_type.items())
+        log(ctx, f"test ({len(test_items)} pairs, {'beam ' + str(args.beam) if args.beam > 1 else 'greedy'}, "
+                 f"{time.time() - t0:.0f}s): {summary(scores)}" + (f" | CIDEr-D by type: {types}" if types else ""))
+        log(ctx, f"constant-caption baseline {baseline['caption']!r}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} "
+                 f"(model / baseline = {scores['CIDEr-D'] / max(baseline['scores']['CIDEr-D'], 1e-9):.1f}x) "
+                 f"-> {args.results}")
+        if args.gallery:
+            draw_gallery(args.gallery, test_items, preds, args.gallery_n)
+    return results
+
+
+def evaluate_captioner(args, extra):
+    """--ckpt captioner.pt without --before: test scores, baseline, predictions (and --gallery) of that model."""
+    ctx = setup(args.seed, args.device)
+    model, vocab = build(args.ckpt, ctx.device, extra=extra)
+    name, root = data_source(args, extra, ctx)
+    train_items, test_items = (load_items(name, root, s, "total", args.skip_missing) for s in ("train", "test"))
+    size = model.clip.cfg.image_resolution
+    return test_and_report(model, loader_for(test_items, args, ctx, size), train_items, test_items, vocab,
+                           args, ctx, name)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.before:
+        return caption_images(args)
+    if not os.path.exists(args.ckpt) and args.ckpt not in MODELS:
+        raise SystemExit(f"--ckpt {args.ckpt}: no such file. Run `python adapt.py` first (it writes adapted.pt), "
+                         f"or pass a CLIP file / 'ViT-B/32' for the no-adaptation ablation")
+    extra = read_extra(args.ckpt)
+    if extra.get("stage") == "caption":
+        return evaluate_captioner(args, extra)
+    ctx = setup(args.seed, args.device)
+    if not ctx.main:  # one copy of each warning, not one per process
+        warnings.filterwarnings("ignore")
+    preset = apply_preset(args, extra)
+    resume = load_resume(args.out, "cpu") if args.resume else None
+    log(ctx, f"caption.py: preset {preset} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
+
+    # data: CLEVR-Change in the "total" setting (change pairs + distractor pairs)
+    name, root = data_source(args, extra, ctx)
+    splits = {s: load_items(name, root, s, "total", args.skip_missing) for s in ("train", "val", "test")}
+    vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions],
+                                                       args.min_count)
+    captions, first, count = encode_captions(splits["train"], vocab, args.max_len)
+    log(ctx, f"data: {name} at {root} | pairs train {len(splits['train'])} val {len(splits['val'])} test "
+             f"{len(splits['test'])} | vocabulary {len(vocab)} words | {len(captions)} training captions")
+
+    # model: the pair encoder from --ckpt, a fresh captioner over its 2(n+1) tokens
+    clip = load_clip(args.ckpt, ctx.device, args.n_inter)
+    if extra.get("stage") != "adapt":
+        log(ctx, f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
+                 f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")
+    size, n = clip.cfg.image_resolution, (clip.cfg.image_resolution // clip.cfg.vision_patch_size) ** 2
+    cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
+                          width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
+                          max_len=args.max_len, dropout=args.dropout)
+    model = IDC(clip, Captioner(cfg)).to(ctx.device)
+    unused = PAIR_KEYS if clip.cfg.n_inter == 0 else ()  # 12/0: e1, e2, p, ln_mid take no part (and DDP minds)
+    lr_for = lambda k: (args.lr if k.startswith("captioner.") else None if args.freeze_encoder or
+                        not k.startswith("clip.visual.") or k[len("clip."):] in unused else args.encoder_lr)
+    optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), lr_for, args.weight_decay),
+                                  betas=(0.9, 0.98), eps=1e-6)
+    n_train = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    log(ctx, f"model: pair encoder {clip.cfg.vision_layers - clip.cfg.n_inter}/{clip.cfg.n_inter} "
+             f"({'frozen' if args.freeze_encoder else f'lr {args.encoder_lr:g}'}), memory {cfg.memory_len} tokens "
+             f"x {cfg.memory_dim} | captioner {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
+             f"{n_train / 1e6:.2f}M trainable parameters")
+
+    # loaders: a frozen encoder runs once per pair, here; a fine-tuned one on every batch
+    feats = {}
+    if args.freeze_encoder:
+        t0 = time.time()
+        feats = {s: encode_all(model, loader_for(items, args, ctx, size), ctx) for s, items in splits.items()}
+        log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
+    cache = None
+    if not args.freeze_encoder and sum(len(v) for v in splits.values()) * 2 * 3 * size * size < 2 ** 31:
+        cache = ImageCache([it for v in splits.values() for it in v], size, args.workers)  # small sets: decode once
+    batch = args.batch_size // ctx.world
+    train_loader = loader_for(splits["train"], args, ctx, size, feats.get("train"), True, batch, cache)
+    val_loader, test_loader = (loader_for(splits[s], args, ctx, size, feats.get(s), cache=cache)
+                               for s in ("val", "test"))
+    total_steps = args.epochs * len(train_loader)
+    scheduler = warmup_cosine(optimizer, total_steps)
+    ddp = model
+    if ctx.world > 1:
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+
+    start, step, best, best_epoch, bad, history = 0, 0, -1.0, -1, 0, []
+    if resume:
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        scheduler.load_state_dict(resume["scheduler"])
+        set_rng_state(resume["rng"])
+        start, step, best, best_epoch, bad, history = (resume[k] for k in
+                                                       ("epoch", "step", "best", "best_epoch", "bad", "history"))
+        log(ctx, f"resumed from {last_path(args.out)} at epoch {start + 1} (best val CIDEr-D {best:.1f})")
+    gen = torch.Generator()
+
+    def loss_fn(batch):
+        *inputs, idx = batch
+        row = first[idx] + (torch.rand(len(idx), generator=gen) * count[idx]).long()  # a random caption per pair
+        tokens = captions[row]
+        tokens = tokens[:, :int((tokens != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
+        logits = ddp([x.to(ctx.device, non_blocking=True) for x in inputs], tokens[:, :-1])
+        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=PAD), len(idx)
+
+    def meta(metrics_):
+        return {"model": model.clip.state_dict(), "captioner": model.captioner.state_dict(),
+                "config": asdict(clip.cfg), "captioner_config": asdict(cfg), "vocab": vocab,
+                "data": {"name": name, "root": str(root), "image_size": size}, "args": vars(args),
+                "metrics": metrics_, "stage": "caption"}
+
+    # training: word-level cross entropy; select on val CIDEr-D, stop after --patience epochs without gain
+    t_start = time.time()
+    try:
+        for epoch in range(start, args.epochs):
+            train_loader.sampler.set_epoch(epoch)
+            gen.manual_seed(args.seed * 1_000_003 + epoch + 7919 * ctx.rank)
+            t0 = time.time()
+            loss, step = train_epoch(ctx, ddp, train_loader, loss_fn, optimizer, scheduler, epoch, args.epochs,
+                                     step, total_steps, args.grad_clip, args.log_every)
+            val, _ = score(splits["val"], predict(model, val_loader, splits["val"], vocab, ctx))
+            history.append({"epoch": epoch + 1, "loss": loss, **{f"val {k}": v for k, v in val.items()}})
+            if val["CIDEr-D"] > best:
+                best, best_epoch, bad = val["CIDEr-D"], epoch + 1, 0
+                if ctx.main:
+                    save_atomic(meta({"val": val, "epoch": epoch + 1}), args.out)
+            else:
+                bad += 1
+            log(ctx, f"epoch {epoch + 1}/{args.epochs} | loss {loss:.3f} | val {summary(val)} | best CIDEr-D "
+                     f"{best:.1f} (epoch {best_epoch}) | {time.time() - t0:.0f}s")
+            if ctx.main:
+                save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "scheduler": scheduler.state_dict(), "rng": rng_state(), "epoch": epoch + 1,
+                             "step": step, "best": best, "best_epoch": best_epoch, "bad": bad, "history": history,
+                             "vocab": vocab}, last_path(args.out))
+            if bad >= args.patience:
+                log(ctx, f"early stop: no val CIDEr-D gain for {bad} epochs")
+                break
+    except KeyboardInterrupt:
+        interrupted(ctx, args.out)
+    log(ctx, f"training done in {fmt_time(time.time() - t_start)}: best val CIDEr-D {best:.1f} at epoch {best_epoch}")
+
+    if ctx.world > 1:
+        torch.distributed.destroy_process_group()
+    if not ctx.main:
+        return None
+
+    # test: the selected model, once
+    best_state = torch.load(args.out, map_location=ctx.device, weights_only=True)
+    model.clip.load_state_dict(best_state["model"])
+    model.captioner.load_state_dict(best_state["captioner"])
+    results = test_and_report(model, test_loader, splits["train"], splits["test"], vocab, args, ctx, name)
+    save_atomic(meta({**best_state["metrics"], "test": results["scores"], "test_by_type": results["scores_by_type"],
+                      "baseline": results["baseline"], "history": history}), args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
