@@ -851,18 +851,24 @@ def test_loss_decreases_on_synthetic_batches(adapt_synth):
     assert losses[-1] < 0.5 * losses[0], losses
 
 
+def ctrl_c_in_second_epoch(monkeypatch, stage):
+    """Make `stage` (adapt or caption) see a Ctrl-C when its second epoch starts; returns the real train_epoch."""
+    real_epoch = train_utils.train_epoch
+
+    def interrupt(*a, **k):
+        if a[6] == 1:  # the epoch index
+            raise KeyboardInterrupt
+        return real_epoch(*a, **k)
+    monkeypatch.setattr(stage, "train_epoch", interrupt)
+    return real_epoch
+
+
 def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch):
     base = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2"]
     adapt.main(base + ["--out", str(tmp_path / "a.pt")])
     full = torch.load(tmp_path / "a.last.pt", weights_only=False)
 
-    real_epoch = train_utils.train_epoch
-
-    def ctrl_c_in_second_epoch(*a, **k):
-        if a[6] == 1:  # epoch index
-            raise KeyboardInterrupt
-        return real_epoch(*a, **k)
-    monkeypatch.setattr(adapt, "train_epoch", ctrl_c_in_second_epoch)
+    real_epoch = ctrl_c_in_second_epoch(monkeypatch, adapt)
     with pytest.raises(SystemExit) as stop:
         adapt.main(base + ["--out", str(tmp_path / "b.pt")])
     assert stop.value.code == 130 and torch.load(tmp_path / "b.last.pt", weights_only=False)["epoch"] == 1
@@ -1054,13 +1060,7 @@ def test_resume_equals_uninterrupted(trained, tmp_path, monkeypatch):
         (tmp_path / d).mkdir()
         shutil.copy(tmp / "adapted.pt", tmp_path / d / "adapted.pt")
     run(tmp_path / "a", epochs=3)
-    real_epoch = caption.train_epoch
-
-    def interrupt_second(*args, **kw):
-        if args[6] == 1:  # epoch index
-            raise KeyboardInterrupt
-        return real_epoch(*args, **kw)
-    monkeypatch.setattr(caption, "train_epoch", interrupt_second)
+    real_epoch = ctrl_c_in_second_epoch(monkeypatch, caption)
     with pytest.raises(SystemExit):
         run(tmp_path / "b", epochs=3)
     monkeypatch.setattr(caption, "train_epoch", real_epoch)
