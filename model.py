@@ -11,7 +11,7 @@ N_inter blocks attend across both images. Its tokens (B, 2(n+1), embed) feed the
 """
 import math
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -252,10 +252,6 @@ def build_model(sd, n_inter=3):
         if k not in sd:
             sd[k] = own[k]
     return model
-
-
-def config_dict(model):
-    return asdict(model.cfg)
 
 
 # ---- captioner
