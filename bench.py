@@ -22,7 +22,7 @@ from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
 
 SIZES = {  # captioner sizes and the pair-encoder memory they read, as caption.py's presets build them
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, memory_dim=512, memory_len=100),  # ViT-B/32
-    "small": dict(width=192, heads=4, enc_layers=1, dec_layers=2, memory_dim=128, memory_len=130),  # adapt small
+    "small": dict(width=128, heads=4, enc_layers=1, dec_layers=2, memory_dim=128, memory_len=130),  # adapt small
 }
 
 
