@@ -170,7 +170,7 @@ def predict(model, loader, items, vocab, ctx, beam=1):
 
 
 def cider(items, preds):
-    """CIDEr-D (x100) of these items alone: the per-epoch model selection (all four metrics would cost 30x more,
+    """CIDEr-D (x100) of these items alone: the per-epoch model selection (all four metrics cost ~40x more,
     METEOR most of it)."""
     refs_tok = {it.id: [metrics.tokenize(r) for r in it.captions] for it in items}
     return 100 * metrics.cider_d(refs_tok, {i: metrics.tokenize(preds[i]) for i in refs_tok})[0]
