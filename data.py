@@ -599,21 +599,24 @@ def captions(rng, kind, before, after, k, n=6):
     return out
 
 
-def _make_triple(i, out, seed, size):
-    """Scene i -> default, semantic-change and non-semantic images on disk; returns its captions and type."""
+def _make_triple(i, out, seed, size, far_change=False):
+    """Scene i -> default, semantic-change and non-semantic images on disk; returns its captions and type.
+    The distractor moves the camera and the light by 0.5-1 (in jitter units); the change image moves the camera by
+    0-0.3 only, or, with far_change, as much as the distractor, so only the objects tell the two apart."""
     rng = random.Random(f"clevr-synth-{seed}-{i}")  # one stream per scene: any worker split gives the same set
     kind = rng.choice(CHANGES)
     before, after, k = make_scene(rng, kind)
     jc, jl = [rng.uniform(-0.5, 0.5) for _ in range(6)], [rng.uniform(-0.3, 0.3) for _ in range(3)]
     shift = lambda js, lo, hi: [a + rng.choice((-1, 1)) * rng.uniform(lo, hi) for a in js]
-    views = {"images/CLEVR_default": (before, jc, jl), "sc_images/CLEVR_semantic": (after, shift(jc, 0, 0.3), jl),
+    changed = (after, shift(jc, 0.5, 1), shift(jl, 0.5, 1)) if far_change else (after, shift(jc, 0, 0.3), jl)
+    views = {"images/CLEVR_default": (before, jc, jl), "sc_images/CLEVR_semantic": changed,
              "nsc_images/CLEVR_nonsemantic": (before, shift(jc, 0.5, 1), shift(jl, 0.5, 1))}
     for name, (objs, j1, j2) in views.items():
         Image.fromarray(render(objs, camera(j1), light(j2), *size)).save(f"{out}/{name}_{i:06d}.png", compress_level=1)
     return kind, captions(rng, kind, before, after, k), rng.sample(NO_CHANGE, 6)
 
 
-def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=(240, 160), workers=None):
+def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=(240, 160), workers=None, far_change=False):
     """Write a synthetic CLEVR-Change (images/, sc_images/, nsc_images/, the caption, split and type files)."""
     out = Path(out)
     for d in ("images", "sc_images", "nsc_images"):
@@ -621,16 +624,18 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=(240, 160), workers=None
     (out / "synth.json").unlink(missing_ok=True)  # written last: marks a complete set
     t0 = time.time()
     with Pool(workers or os.cpu_count()) as pool:
-        made = pool.map(partial(_make_triple, out=str(out), seed=seed, size=tuple(size)), range(pairs), chunksize=8)
+        scene = partial(_make_triple, out=str(out), seed=seed, size=tuple(size), far_change=far_change)
+        made = pool.map(scene, range(pairs), chunksize=8)
     name = lambda i: f"CLEVR_default_{i:06d}.png"
     types = {t: [f"{i:06d}.png" for i, m in enumerate(made) if m[0] == t] for t in CHANGES}
     order = random.Random(seed).sample(range(pairs), pairs)
     n_val, n_test = max(1, pairs // 20), max(1, pairs // 10)  # the real split is 85 / 5 / 10 %
+    meta = {"pairs": pairs, "size": list(size), "seed": seed, **({"far_change": 1} if far_change else {})}
     files = {"change_captions.json": {name(i): m[1] for i, m in enumerate(made)},
              "no_change_captions.json": {name(i): m[2] for i, m in enumerate(made)}, "type_mapping.json": types,
              "splits.json": {"train": order[n_val + n_test:], "val": order[:n_val],
                              "test": order[n_val:n_val + n_test]},
-             "synth.json": {"pairs": pairs, "size": list(size), "seed": seed}}
+             "synth.json": meta}  # far_change only when set: a far-change set is never taken for the default one
     for f, obj in files.items():
         (out / f).write_text(json.dumps(obj))
     dt = time.time() - t0
@@ -691,6 +696,8 @@ if __name__ == "__main__":
     m.add_argument("--size", type=int, nargs=2, default=[240, 160], metavar=("W", "H"),
                    help="image size on disk (CLEVR-Change's is 480 320)")
     m.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    m.add_argument("--far-change", action="store_true",
+                   help="move the change image's camera and light as far as the distractor's (a harder set)")
     s = cmd.add_parser("sheet", formatter_class=fmt, help="contact sheet of CLEVR-Change(-style) pairs")
     s.add_argument("--root", default=SYNTH_ROOT, help="a CLEVR-Change directory")
     s.add_argument("--out", default="sheet.png", help="PNG to write")
@@ -705,7 +712,7 @@ if __name__ == "__main__":
     b.add_argument("--images", type=int, default=1024, help="images to decode")
     args = p.parse_args()
     if args.cmd == "make-synth":
-        make_synth(args.out, args.pairs, args.seed, args.size, args.workers)
+        make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change)
     elif args.cmd == "sheet":
         contact_sheet(args.root, args.out, args.n, args.size, args.split, args.seed)
     else:

@@ -344,6 +344,18 @@ def test_synth_deterministic(synth, tmp_path):
     assert not np.array_equal(np.asarray(Image.open(other / name)), np.asarray(Image.open(synth / name)))
 
 
+def test_synth_far_change_moves_the_view_as_far_as_the_distractor(synth, tmp_path):
+    far = data.make_synth(tmp_path / "far", pairs=20, seed=0, size=SIZE, workers=1, far_change=True)
+    img = lambda root, d, name, i: np.asarray(Image.open(root / d / f"CLEVR_{name}_{i:06d}.png"), dtype=float)
+    moved = lambda root, d, name: np.mean([np.abs(img(root, d, name, i) - img(root, "images", "default", i)).mean()
+                                           for i in range(20)])  # mean pixel change from the default image
+    near_sc, far_sc = moved(synth, "sc_images", "semantic"), moved(far, "sc_images", "semantic")
+    far_nsc = moved(far, "nsc_images", "nonsemantic")
+    assert near_sc < 0.7 * far_nsc and 0.7 * far_nsc < far_sc < 1.5 * far_nsc
+    assert json.loads((far / "synth.json").read_text())["far_change"] == 1
+    assert "far_change" not in json.loads((synth / "synth.json").read_text())  # default sets keep their meta
+
+
 def test_synth_changes_are_what_the_type_says():
     for kind in data.CHANGES:
         for s in range(10):
