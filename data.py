@@ -1,6 +1,7 @@
 """Data for clip4idc: CLEVR-Change, Spot-the-Diff and Image-Editing-Request loaders, and a synthetic CLEVR-Change.
 
     python data.py make-synth --out data/clevr_synth --pairs 3000   # CLEVR-Change-style renders, CLEVR-Change's layout
+    python data.py make-synth --out data/clevr_far --far-change    # harder: changes move the view as far as distractors
     python data.py sheet --root data/clevr_synth --out sheet.png    # contact sheet: before | after | distractor
     python data.py bench --root data/clevr_synth --size 96          # decoded images/s, streaming and cached
 
