@@ -893,6 +893,15 @@ def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch):
     ckpt = torch.load(tmp_path / "b.pt", weights_only=False)
     assert {"model", "config", "tokenizer", "metrics", "args"} <= set(ckpt)
     assert "text->pair R@1" in ckpt["metrics"]["test"] and "val" in ckpt["metrics"]
+    assert ckpt["args"]["swap_prob"] == 0.0  # the synthetic set's default
+
+
+def test_swap_default_is_the_authors_on_real_clevr(adapt_synth, tmp_path, capsys):
+    real = tmp_path / "clevr"  # the same files without synth.json: what the real CLEVR-Change looks like
+    shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("synth.json"))
+    adapt.main(TINY_ADAPT + ["--data-root", str(real), "--epochs", "1", "--out", str(tmp_path / "a.pt")])
+    assert torch.load(tmp_path / "a.pt", weights_only=False)["args"]["swap_prob"] == 0.5
+    assert "distractor swap p=0.5" in capsys.readouterr().out
 
 
 def _ddp_worker(rank, world, port, path):
