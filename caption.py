@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 import metrics
+import synth
 from clip_load import MODELS, load_clip, load_image, open_image, resolve, to_rgb
 from data import EpochSampler, ImageCache, ImageDataset, load_items, make_loader, resolve_root
 from model import PAIR_KEYS, Captioner, CaptionerConfig
@@ -347,12 +348,15 @@ def loader_for(items, args, ctx, size, feats=None, shuffle=False, batch=None, ca
                        ctx.device, sampler=sampler, drop_last=shuffle and len(dataset) > (batch or 1), seed=args.seed)
 
 
-def test_and_report(model, test_loader, train_items, test_items, vocab, args, ctx, name):
+def test_and_report(model, test_loader, train_items, test_items, vocab, args, ctx, name, root):
     t0 = time.time()
     preds = predict(model, test_loader, test_items, vocab, ctx, args.beam)
     scores, by_type = score(test_items, preds, by_type=name == "clevr")
     baseline = constant_baseline(train_items, test_items, args.baseline_candidates)
-    results = {"scores": scores, "scores_by_type": by_type, "baseline": baseline,
+    # on the synthetic set the renderer's scene records say what really changed: read each caption back
+    scenes = synth.read_scenes(root) if name == "clevr" else None
+    judged = synth.report(preds, scenes) if scenes else None
+    results = {"scores": scores, "scores_by_type": by_type, "baseline": baseline, "synthetic": judged,
                "predictions": [{"id": it.id, "before": it.before, "after": it.after, "caption": preds[it.id],
                                 "references": it.captions} for it in test_items]}
     if ctx.main:
@@ -365,6 +369,11 @@ def test_and_report(model, test_loader, train_items, test_items, vocab, args, ct
         log(ctx, f"constant-caption baseline {baseline['caption']!r}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} "
                  f"(model / baseline = {scores['CIDEr-D'] / max(baseline['scores']['CIDEr-D'], 1e-9):.1f}x) "
                  f"-> {args.results}")
+        if judged:
+            log(ctx, f"read back against the scenes: {judged['change caption %']:.0f}% of {judged['change pairs']} "
+                     f"change pairs get a change caption, {judged['right type %']:.0f}% the right change type, "
+                     f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}%"
+                     f" of {judged['distractor pairs']} distractors get \"no change\"")
         if args.gallery:
             draw_gallery(args.gallery, test_items, preds, args.gallery_n)
     return results
@@ -378,7 +387,7 @@ def evaluate_captioner(args, extra):
     train_items, test_items = (load_items(name, root, s, "total", args.skip_missing) for s in ("train", "test"))
     size = model.clip.cfg.image_resolution
     return test_and_report(model, loader_for(test_items, args, ctx, size), train_items, test_items, vocab,
-                           args, ctx, name)
+                           args, ctx, name, root)
 
 
 def main(argv=None):
@@ -512,7 +521,7 @@ def main(argv=None):
     best_state = torch.load(args.out, map_location=ctx.device, weights_only=True)
     model.clip.load_state_dict(best_state["model"])
     model.captioner.load_state_dict(best_state["captioner"])
-    results = test_and_report(model, test_loader, splits["train"], splits["test"], vocab, args, ctx, name)
+    results = test_and_report(model, test_loader, splits["train"], splits["test"], vocab, args, ctx, name, root)
     save_atomic(meta({**best_state["metrics"], "test": results["scores"], "test_by_type": results["scores_by_type"],
                       "baseline": results["baseline"], "history": history}), args.out)
     return results

@@ -31,6 +31,7 @@ import data
 import metrics
 import model
 import model as M
+import synth
 import train_utils
 from clip_load import decode, load_clip, load_image, preprocess, tokenize
 from metrics import bleu, cider_d, cider_d_constant, cider_d_prepare, evaluate, meteor, rouge_l
@@ -292,8 +293,8 @@ SIZE = (96, 64)  # tiny renders keep the tests fast
 
 
 @pytest.fixture(scope="module")
-def synth(tmp_path_factory):
-    return data.make_synth(tmp_path_factory.mktemp("synth") / "clevr", pairs=20, seed=0, size=SIZE, workers=2)
+def synth_set(tmp_path_factory):
+    return synth.make_synth(tmp_path_factory.mktemp("synth") / "clevr", pairs=20, seed=0, size=SIZE, workers=2)
 
 
 def png_bytes(size=(8, 8)):
@@ -314,53 +315,53 @@ def placeholders(paths):
 # synthetic CLEVR-Change
 
 
-def test_synth_roundtrip(synth):
-    splits = json.loads((synth / "splits.json").read_text())
+def test_synth_roundtrip(synth_set):
+    splits = json.loads((synth_set / "splits.json").read_text())
     assert sorted(sum(splits.values(), [])) == list(range(20)) and all(splits.values())
     seen = []
     for split in ("train", "val", "test"):
-        sem = data.load_items("clevr", synth, split, "semantic")
-        total = data.load_items("clevr", synth, split, "total")
+        sem = data.load_items("clevr", synth_set, split, "semantic")
+        total = data.load_items("clevr", synth_set, split, "total")
         assert [it.id for it in sem] == [f"{i:06d}" for i in splits[split]]
         assert len(total) == 2 * len(sem)
         for it in sem:
-            assert it.change_type in data.CHANGES and Path(it.alt_before).name.startswith("CLEVR_nonsemantic")
+            assert it.change_type in synth.CHANGES and Path(it.alt_before).name.startswith("CLEVR_nonsemantic")
             assert 4 <= len(it.captions) <= 6 and len(set(it.captions)) == len(it.captions)
             assert Image.open(it.after).size == SIZE
         for it in total[1::2]:
             assert it.change_type == "distractor" and it.alt_before is None
-            assert it.captions[0] in data.NO_CHANGE and it.after.endswith(f"CLEVR_nonsemantic_{it.id[:6]}.png")
+            assert it.captions[0] in synth.NO_CHANGE and it.after.endswith(f"CLEVR_nonsemantic_{it.id[:6]}.png")
         seen += sem
-    assert {it.change_type for it in seen} == set(data.CHANGES)  # 20 uniform draws of 5 types, seed 0
+    assert {it.change_type for it in seen} == set(synth.CHANGES)  # 20 uniform draws of 5 types, seed 0
 
 
-def test_synth_deterministic(synth, tmp_path):
-    again = data.make_synth(tmp_path / "again", pairs=20, seed=0, size=SIZE, workers=1)  # other worker split
-    other = data.make_synth(tmp_path / "other", pairs=3, seed=1, size=SIZE, workers=1)
+def test_synth_deterministic(synth_set, tmp_path):
+    again = synth.make_synth(tmp_path / "again", pairs=20, seed=0, size=SIZE, workers=1)  # other worker split
+    other = synth.make_synth(tmp_path / "other", pairs=3, seed=1, size=SIZE, workers=1)
     for f in ("change_captions.json", "splits.json", "type_mapping.json"):
-        assert (again / f).read_text() == (synth / f).read_text()
+        assert (again / f).read_text() == (synth_set / f).read_text()
     name = "sc_images/CLEVR_semantic_000002.png"
-    assert np.array_equal(np.asarray(Image.open(again / name)), np.asarray(Image.open(synth / name)))
-    assert not np.array_equal(np.asarray(Image.open(other / name)), np.asarray(Image.open(synth / name)))
+    assert np.array_equal(np.asarray(Image.open(again / name)), np.asarray(Image.open(synth_set / name)))
+    assert not np.array_equal(np.asarray(Image.open(other / name)), np.asarray(Image.open(synth_set / name)))
 
 
-def test_synth_far_change_moves_the_view_as_far_as_the_distractor(synth, tmp_path):
-    far = data.make_synth(tmp_path / "far", pairs=20, seed=0, size=SIZE, workers=1, far_change=True)
+def test_synth_far_change_moves_the_view_as_far_as_the_distractor(synth_set, tmp_path):
+    far = synth.make_synth(tmp_path / "far", pairs=20, seed=0, size=SIZE, workers=1, far_change=True)
     img = lambda root, d, name, i: np.asarray(Image.open(root / d / f"CLEVR_{name}_{i:06d}.png"), dtype=float)
     moved = lambda root, d, name: np.mean([np.abs(img(root, d, name, i) - img(root, "images", "default", i)).mean()
                                            for i in range(20)])  # mean pixel change from the default image
-    near_sc, far_sc = moved(synth, "sc_images", "semantic"), moved(far, "sc_images", "semantic")
+    near_sc, far_sc = moved(synth_set, "sc_images", "semantic"), moved(far, "sc_images", "semantic")
     far_nsc = moved(far, "nsc_images", "nonsemantic")
     assert near_sc < 0.7 * far_nsc and 0.7 * far_nsc < far_sc < 1.5 * far_nsc
     assert json.loads((far / "synth.json").read_text())["far_change"] == 1
-    assert "far_change" not in json.loads((synth / "synth.json").read_text())  # default sets keep their meta
+    assert "far_change" not in json.loads((synth_set / "synth.json").read_text())  # default sets keep their meta
 
 
 def test_synth_changes_are_what_the_type_says():
-    for kind in data.CHANGES:
+    for kind in synth.CHANGES:
         for s in range(10):
             rng = random.Random(s)
-            before, after, k = data.make_scene(rng, kind)
+            before, after, k = synth.make_scene(rng, kind)
             assert 3 <= len(before) <= 7 and 3 <= len(after) <= 7
             if kind in ("add", "drop"):
                 assert len(after) == len(before) + (1 if kind == "add" else -1)
@@ -373,45 +374,68 @@ def test_synth_changes_are_what_the_type_says():
             assert diff == ({"x", "y"} if kind == "move" else {kind})
 
 
-def resolve(phrase, scene):
-    """Objects a referring expression can mean (our own grammar, parsed back)."""
-    for rel, holds in data.RELATIONS.items():
-        for that in ("that was ", "that is ", ""):
-            head, sep, tail = phrase.partition(f" {that}{rel} the ")
-            if sep and " the " not in tail:
-                refs = resolve(tail, scene)
-                assert len(refs) == 1, tail
-                return [o for o in resolve(head, scene) if holds(o, refs[0])]
-    words = set(phrase.split())
-    syn = {w: k for k, ws in data.SAY.items() for w in ws}
-    wanted = {syn.get(w, w) for w in words} - {"thing"}
-    return [o for o in scene if wanted <= {o[a] for a in data.ATTRS}]
-
-
 def test_referring_expressions_pick_out_one_visible_object():
     for s in range(300):
         rng = random.Random(s)
-        kind = data.CHANGES[s % 5]
-        before, after, k = data.make_scene(rng, kind)
+        kind = synth.CHANGES[s % 5]
+        before, after, k = synth.make_scene(rng, kind)
         scene, o = (after, after[k]) if kind == "add" else (before, before[k])
-        phrase = data.refer(rng, o, scene, relate=0.5)
-        assert resolve(phrase, scene) == [o], (phrase, scene)
+        phrase = synth.refer(rng, o, scene, relate=0.5)
+        assert synth.resolve(phrase, scene) == [o], (phrase, scene)
 
 
 def test_captions_name_the_change():
     rng = random.Random(0)
-    before, after, k = data.make_scene(rng, "color")
-    caps = data.captions(rng, "color", before, after, k)
+    before, after, k = synth.make_scene(rng, "color")
+    caps = synth.captions(rng, "color", before, after, k)
     assert len(caps) == 6
-    new = set(data.SAY.get(after[k]["color"], (after[k]["color"],)))
+    new = set(synth.SAY.get(after[k]["color"], (after[k]["color"],)))
     assert all("color" in c or set(c.split()) & new for c in caps)
+
+
+def test_captions_read_back_against_the_scene_records(synth_set):
+    """Every reference caption of a rendered set, parsed with the renderer's templates, names its change type and
+    exactly the changed object of scenes.json; the no-change sentences read as no change."""
+    scenes = synth.read_scenes(synth_set)
+    change = json.loads((synth_set / "change_captions.json").read_text())
+    same = json.loads((synth_set / "no_change_captions.json").read_text())
+    assert len(scenes) == 20
+    for i, scene in scenes.items():
+        for c in change[f"CLEVR_default_{i}.png"]:
+            assert synth.judge(c, scene) == {"change": True, "type": True, "object": True}, (c, scene)
+        assert all(synth.read(c) == ("no change", None) for c in same[f"CLEVR_default_{i}.png"])
+
+
+def test_judge_catches_wrong_captions():
+    rng = random.Random(1)
+    before, after, k = synth.make_scene(rng, "color")
+    scene = {"type": "color", "before": before, "after": after, "changed": k}
+    o, other = before[k], next(p for p in before if p is not before[k])
+    full = lambda x: " ".join(x[a] for a in synth.ATTRS)  # size color material shape: names one object
+    new = after[k]["color"]
+    assert synth.judge(f"the {full(o)} turned {new}", scene) == {"change": True, "type": True, "object": True}
+    assert synth.judge(f"the {full(other)} turned {new}", scene)["object"] is False  # another object
+    assert synth.judge(f"the {full(o)} is now metal" if o["material"] == "rubber" else
+                           f"the {full(o)} is now rubber", scene)["type"] is False  # "is now" + a material
+    assert synth.judge(f"the {full(o)} has moved", scene) == {"change": True, "type": False, "object": True}
+    assert synth.judge("the thing changed its color", scene)["object"] is (len(before) == 1)  # ambiguous
+    assert synth.judge("there is no change", scene) == {"change": False, "type": False, "object": False}
+    assert synth.judge("the tiny brown rubber is now rubber", scene)["object"] is False  # no noun: no object
+    assert synth.read("the tiny brown rubber is now rubber") == ("material", "tiny brown rubber")
+    assert synth.judge("a red cube and a blue ball", scene)["change"] is False  # no sentence of ours
+    preds = {"000001": f"the {full(o)} turned {new}", "000002": "there is no change",
+             "000001_n": "nothing has changed", "000002_n": f"the {full(o)} has moved"}
+    got = synth.report(preds, {"000001": scene, "000002": scene})
+    assert got["change caption %"] == 50 and got["right type %"] == 50 and got["right object %"] == 50
+    assert got["no change on distractors %"] == 50 and got["change pairs"] == got["distractor pairs"] == 2
+    assert got["color"] == {"right type %": 50, "right object %": 50}
 
 
 def test_resolve_root_falls_back_to_synthetic_once(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     root = data.resolve_root("clevr", synth_pairs=5, synth_size=(48, 32), workers=1)
     out = capsys.readouterr().out
-    assert root == Path(data.SYNTH_ROOT) and "SYNTHETIC" in out and "README 'Data'" in out
+    assert root == Path(synth.SYNTH_ROOT) and "SYNTHETIC" in out and "README 'Data'" in out
     assert len(data.load_items("clevr", root, "train", "semantic")) == 5 - 1 - 1
     stamp = (root / "splits.json").stat().st_mtime_ns
     assert data.resolve_root("clevr", synth_pairs=5, synth_size=(48, 32)) == root
@@ -467,7 +491,7 @@ def test_clevr_change_real_splits_and_types(tmp_path):
                   (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic"))])
     items = data.load_items("clevr", root, "val", "total")
     assert len(items) == 2 * 1988
-    counts = {t: sum(it.change_type == t for it in items) for t in data.CHANGES + ("distractor",)}
+    counts = {t: sum(it.change_type == t for it in items) for t in synth.CHANGES + ("distractor",)}
     assert sum(counts.values()) == len(items) and counts["distractor"] == 1988 and min(counts.values()) > 300
 
 
@@ -475,22 +499,22 @@ def test_clevr_change_real_splits_and_types(tmp_path):
 # errors a person can act on
 
 
-def test_errors_name_the_path(synth, tmp_path):
+def test_errors_name_the_path(synth_set, tmp_path):
     with pytest.raises(SystemExit, match=r"no clevr dataset at .*nowhere.*README 'Data'"):
         data.load_items("clevr", tmp_path / "nowhere", "train")
     broken = tmp_path / "broken"
-    shutil.copytree(synth, broken)
+    shutil.copytree(synth_set, broken)
     (broken / "type_mapping.json").unlink()
     with pytest.raises(SystemExit, match=r"lacks type_mapping\.json.*README 'Data'"):
         data.load_items("clevr", broken, "train")
-    shutil.copy(synth / "type_mapping.json", broken)
+    shutil.copy(synth_set / "type_mapping.json", broken)
     victim = data.load_items("clevr", broken, "train", "semantic")[0]
     Path(victim.after).unlink()
     with pytest.raises(SystemExit, match=rf"missing, first {re.escape(victim.after)}.*--skip-missing"):
         data.load_items("clevr", broken, "train", "semantic")
-    n = len(data.load_items("clevr", synth, "train", "semantic"))
+    n = len(data.load_items("clevr", synth_set, "train", "semantic"))
     assert len(data.load_items("clevr", broken, "train", "semantic", skip_missing=True)) == n - 1
-    shutil.copy(synth / "sc_images" / Path(victim.after).name, victim.after)
+    shutil.copy(synth_set / "sc_images" / Path(victim.after).name, victim.after)
     Path(victim.before).write_bytes(b"not a png")  # present but unreadable: fails when decoded, naming it
     items = data.load_items("clevr", broken, "train", "total")
     with pytest.raises(OSError, match=rf"{re.escape(victim.before)}.*README 'Data'"):
@@ -504,8 +528,8 @@ def test_errors_name_the_path(synth, tmp_path):
 # datasets and batching
 
 
-def test_datasets(synth):
-    items = data.load_items("clevr", synth, "train", "semantic")
+def test_datasets(synth_set):
+    items = data.load_items("clevr", synth_set, "train", "semantic")
     ds = data.CaptionDataset(items, size=32, context_length=32)
     assert len(ds) == sum(len(it.captions) for it in items)
     before, after, tokens, i = ds[7]
@@ -523,15 +547,15 @@ def test_datasets(synth):
     assert i == 2 and torch.equal(a, load_image(items[2].after, 32))
 
 
-def test_empty_captions_are_not_trained_on(synth):
-    it = data.load_items("clevr", synth, "val", "semantic")[0]
+def test_empty_captions_are_not_trained_on(synth_set):
+    it = data.load_items("clevr", synth_set, "val", "semantic")[0]
     items = [it._replace(captions=["", "the red cube moved", " "]), it._replace(captions=[""])]
     assert len(data.CaptionDataset(items, 16)) == 1 and len(data.PairDataset(items, 16)) == 1
     assert data.PairDataset(items, 16)[0][3] == 0 and len(data.ImageDataset(items, 16)) == 2
 
 
-def test_cache_equals_streaming(synth):
-    items = data.load_items("clevr", synth, "val", "total")
+def test_cache_equals_streaming(synth_set):
+    items = data.load_items("clevr", synth_set, "val", "total")
     cache = data.ImageCache(items, size=48, workers=2)
     assert cache.data.dtype == torch.uint8 and cache.data.shape[1:] == (3, 48, 48)
     streamed, cached = data.ImageDataset(items, 48), data.ImageDataset(items, 48, cache=cache)
@@ -539,8 +563,8 @@ def test_cache_equals_streaming(synth):
         assert all(torch.equal(x, y) for x, y in zip(streamed[k][:2], cached[k][:2]))
 
 
-def test_loader_reproducible(synth):
-    items = data.load_items("clevr", synth, "train", "semantic")
+def test_loader_reproducible(synth_set):
+    items = data.load_items("clevr", synth_set, "train", "semantic")
     ds = data.CaptionDataset(items, size=16, swap_prob=0.5)
     batches = lambda loader: [torch.cat([b[0].flatten(1), b[2]], 1) for b in loader]
     a = data.make_loader(ds, 8, shuffle=True, workers=0, seed=3)
@@ -812,7 +836,7 @@ TINY_ADAPT = ["--preset", "small", "--image-size", "32", "--patch-size", "16", "
 @pytest.fixture(scope="module")
 def adapt_synth(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapt_synth")
-    data.make_synth(root, 24, seed=0, size=(120, 80), workers=1)
+    synth.make_synth(root, 24, seed=0, size=(120, 80), workers=1)
     return root
 
 
