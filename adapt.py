@@ -26,7 +26,7 @@ import clip_load
 import data
 import model as M
 from train_utils import (gather, interrupted, last_path, load_resume, log, param_groups, rng_state, save_atomic,
-                         set_rng_state, setup, train_epoch, warmup_cosine)
+                         set_rng_state, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings, and a small from-scratch model that learns on a CPU in minutes
@@ -35,12 +35,14 @@ PRESETS = {
     "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, context_length=32, batch_size=128, epochs=12,
                   lr_new=1e-4, lr_clip=1e-7, weight_decay=0.2, warmup=0.1, grad_clip=1.0, workers=8,
                   eval_batch_size=256),
-    # small: ViT-B/32's 12 blocks and 8x8-patch grid, 1/12 of its width; from scratch, so no frozen parts and one
-    # lr (1e-3 collapses all pairs onto one vector; 3e-4 learns), batch 32 for more steps in the CPU budget
-    "small": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=4,
+    # small: ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6 patch grid (ViT-B/32: 7x7;
+    # an 8x8 grid costs 1.8x per step), a 2-layer text tower; from scratch, so no frozen parts and one lr (1e-3
+    # collapses all pairs onto one vector; 3e-4 learns), batch 32 for more steps in the CPU budget (README
+    # "Quickstart trade-offs")
+    "small": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=2,
                   lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
-                  eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=12, text_width=128,
-                  text_layers=3, embed_dim=128),
+                  eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=64,
+                  text_layers=2, embed_dim=128),
 }
 NEW_PARAMS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding", "visual.ln_mid.")
 # the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
@@ -219,7 +221,7 @@ def fmt(m):
 def main(argv=None):
     args = get_args(argv)
     ctx = setup(args.seed, args.device)
-    log(ctx, f"== adapt.py: preset '{args.preset}' on {ctx.device} x{ctx.world} ==")
+    log(ctx, f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
     if args.preset == "small":
         log(ctx, "   no CLIP weights given or found: training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo). "
                  "For the paper's results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip (README 'Weights').")
@@ -315,9 +317,9 @@ def main(argv=None):
         save_atomic(ckpt, args.out)
         log(ctx, f"test (best val epoch {ckpt['metrics']['epoch']}): {fmt(test)}")
         log(ctx, f"chance:   {fmt({**chance, 'pair->text MdR': float('nan')})}")
-        log(ctx, f"done in {(time.time() - t_start) / 60:.1f} min: test text->pair R@1 {test['text->pair R@1']:.1f} "
-                 f"({test['text->pair R@1'] / chance['text->pair R@1']:.0f}x chance), pair->text R@1 "
-                 f"{test['pair->text R@1']:.1f} ({test['pair->text R@1'] / chance['pair->text R@1']:.0f}x chance) "
+        log(ctx, f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx)}): test text->pair R@1 "
+                 f"{test['text->pair R@1']:.1f} ({test['text->pair R@1'] / chance['text->pair R@1']:.0f}x chance), "
+                 f"pair->text R@1 {test['pair->text R@1']:.1f} ({test['pair->text R@1'] / chance['pair->text R@1']:.0f}x chance) "
                  f"-> {args.out}")
     if ctx.world > 1:
         torch.distributed.destroy_process_group()

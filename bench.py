@@ -5,6 +5,7 @@
     python bench.py pair                    # ViT-B/32 pair encoder forward, 8 pairs (CPU fp32 / CUDA bf16)
     python bench.py adapt --batch 128       # one adaptation training step of ViT-B/32: pairs/s, peak memory
     python bench.py metrics                 # = python metrics.py --bench (8,000 candidates x 6 references)
+    python bench.py matmul                  # this CPU's fp32 GFLOP/s (2048^3 matmul): quote it beside any timing
 
 Decoding runs all --max-len steps (no caption stops early), so both paths do the same number of steps and the
 figure is the worst case; random weights and memory are enough, since the cost does not depend on the values.
@@ -16,13 +17,14 @@ from contextlib import nullcontext
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
+from train_utils import matmul_gflops
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
 
 SIZES = {  # captioner sizes and the pair-encoder memory they read, as caption.py's presets build them
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, memory_dim=512, memory_len=100),  # ViT-B/32
-    "small": dict(width=128, heads=4, enc_layers=1, dec_layers=2, memory_dim=128, memory_len=130),  # adapt small
+    "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, memory_dim=128, memory_len=74),  # adapt small
 }
 
 
@@ -81,7 +83,8 @@ def device_and_amp(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
+        f"CPU, {torch.get_num_threads()} threads, {matmul_gflops():.0f} GFLOP/s fp32"
     return device, amp, where
 
 
@@ -129,6 +132,11 @@ def bench_adapt(args):
           f"{1000 * seconds:.0f} ms/step, {B / seconds:.1f} pairs/s{peak}")
 
 
+def bench_matmul(args):
+    print(f"fp32 matmul {args.n}^3 on the CPU, {torch.get_num_threads()} threads, torch {torch.__version__}: "
+          f"{matmul_gflops(args.n):.0f} GFLOP/s")
+
+
 def bench_metrics(args):
     import metrics
     metrics._bench()
@@ -160,6 +168,10 @@ def main(argv=None):
         q.add_argument("--compile", action="store_true", help="torch.compile (adapt, CUDA)")
         q.set_defaults(func=fn)
     sub.add_parser("metrics", help="scoring speed: python metrics.py --bench").set_defaults(func=bench_metrics)
+    m = sub.add_parser("matmul", help="this CPU's fp32 GFLOP/s, the figure to quote beside a timing",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m.add_argument("--n", type=int, default=2048, help="matrix size")
+    m.set_defaults(func=bench_matmul)
     args = p.parse_args(argv)
     args.func(args)
 

@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 SYNTH_ROOT = "data/clevr_synth"
-IMAGE_SIZE = (240, 160)  # W, H on disk; the small model squashes it to 96 x 96
+IMAGE_SIZE = (180, 120)  # W, H on disk: the small model squashes it to 96 x 96, and 240 x 160 looked the same there
 VERSION = 2  # in synth.json: bump when the same arguments would render a different set (2: scenes.json)
 
 # -----------------------------------------------------------------------------
@@ -407,7 +407,8 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
 WORD = {w: k for k, ws in SAY.items() for w in ws}  # a synonym -> its canonical word: "tiny" -> "small"
 ATTR_OF = {**{v: "color" for v in COLORS}, **{v: "material" for v in MATERIALS}, **{v: "size" for v in SIZES},
            **{v: "shape" for v in SHAPES}}  # a canonical word -> the attribute it gives
-RELATION = re.compile(r"(?P<head>[a-z ]+?) (?:that (?:was|is) )?(?P<rel>" + "|".join(RELATIONS) + r") the (?P<ref>[a-z ]+)$")
+RELATION = re.compile(r"(?P<head>[a-z ]+?) (?:that (?:was|is) )?(?P<rel>" + "|".join(RELATIONS) +
+                      r") the (?P<ref>[a-z ]+)$")
 
 
 def _pattern(template):

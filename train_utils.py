@@ -3,6 +3,7 @@ progress line, atomic resumable checkpoints, and the cross-process gather for th
 
 `adapt.py` and `caption.py` import from here; nothing here knows which stage it serves.
 """
+import functools
 import math
 import os
 import random
@@ -38,6 +39,20 @@ def setup(seed=0, device=None):
     return SimpleNamespace(device=device, rank=rank, world=world, main=rank == 0, amp=amp)
 
 
+@functools.lru_cache
+def matmul_gflops(n=2048, repeats=5):
+    """This CPU's fp32 speed: GFLOP/s of an n x n x n matmul (the best of `repeats`, after a warm-up), the figure
+    every timing in README is given beside. Development machines here: 70-165 with 2 cores."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
 def seed_everything(seed):
     random.seed(seed)
     np.random.seed(seed)
@@ -70,6 +85,13 @@ def gather(x):
 
 def unwrap(model):
     return model.module if hasattr(model, "module") else model
+
+
+def where(ctx):
+    """The machine in a few words, for banners and timings: a CPU's speed is its fp32 GFLOP/s."""
+    if ctx.device.type == "cuda":
+        return f"{torch.cuda.get_device_name(ctx.device)} x{ctx.world}"
+    return f"CPU x{ctx.world}, {torch.get_num_threads()} threads, {matmul_gflops():.0f} GFLOP/s fp32"
 
 
 def log(ctx, *args):
