@@ -1114,3 +1114,19 @@ def test_resume_equals_uninterrupted(trained, tmp_path, monkeypatch):
     assert a["epoch"] == b["epoch"] == 3 and a["history"] == b["history"]
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_synthetic_run_reads_its_captions_back(adapt_synth, tmp_path, capsys):
+    """On a synthetic set caption.py parses every test caption against scenes.json, prints the figures and stores
+    them in the results; on a real-format set (no scenes.json) it stores None."""
+    tiny_encoder(tmp_path / "adapted.pt", adapt_synth)
+    results = run(tmp_path, epochs=1)
+    preds = {p["id"]: p["caption"] for p in results["predictions"]}
+    assert results["synthetic"] == synth.report(preds, synth.read_scenes(adapt_synth))
+    assert results["synthetic"]["change pairs"] == results["synthetic"]["distractor pairs"] == len(preds) // 2
+    assert "read back against the scenes" in capsys.readouterr().out
+    assert json.loads((tmp_path / "captions.json").read_text())["synthetic"] == results["synthetic"]
+    real = tmp_path / "real"
+    shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("scenes.json"))
+    tiny_encoder(tmp_path / "adapted.pt", real)
+    assert run(tmp_path, epochs=1)["synthetic"] is None
