@@ -317,10 +317,10 @@ def main(argv=None):
         save_atomic(ckpt, args.out)
         log(ctx, f"test (best val epoch {ckpt['metrics']['epoch']}): {fmt(test)}")
         log(ctx, f"chance:   {fmt({**chance, 'pair->text MdR': float('nan')})}")
+        r1 = {d: f"{test[d + ' R@1']:.1f} ({test[d + ' R@1'] / chance[d + ' R@1']:.0f}x chance)"
+              for d in ("text->pair", "pair->text")}
         log(ctx, f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx)}): test text->pair R@1 "
-                 f"{test['text->pair R@1']:.1f} ({test['text->pair R@1'] / chance['text->pair R@1']:.0f}x chance), "
-                 f"pair->text R@1 {test['pair->text R@1']:.1f} ({test['pair->text R@1'] / chance['pair->text R@1']:.0f}x chance) "
-                 f"-> {args.out}")
+                 f"{r1['text->pair']}, pair->text R@1 {r1['pair->text']} -> {args.out}")
     if ctx.world > 1:
         torch.distributed.destroy_process_group()
 

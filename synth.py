@@ -350,7 +350,7 @@ def captions(rng, kind, before, after, k, n=6):
 # the set on disk
 
 
-def _make_triple(i, out, seed, size, far_change=False):
+def _make_triple(i, out, seed, size, far_change=False, change_jitter=0.3):
     """Scene i -> default, semantic-change and non-semantic images on disk; returns its type, change captions,
     no-change captions and scene record (the objects before and after, the changed one's index).
     The distractor moves the camera and the light by 0.5-1 (in jitter units); the change image moves the camera by
@@ -360,7 +360,7 @@ def _make_triple(i, out, seed, size, far_change=False):
     before, after, k = make_scene(rng, kind)
     jc, jl = [rng.uniform(-0.5, 0.5) for _ in range(6)], [rng.uniform(-0.3, 0.3) for _ in range(3)]
     shift = lambda js, lo, hi: [a + rng.choice((-1, 1)) * rng.uniform(lo, hi) for a in js]
-    changed = (after, shift(jc, 0.5, 1), shift(jl, 0.5, 1)) if far_change else (after, shift(jc, 0, 0.3), jl)
+    changed = (after, shift(jc, 0.5, 1), shift(jl, 0.5, 1)) if far_change else (after, shift(jc, 0, change_jitter), jl)
     views = {"images/CLEVR_default": (before, jc, jl), "sc_images/CLEVR_semantic": changed,
              "nsc_images/CLEVR_nonsemantic": (before, shift(jc, 0.5, 1), shift(jl, 0.5, 1))}
     for name, (objs, j1, j2) in views.items():
@@ -369,7 +369,8 @@ def _make_triple(i, out, seed, size, far_change=False):
     return kind, captions(rng, kind, before, after, k), rng.sample(NO_CHANGE, 6), scene
 
 
-def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None, far_change=False):
+def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None, far_change=False,
+               change_jitter=0.3):
     """Write a synthetic CLEVR-Change (images/, sc_images/, nsc_images/, the caption, split and type files) and
     scenes.json ({"%06d": {"type", "before": [objects], "after": [objects], "changed": index}})."""
     out = Path(out)
@@ -378,14 +379,16 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
     (out / "synth.json").unlink(missing_ok=True)  # written last: marks a complete set
     t0 = time.time()
     with Pool(workers or os.cpu_count()) as pool:
-        scene = partial(_make_triple, out=str(out), seed=seed, size=tuple(size), far_change=far_change)
+        scene = partial(_make_triple, out=str(out), seed=seed, size=tuple(size), far_change=far_change,
+                        change_jitter=change_jitter)
         made = pool.map(scene, range(pairs), chunksize=8)
     name = lambda i: f"CLEVR_default_{i:06d}.png"
     types = {t: [f"{i:06d}.png" for i, m in enumerate(made) if m[0] == t] for t in CHANGES}
     order = random.Random(seed).sample(range(pairs), pairs)
     n_val, n_test = max(1, pairs // 20), max(1, pairs // 10)  # the real split is 85 / 5 / 10 %
     meta = {"pairs": pairs, "size": list(size), "seed": seed, "version": VERSION,
-            **({"far_change": 1} if far_change else {})}
+            **({"far_change": 1} if far_change else {}),
+            **({"change_jitter": change_jitter} if change_jitter != 0.3 else {})}
     files = {"change_captions.json": {name(i): m[1] for i, m in enumerate(made)},
              "no_change_captions.json": {name(i): m[2] for i, m in enumerate(made)}, "type_mapping.json": types,
              "splits.json": {"train": order[n_val + n_test:], "val": order[:n_val],
@@ -545,6 +548,8 @@ if __name__ == "__main__":
     m.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
     m.add_argument("--far-change", action="store_true",
                    help="move the change image's camera and light as far as the distractor's (a harder set)")
+    m.add_argument("--change-jitter", type=float, default=0.3,
+                   help="most camera move of the change image, in jitter units (the distractor's is 0.5-1)")
     s = cmd.add_parser("sheet", formatter_class=fmt, help="contact sheet of CLEVR-Change(-style) pairs")
     s.add_argument("--root", default=SYNTH_ROOT, help="a CLEVR-Change directory")
     s.add_argument("--out", default="sheet.png", help="PNG to write")
@@ -554,6 +559,6 @@ if __name__ == "__main__":
     s.add_argument("--seed", type=int, default=0, help="which pairs")
     args = p.parse_args()
     if args.cmd == "make":
-        make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change)
+        make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change, args.change_jitter)
     else:
         contact_sheet(args.root, args.out, args.n, args.size, args.split, args.seed)

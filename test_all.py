@@ -345,14 +345,24 @@ def test_synth_deterministic(synth_set, tmp_path):
     assert not np.array_equal(np.asarray(Image.open(other / name)), np.asarray(Image.open(synth_set / name)))
 
 
-def test_synth_far_change_moves_the_view_as_far_as_the_distractor(synth_set, tmp_path):
+def test_synth_change_view_near_far_or_still(synth_set, tmp_path):
+    """The change image's camera: near the default's (default), as far as the distractor's (--far-change), or the
+    default's own (--change-jitter 0: only the changed object differs)."""
     far = synth.make_synth(tmp_path / "far", pairs=20, seed=0, size=SIZE, workers=1, far_change=True)
+    still = synth.make_synth(tmp_path / "still", pairs=20, seed=0, size=SIZE, workers=1, change_jitter=0)
     img = lambda root, d, name, i: np.asarray(Image.open(root / d / f"CLEVR_{name}_{i:06d}.png"), dtype=float)
     moved = lambda root, d, name: np.mean([np.abs(img(root, d, name, i) - img(root, "images", "default", i)).mean()
                                            for i in range(20)])  # mean pixel change from the default image
     near_sc, far_sc = moved(synth_set, "sc_images", "semantic"), moved(far, "sc_images", "semantic")
     far_nsc = moved(far, "nsc_images", "nonsemantic")
     assert near_sc < 0.7 * far_nsc and 0.7 * far_nsc < far_sc < 1.5 * far_nsc
+    assert moved(still, "sc_images", "semantic") < 0.7 * near_sc
+    scenes = synth.read_scenes(still)  # a colour change with a still camera: pixels differ around that object only
+    i = next(int(k) for k, sc in scenes.items() if sc["type"] == "color")
+    diff = np.abs(img(still, "sc_images", "semantic", i) - img(still, "images", "default", i)).max(-1) > 8
+    assert 0 < diff.mean() < 0.1
+    assert json.loads((still / "synth.json").read_text())["change_jitter"] == 0
+    assert (still / "change_captions.json").read_text() == (synth_set / "change_captions.json").read_text()
     assert json.loads((far / "synth.json").read_text())["far_change"] == 1
     assert "far_change" not in json.loads((synth_set / "synth.json").read_text())  # default sets keep their meta
 
