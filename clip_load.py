@@ -119,6 +119,30 @@ def read_state_dict(path):
     return sd, extra
 
 
+def to_fp16(module):
+    """What OpenAI's `convert_weights` leaves in the release: matrices, convolutions, projections and biases in
+    fp16, LayerNorms in fp32."""
+    for name, p in module.named_parameters():
+        if p.ndim >= 2 or name.endswith(("in_proj_bias", "class_embedding", "bef_embedding", "aft_embedding")) \
+                or ".mlp." in name or "out_proj" in name:
+            p.data = p.data.half()
+    return module
+
+
+def save_archive(model, path):
+    """Write a CLIP (model.py) as OpenAI's ViT-B-32.pt is written: a TorchScript archive of the fp16 model, traced
+    on encode_image and encode_text. For tests and benchmarks: a random-weight ViT-B/32 saved so goes through the
+    same loading code as the released file. Returns the model with its fp16-rounded weights back in fp32."""
+    model = to_fp16(model.eval())
+    res, ctx = model.cfg.image_resolution, model.cfg.context_length
+    text = torch.zeros(1, ctx, dtype=torch.long)
+    text[0, :3] = torch.tensor([SOT, 320, EOT])
+    traced = torch.jit.trace_module(model, {"encode_image": torch.zeros(1, 3, res, res, dtype=torch.half),
+                                            "encode_text": text}, check_trace=False)
+    torch.jit.save(traced, str(path))
+    return model.float()
+
+
 def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
     """Load CLIP (+ the CLIP4IDC pair parameters when the file has them) in fp32, eval mode.
 

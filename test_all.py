@@ -76,15 +76,6 @@ def tiny_inputs(seed=0):
     return images, text
 
 
-def to_fp16(module):
-    """What OpenAI's convert_weights does to the release: matrices and embeddings fp16, LayerNorms fp32."""
-    for name, p in module.named_parameters():
-        if p.ndim >= 2 or name.endswith(("in_proj_bias", "class_embedding", "bef_embedding", "aft_embedding")) \
-                or ".mlp." in name or "out_proj" in name:
-            p.data = p.data.half()
-    return module
-
-
 def write_archive(module, path, images, text):
     """A TorchScript archive with fp16 weights, as OpenAI's ViT-B-32.pt is written."""
     traced = torch.jit.trace_module(module.eval(), {"encode_image": images.half(), "encode_text": text},
@@ -113,11 +104,21 @@ def test_openai_archive_matches_openai_code(tmp_path):
         assert_close(a[0], b[0], atol=1e-4)
 
 
+def test_patches_equal_the_convolution():
+    """The patch embedding is conv1 computed as a matmul: equal to the convolution, also on a non-square input
+    whose sides are not multiples of the patch size (the convolution drops the remainder)."""
+    torch.manual_seed(0)
+    vis = M.CLIP(TINY).visual
+    x = torch.randn(2, 3, 37, 53)
+    want = vis.conv1(x).flatten(2).transpose(1, 2)  # (B, 4 * 6, width)
+    assert vis.patches(x).shape == want.shape == (2, 24, 64)
+    assert_close(vis.patches(x), want)
+
+
 def test_archive_roundtrip_and_state_dict(tmp_path):
     torch.manual_seed(0)
-    original = to_fp16(M.CLIP(TINY))
     images, text = tiny_inputs()
-    original = write_archive(original, tmp_path / "a.pt", images, text).eval()
+    original = clip_load.save_archive(M.CLIP(TINY), tmp_path / "a.pt")  # as OpenAI's release: fp16 TorchScript
     torch.save(original.state_dict(), tmp_path / "sd.pt")
     for path in (tmp_path / "a.pt", tmp_path / "sd.pt"):
         ours = load_clip(path, n_inter=2)
