@@ -25,8 +25,8 @@ import torch.nn.functional as F
 import clip_load
 import data
 import model as M
-from train_utils import (gather, interrupted, last_path, load_resume, log, param_groups, rng_state, save_atomic,
-                         set_rng_state, setup, train_epoch, warmup_cosine, where)
+from train_utils import (gather, interrupted, last_path, load_resume, log, make_optimizer, param_groups, rng_state,
+                         save_atomic, set_rng_state, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings, and a small from-scratch model that learns on a CPU in minutes
@@ -62,6 +62,9 @@ def get_args(argv=None):
                    help="CLEVR: probability of replacing the before image by its non-semantic version (default: "
                         "0.5, the authors'; 0 on the synthetic set, see README 'Results')")
     p.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (preset)")
+    p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode every image once into memory (uint8) before training; default: when it fits in a "
+                        "quarter of RAM")
     # model
     p.add_argument("--preset", default="auto", choices=["auto", "paper", "small"],
                    help="auto: paper when CLIP weights are found, else small")
@@ -137,12 +140,14 @@ class PairText(torch.nn.Module):
 
 def contrastive_loss(v, g, logit_scale):
     """eq. (6)-(8): InfoNCE over the (global) batch, pair -> text and text -> pair, averaged.
-    v: pair vectors (B, D), g: caption features (B, D); row i of each belongs together."""
-    v, g = gather(F.normalize(v.float(), dim=-1)), gather(F.normalize(g.float(), dim=-1))  # (N, D), N = global B
-    scale = logit_scale.clamp(max=math.log(100)).exp()  # temperature >= 0.01, as the authors clamp it
-    logits = scale * v @ g.t()  # (N, N) cosine similarities
-    labels = torch.arange(len(logits), device=logits.device)
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+    v: pair vectors (B, D), g: caption features (B, D); row i of each belongs together. Computed in fp32 with
+    autocast off: at logit scale 100, bf16 logits would be off by up to ~0.4."""
+    with torch.autocast(v.device.type, enabled=False):
+        v, g = gather(F.normalize(v.float(), dim=-1)), gather(F.normalize(g.float(), dim=-1))  # (N, D), N = global B
+        scale = logit_scale.float().clamp(max=math.log(100)).exp()  # temperature >= 0.01, as the authors clamp it
+        logits = scale * v @ g.t()  # (N, N) cosine similarities
+        labels = torch.arange(len(logits), device=logits.device)
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
 
 
 # -----------------------------------------------------------------------------
@@ -157,8 +162,9 @@ def encode_split(model, items, args, ctx, cache=None):
     loader = data.make_loader(ds, args.eval_batch_size, workers=args.workers, device=ctx.device)
     pairs = []
     for before, after, _ in loader:
+        before, after = (clip_load.normalize(x.to(ctx.device, non_blocking=True)) for x in (before, after))
         with ctx.amp:
-            pairs.append(model.encode_pair(before.to(ctx.device), after.to(ctx.device))[1].float())
+            pairs.append(model.encode_pair(before, after)[1].float())
     # every non-empty caption is a retrieval target (Spot-the-Diff has a few empty sentences)
     owner, captions = map(list, zip(*[(i, c) for i, it in enumerate(items) for c in it.captions if c.strip()]))
     owner = torch.tensor(owner)
@@ -236,10 +242,12 @@ def main(argv=None):
         args.swap_prob = 0.0 if (root / "synth.json").is_file() else 0.5
     split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
     train_items, val_items, test_items = split("train"), split("val"), split("test")
-    cache = None
-    if args.preset == "small":  # decode the small set once: PNG decoding would cost more than the model's step
-        cache = data.ImageCache(train_items + val_items + test_items, args.image_size, workers=os.cpu_count())
-        log(ctx, f"   decoded {len(cache.index)} images to memory at {cache.rate:.0f} images/s")
+    cache = None  # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
+    if data.use_cache(train_items + val_items + test_items, args.image_size, args.image_cache):
+        cache = data.ImageCache(train_items + val_items + test_items, args.image_size, workers=os.cpu_count(),
+                                log_every=20_000 if ctx.main else 0)
+        log(ctx, f"   decoded {len(cache.index)} images to memory ({cache.data.numel() / 2**30:.1f} GiB) at "
+                 f"{cache.rate:.0f} images/s")
     train_ds = data.CaptionDataset(train_items, args.image_size, args.context_length,
                                    swap_prob=args.swap_prob if args.data == "clevr" else 0.0, cache=cache)
     sampler = data.EpochSampler(len(train_ds), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)
@@ -253,7 +261,7 @@ def main(argv=None):
     # model, optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
     model = build_model(args).to(ctx.device)
     groups = param_groups(model.named_parameters(), lr_for(args), args.weight_decay)
-    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6)
+    optimizer = make_optimizer(groups, ctx.device)
     total_steps = args.epochs * len(loader)
     scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
     n_train = sum(p.numel() for g in groups for p in g["params"])
@@ -277,8 +285,11 @@ def main(argv=None):
         net = torch.compile(net)
 
     def loss_fn(batch):
-        before, after, ids, _ = (t.to(ctx.device, non_blocking=True) for t in batch)
+        before, after, ids, _ = batch
         ids = ids[:, :int(ids.argmax(-1).max()) + 1]  # drop the padding after the longest caption: same features
+        # (trimmed on the CPU: on the GPU, reading the length back would make the CPU wait for every step)
+        before, after, ids = (t.to(ctx.device, non_blocking=True) for t in (before, after, ids))
+        before, after = clip_load.normalize(before), clip_load.normalize(after)  # uint8 -> CLIP's input, on device
         return contrastive_loss(*net(before, after, ids)), len(ids)
 
     chance = chance_metrics(torch.tensor([i for i, it in enumerate(test_items) for c in it.captions if c.strip()]),

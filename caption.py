@@ -29,11 +29,11 @@ from PIL import Image, ImageDraw
 
 import metrics
 import synth
-from clip_load import MODELS, load_clip, load_image, open_image, resolve, to_rgb
-from data import EpochSampler, ImageCache, ImageDataset, load_items, make_loader, resolve_root
+from clip_load import MODELS, load_clip, load_image, normalize, open_image, resolve, to_rgb
+from data import EpochSampler, ImageCache, ImageDataset, load_items, make_loader, resolve_root, use_cache
 from model import PAIR_KEYS, Captioner, CaptionerConfig
-from train_utils import (fmt_time, interrupted, last_path, load_resume, log, param_groups, rng_state, save_atomic,
-                         set_rng_state, setup, train_epoch, unwrap, warmup_cosine, where)
+from train_utils import (fmt_time, interrupted, last_path, load_resume, log, make_optimizer, param_groups, rng_state,
+                         save_atomic, set_rng_state, setup, train_epoch, unwrap, warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoder, frozen (its tokens computed once per pair): a decoder that reads the 2(n+1)
@@ -125,13 +125,20 @@ class Features(torch.utils.data.Dataset):
         return self.feats[i], i
 
 
+def to_device(inputs, device):
+    """A batch's model inputs onto the device: uint8 images (the loaders' output) normalized there, cached
+    encoder tokens as they are."""
+    inputs = [x.to(device, non_blocking=True) for x in inputs]
+    return [normalize(x) if x.dtype == torch.uint8 else x for x in inputs]
+
+
 @torch.no_grad()
 def encode_all(model, loader, ctx):
     """Images -> pair-encoder tokens for every item, stored in fp16 (half the memory, far below the noise)."""
     out = []
     for before, after, _ in loader:
         with ctx.amp:
-            out.append(model.memory([before.to(ctx.device), after.to(ctx.device)]).half().cpu())
+            out.append(model.memory(to_device([before, after], ctx.device)).half().cpu())
     return torch.cat(out)
 
 
@@ -154,6 +161,19 @@ def read_extra(path):
     return {k: v for k, v in obj.items() if k != "model"} if isinstance(obj, dict) and "model" in obj else {}
 
 
+def learning_rates(args, n_inter):
+    """The training rule: parameter name -> learning rate, or None for frozen."""
+    unused = PAIR_KEYS if n_inter == 0 else ()  # 12/0: e1, e2, p, ln_mid take no part (and DDP minds)
+
+    def lr(name):
+        if name.startswith("captioner."):
+            return args.lr  # trained from scratch
+        if args.freeze_encoder or not name.startswith("clip.visual.") or name[len("clip."):] in unused:
+            return None  # the text tower and logit scale play no part in captioning
+        return args.encoder_lr  # the pair encoder, fine-tuned end to end (authors: 1e-7)
+    return lr
+
+
 # -----------------------------------------------------------------------------
 # evaluation
 
@@ -165,7 +185,7 @@ def predict(model, loader, items, vocab, ctx, beam=1):
     out = {}
     for *inputs, idx in loader:
         with ctx.amp:
-            ids = model.caption([x.to(ctx.device) for x in inputs], beam)
+            ids = model.caption(to_device(inputs, ctx.device), beam)
         for i, row in zip(idx.tolist(), ids.tolist()):
             out[items[i].id] = to_text(row, vocab)
     return out
@@ -255,6 +275,9 @@ def parse_args(argv=None):
     p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's, else data/...)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
     p.add_argument("--workers", type=int, default=2, help="image-loading processes")
+    p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode every image once into memory (uint8) when the encoder is fine-tuned; default: when "
+                        "it fits in a quarter of RAM")
     # model
     p.add_argument("--n-inter", type=int, default=None, help="inter blocks of the pair encoder (default: the "
                    "checkpoint's, 3 for a raw CLIP)")
@@ -426,11 +449,8 @@ def main(argv=None):
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
                           max_len=args.max_len, dropout=args.dropout)
     model = IDC(clip, Captioner(cfg)).to(ctx.device)
-    unused = PAIR_KEYS if clip.cfg.n_inter == 0 else ()  # 12/0: e1, e2, p, ln_mid take no part (and DDP minds)
-    lr_for = lambda k: (args.lr if k.startswith("captioner.") else None if args.freeze_encoder or
-                        not k.startswith("clip.visual.") or k[len("clip."):] in unused else args.encoder_lr)
-    optimizer = torch.optim.AdamW(param_groups(model.named_parameters(), lr_for, args.weight_decay),
-                                  betas=(0.9, 0.98), eps=1e-6)
+    lr_for = learning_rates(args, clip.cfg.n_inter)
+    optimizer = make_optimizer(param_groups(model.named_parameters(), lr_for, args.weight_decay), ctx.device)
     n_train = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     log(ctx, f"model: pair encoder {clip.cfg.vision_layers - clip.cfg.n_inter}/{clip.cfg.n_inter} "
              f"({'frozen' if args.freeze_encoder else f'lr {args.encoder_lr:g}'}), memory {cfg.memory_len} tokens "
@@ -443,9 +463,12 @@ def main(argv=None):
         t0 = time.time()
         feats = {s: encode_all(model, loader_for(items, args, ctx, size), ctx) for s, items in splits.items()}
         log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
-    cache = None
-    if not args.freeze_encoder and sum(len(v) for v in splits.values()) * 2 * 3 * size * size < 2 ** 31:
-        cache = ImageCache([it for v in splits.values() for it in v], size, args.workers)  # small sets: decode once
+    cache = None  # a fine-tuned encoder sees every image every epoch: decode once when it fits (--image-cache)
+    everything = [it for v in splits.values() for it in v]
+    if not args.freeze_encoder and use_cache(everything, size, args.image_cache):
+        cache = ImageCache(everything, size, os.cpu_count(), log_every=20_000 if ctx.main else 0)
+        log(ctx, f"decoded {len(cache.index)} images to memory ({cache.data.numel() / 2**30:.1f} GiB) at "
+                 f"{cache.rate:.0f} images/s")
     batch = args.batch_size // ctx.world
     train_loader = loader_for(splits["train"], args, ctx, size, feats.get("train"), True, batch, cache)
     val_loader, test_loader = (loader_for(splits[s], args, ctx, size, feats.get(s), cache=cache)
@@ -472,7 +495,7 @@ def main(argv=None):
         row = first[idx] + (torch.rand(len(idx), generator=gen) * count[idx]).long()  # a random caption per pair
         tokens = captions[row]
         tokens = tokens[:, :int((tokens != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
-        logits = ddp([x.to(ctx.device, non_blocking=True) for x in inputs], tokens[:, :-1])
+        logits = ddp(to_device(inputs, ctx.device), tokens[:, :-1])
         return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=PAD), len(idx)
 
     def meta(metrics_):

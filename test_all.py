@@ -544,18 +544,18 @@ def test_datasets(synth_set):
     ds = data.CaptionDataset(items, size=32, context_length=32)
     assert len(ds) == sum(len(it.captions) for it in items)
     before, after, tokens, i = ds[7]
-    assert before.shape == after.shape == (3, 32, 32) and before.dtype == torch.float32
+    assert before.shape == after.shape == (3, 32, 32) and before.dtype == torch.uint8  # normalized on the device
     assert tokens.shape == (32,) and tokens[0] == 49406 and (i, 7) == (ds.samples[7][0], 7)
     assert torch.equal(tokens, tokenize(items[i].captions[ds.samples[7][1] - ds.rows[i][0]], 32)[0])
-    assert torch.equal(before, load_image(items[i].before, 32))
+    assert torch.equal(clip_load.normalize(before), load_image(items[i].before, 32))  # what the model sees
     swapped = data.CaptionDataset(items, size=32, swap_prob=1.0)[7][0]
-    assert torch.equal(swapped, load_image(items[i].alt_before, 32))
+    assert torch.equal(clip_load.normalize(swapped), load_image(items[i].alt_before, 32))
     pairs = data.PairDataset(items, size=32)
     rows = {tuple(pairs.tokens[r].tolist()) for r in pairs.rows[3]}
     assert all(tuple(pairs[(3, s)][2].tolist()) in rows for s in range(10))
     assert len({tuple(pairs[(3, s)][2].tolist()) for s in range(20)}) > 1  # a random caption each time
     b, a, i = data.ImageDataset(items, size=32)[2]
-    assert i == 2 and torch.equal(a, load_image(items[2].after, 32))
+    assert i == 2 and torch.equal(clip_load.normalize(a), load_image(items[2].after, 32))
 
 
 def test_empty_captions_are_not_trained_on(synth_set):
@@ -879,6 +879,30 @@ def test_contrastive_loss_matches_definition():
     assert adapt.contrastive_loss(v, g, torch.tensor(9.0)) == adapt.contrastive_loss(v, g, torch.tensor(4.7))  # ln 100 clamp
 
 
+def test_contrastive_logits_fp32_under_autocast():
+    """bf16 autocast (CUDA's path, here on the CPU) must not reach the logits: at scale 100 a bf16 matmul is off
+    by up to ~0.4 per logit."""
+    torch.manual_seed(0)
+    v, g = torch.randn(64, 128), torch.randn(64, 128)
+    g = v + 3 * g  # pairs near their captions: a loss of about 0.5, as in training
+    scale = torch.tensor(math.log(100))
+    want = adapt.contrastive_loss(v, g, scale)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = adapt.contrastive_loss(v, g, scale)
+    assert got.dtype == torch.float32 and abs(got.item() - want.item()) < 1e-5, (got.item(), want.item())
+
+
+def test_train_epoch_stops_on_nan():
+    model = torch.nn.Linear(2, 1)
+    opt = train_utils.make_optimizer([{"params": list(model.parameters()), "lr": 0.1}], "cpu")
+    sched = train_utils.warmup_cosine(opt, 10)
+    ctx = train_utils.setup(0, "cpu")
+    batches = [torch.ones(4, 2)] * 3 + [torch.full((4, 2), float("nan"))] + [torch.ones(4, 2)] * 3
+    loss_fn = lambda b: (model(b).pow(2).mean(), len(b))
+    with pytest.raises(SystemExit, match="loss became nan between steps 4 and 6 .*--resume"):
+        train_utils.train_epoch(ctx, model, batches, loss_fn, opt, sched, 0, 1, 0, 7, log_every=3)
+
+
 def test_loss_decreases_on_synthetic_batches(adapt_synth):
     args = adapt.get_args(TINY_ADAPT + ["--data-root", str(adapt_synth)])
     torch.manual_seed(0)
@@ -886,6 +910,7 @@ def test_loss_decreases_on_synthetic_batches(adapt_synth):
     items = data.load_items("clevr", adapt_synth, "train", setting="semantic")[:8]
     ds = data.CaptionDataset(items, 32, 32, swap_prob=0.5)
     batch = next(iter(data.make_loader(ds, 8, shuffle=True)))
+    batch = [clip_load.normalize(batch[0]), clip_load.normalize(batch[1]), batch[2]]
     opt = torch.optim.AdamW(adapt.param_groups(model.named_parameters(), adapt.lr_for(args), 0.0))
     net = adapt.PairText(model)
     losses = []

@@ -130,35 +130,53 @@ def param_groups(named_params, lr_for, weight_decay):
     return [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
 
 
+def make_optimizer(groups, device):
+    """AdamW as the authors set it (betas 0.9/0.98, eps 1e-6) over `param_groups`; on CUDA the fused kernel (one
+    launch for all parameters instead of a few per tensor)."""
+    return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6, fused=torch.device(device).type == "cuda")
+
+
+def train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
+    """One optimizer step: `loss_fn(batch) -> (loss, n_samples)` under autocast, backward, clip, step. Returns
+    the loss (still on the device: reading it would make the CPU wait for the GPU) and n."""
+    with ctx.amp:
+        loss, n = loss_fn(batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    scheduler.step()
+    return loss.detach(), n
+
+
 def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, epoch, epochs, step, total_steps,
                 grad_clip=1.0, log_every=20, unit="pairs"):
-    """One pass over `loader`. `loss_fn(batch) -> (loss, n_samples)` runs the model under autocast.
-    Prints `step/total loss lr units/s ETA` every `log_every` steps; stops with a clear message on NaN/inf.
-    Returns (mean loss, step)."""
+    """One pass over `loader` (see train_step). Prints `step/total loss lr units/s ETA` every `log_every` steps,
+    and checks the loss there: the loss is summed on the device, so the CPU queues the next steps while the GPU
+    runs. A NaN/inf loss stops the run, naming the steps. Returns (mean loss, step)."""
     model.train()
-    t0, seen, total, count = time.time(), 0, 0.0, 0
+    t0, seen, count, checked = time.time(), 0, 0, step
+    total = torch.zeros((), device=ctx.device)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for batch in loader:
-        with ctx.amp:
-            loss, n = loss_fn(batch)
-        if not torch.isfinite(loss):
-            raise SystemExit(f"loss is {loss.item()} at step {step} (epoch {epoch}): stopping. The last good "
-                             f"checkpoint is on disk; lower the learning rate or check the data, then --resume.")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if grad_clip:
-            torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        optimizer.step()
-        scheduler.step()
+        loss, n = train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip)
+        total += loss.float()
         step += 1
         seen += n * ctx.world
-        total, count = total + loss.item(), count + 1
+        count += 1
         if step % log_every == 0 or count == len(loader):
+            if not torch.isfinite(total):  # the one host sync per log line
+                raise SystemExit(f"loss became {loss.item()} between steps {checked + 1} and {step} (epoch "
+                                 f"{epoch + 1}): stopping. The last good checkpoint is on disk; lower the learning "
+                                 f"rate or check the data, then --resume.")
+            checked = step
             rate = seen / (time.time() - t0)
             eta = (total_steps - step) * (time.time() - t0) / count
+            lrs = "/".join(f"{lr:.2e}" for lr in sorted({g["lr"] for g in optimizer.param_groups}, reverse=True))
             log(ctx, f"epoch {epoch + 1}/{epochs} step {step}/{total_steps} | loss {loss.item():.4f} | "
-                     f"lr {optimizer.param_groups[0]['lr']:.2e} | {rate:.1f} {unit}/s | ETA {fmt_time(eta)}")
-    return total / max(1, count), step
+                     f"lr {lrs} | {rate:.1f} {unit}/s | ETA {fmt_time(eta)}")
+    return total.item() / max(1, count), step
 
 
 def fmt_time(seconds):
