@@ -11,13 +11,15 @@ Decoding runs all --max-len steps (no caption stops early), so both paths do the
 figure is the worst case; random weights and memory are enough, since the cost does not depend on the values.
 """
 import argparse
+import os
 import time
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
-from train_utils import matmul_gflops
+from train_utils import make_optimizer, matmul_gflops, param_groups, train_step, warmup_cosine
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
@@ -66,7 +68,13 @@ def bench_decode(args):
             print(f"{label:<34} {'yes' if use_cache else 'no':>5} {args.batch / seconds:>11.1f} "
                   f"{1000 * seconds / args.max_len:>8.2f} {speedup:>8}")
         same = torch.equal(results[True][1], results[False][1])
-        print(f"{'':<34} identical ids with and without the cache: {same}")
+        note = ""
+        if device.type == "cuda":  # bf16 rounds the two paths' sums differently: random logits are near ties
+            torch.backends.cuda.matmul.allow_tf32 = False
+            ids = [model.generate(memory, bos=1, eos=-1, use_cache=c) for c in (True, False)]
+            torch.backends.cuda.matmul.allow_tf32 = True
+            note = f" (bf16); in fp32: {torch.equal(*ids)}"
+        print(f"{'':<34} identical ids with and without the cache: {same}{note}")
 
 
 # -----------------------------------------------------------------------------
@@ -80,9 +88,11 @@ def vit_b32(device, n_inter=3):
 
 def device_and_amp(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.threads:
+    if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as train_utils.setup
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU, {torch.get_num_threads()} threads, {matmul_gflops():.0f} GFLOP/s fp32"
     return device, amp, where
@@ -104,32 +114,553 @@ def _amp_call(amp, fn, *a):
         return fn(*a)
 
 
-def bench_adapt(args):
-    """One training step as adapt.py's paper preset runs it: pair encoder + text tower + contrastive loss."""
-    from adapt import PairText, contrastive_loss
-    device, amp, where = device_and_amp(args)
-    model = vit_b32(device).train()
-    net = torch.compile(PairText(model)) if args.compile else PairText(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-7, betas=(0.9, 0.98), eps=1e-6)
-    B = args.batch
-    before, after = torch.randn(B, 3, 224, 224, device=device), torch.randn(B, 3, 224, 224, device=device)
-    ids = torch.randint(1, 49000, (B, 32), device=device)
-    ids[:, 20] = 49407
+# ---- FLOPs and the GPU's peak: what MFU is measured against
 
-    def step():
-        with amp:
-            loss = contrastive_loss(*net(before, after, ids))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss
+
+def transformer_flops(seqs, length, width, layers, causal=False):
+    """Forward FLOPs of `layers` CLIP blocks over `seqs` sequences of `length` tokens: the matmuls only (2 per
+    multiply-add): q/k/v/out projections 4 w^2 and the MLP 8 w^2 per token, attention scores and values
+    2 * length^2 * w per sequence each. Causal attention is counted in full, as SDPA's math reference computes
+    it (flash kernels skip about half of it). LayerNorm, softmax, GELU and residual adds are left out."""
+    per_layer = seqs * length * 2 * 12 * width ** 2 + seqs * 2 * 2 * length ** 2 * width
+    return layers * per_layer
+
+
+def adapt_step_flops(cfg, batch, text_len):
+    """Model FLOPs of one adaptation step (paper preset): the pair encoder and the text tower, forward and
+    backward. Backward costs twice the forward (gradients of inputs and of weights); the patch convolution sees
+    only data and its weights are frozen, so it costs its forward alone. The loss (B x B logits) is negligible."""
+    grid = cfg.image_resolution // cfg.vision_patch_size
+    n, w, e = grid * grid + 1, cfg.vision_width, cfg.embed_dim
+    conv = 2 * batch * 2 * grid * grid * 3 * cfg.vision_patch_size ** 2 * w  # both images
+    vision = transformer_flops(2 * batch, n, w, cfg.vision_layers - cfg.n_inter) + \
+        transformer_flops(batch, 2 * n, w, cfg.n_inter) + 2 * batch * 2 * n * w * e  # ln_post @ proj, all tokens
+    text = transformer_flops(batch, text_len, cfg.transformer_width, cfg.transformer_layers) + \
+        2 * batch * cfg.transformer_width * e  # the end-of-text token @ text_projection
+    return conv + 3 * (vision + text)
+
+
+DATASHEET_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "A100": 312e12,
+                  "L40S": 362e12, "A10": 125e12, "4090": 165e12}  # dense bf16 (tensor cores), vendor figures
+
+
+def gpu_peak(device):
+    """(datasheet dense bf16 FLOP/s or None, measured bf16 FLOP/s of an 8192^3 matmul)."""
+    name = torch.cuda.get_device_name(device)
+    sheet = next((v for k, v in DATASHEET_BF16.items() if k in name), None)
+    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+    seconds = throughput(lambda: a @ b, device, steps=20, warmup=3)
+    return sheet, 2 * 8192 ** 3 / seconds
+
+
+def throughput(fn, device, steps=10, warmup=3):
+    """Seconds per call of `fn` run back to back, as a training loop runs (the GPU is waited for once, at the
+    end, so the CPU queues work while the GPU runs)."""
+    for _ in range(warmup):
+        fn()
     if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+# ---- adapt: one training step, ours (fp32 master weights + bf16 autocast) and the authors' (pure fp16)
+
+
+def paper_adapt_args(n_inter=3):
+    """adapt.py's paper preset, as lr_for reads it."""
+    from adapt import PRESETS
+    p = PRESETS["paper"]
+    return SimpleNamespace(clip="ViT-B/32", n_inter=n_inter, lr_new=p["lr_new"], lr_clip=p["lr_clip"],
+                           weight_decay=p["weight_decay"], warmup=p["warmup"], grad_clip=p["grad_clip"])
+
+
+def our_adapt_step(device, amp, compile=False, batch=128, text_len=32):
+    """adapt.py's training step on a random-weight ViT-B/32: its frozen set, two learning rates, fused AdamW,
+    schedule and clipping (train_utils.train_step), images arriving as uint8 and normalized on the device."""
+    from adapt import PairText, contrastive_loss, lr_for
+    import clip_load
+    args = paper_adapt_args()
+    model = vit_b32(device).train()
+    net = torch.compile(PairText(model)) if compile else PairText(model)
+    groups = param_groups(model.named_parameters(), lr_for(args), args.weight_decay)
+    optimizer = make_optimizer(groups, device)
+    scheduler = warmup_cosine(optimizer, 1000, args.warmup)
+    params = [p for g in groups for p in g["params"]]
+    ctx = SimpleNamespace(amp=amp, device=device)
+    g = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (2, batch, 3, 224, 224), dtype=torch.uint8, generator=g).to(device)
+    ids = random_ids(batch, text_len, device)
+
+    def loss_fn(b):  # b: a loader's (before uint8, after uint8, ids, index), or None for the fixed batch above
+        if b is None:  # the paper's 32 tokens
+            before, after, text = images[0], images[1], ids
+        else:  # as adapt.py: no padding past the longest caption, trimmed on the CPU
+            text = b[2][:, :int(b[2].argmax(-1).max()) + 1]
+            before, after, text = (t.to(device, non_blocking=True) for t in (b[0], b[1], text))
+        return contrastive_loss(*net(clip_load.normalize(before), clip_load.normalize(after), text)), len(text)
+    step = lambda b=None: train_step(ctx, net, b, loss_fn, optimizer, scheduler, params, args.grad_clip)[0]
+    return model, step
+
+
+def random_ids(batch, text_len, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 49000, (batch, text_len), generator=g)
+    ids[:, 0], ids[:, 20], ids[:, 21:] = 49406, 49407, 0  # <start> 19 words <end>, padding
+    return ids.to(device)
+
+
+def openai_clip_model():
+    """OpenAI's own clip/model.py (the openai-clip package, installed with --no-deps), loaded by path so that
+    clip/__init__.py (which imports torchvision) is never run."""
+    import importlib.util
+    spec = importlib.util.find_spec("clip")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("the authors' configuration needs OpenAI's clip/model.py: pip install --no-deps "
+                         "openai-clip==1.0.1")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "model.py")
+    mod_spec = importlib.util.spec_from_file_location("openai_clip_model", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
+
+
+def authors_adapt_step(device, batch=128, text_len=32):
+    """The authors' configuration: OpenAI's clip/model.py (nn.MultiheadAttention, sequence-first) with its weights
+    in fp16 (convert_weights) and trained in fp16 with no master copy, extended with the same pair step (9 intra
+    blocks per image, e1/e2 + joint positional embedding + ln_mid, 3 inter blocks, mean of the two [CLS]), the
+    same frozen set, learning rates, AdamW, clipping and loss."""
+    import torch.nn as nn
+    from adapt import contrastive_loss, lr_for
+    ref = openai_clip_model()
+    torch.manual_seed(0)
+    clip = ref.CLIP(embed_dim=512, image_resolution=224, vision_layers=12, vision_width=768, vision_patch_size=32,
+                    context_length=text_len, vocab_size=49408, transformer_width=512, transformer_heads=8,
+                    transformer_layers=12)
+    vis = clip.visual
+    scale = 768 ** -0.5
+    vis.bef_embedding = nn.Parameter(scale * torch.randn(768))
+    vis.aft_embedding = nn.Parameter(scale * torch.randn(768))
+    vis.joint_positional_embedding = nn.Parameter(scale * torch.randn(2 * 50, 768))
+    vis.ln_mid = ref.LayerNorm(768)
+    ref.convert_weights(clip)
+    for name in ("bef_embedding", "aft_embedding", "joint_positional_embedding"):
+        getattr(vis, name).data = getattr(vis, name).data.half()
+    clip = clip.to(device).train()
+
+    def pair(before, after):
+        B = before.shape[0]
+        x = vis.conv1(torch.cat([before, after]).half()).flatten(2).permute(0, 2, 1)  # (2B, 49, 768)
+        cls = vis.class_embedding.to(x.dtype) + torch.zeros(x.shape[0], 1, x.shape[-1], dtype=x.dtype,
+                                                            device=x.device)
+        x = vis.ln_pre(torch.cat([cls, x], dim=1) + vis.positional_embedding.to(x.dtype)).permute(1, 0, 2)
+        blocks = vis.transformer.resblocks
+        for block in blocks[:9]:
+            x = block(x)
+        x = torch.cat([x[:, :B], x[:, B:]], dim=0)  # (100, B, 768), sequence first
+        e = torch.cat([vis.bef_embedding.expand(50, -1), vis.aft_embedding.expand(50, -1)])
+        x = vis.ln_mid(x + (e + vis.joint_positional_embedding)[:, None])
+        for block in blocks[9:]:
+            x = block(x)
+        tokens = vis.ln_post(x.permute(1, 0, 2)) @ vis.proj
+        return (tokens[:, 0] + tokens[:, 50]) / 2
+
+    args = paper_adapt_args()
+    lr = lr_for(args)
+    groups = param_groups(clip.named_parameters(), lr, args.weight_decay)
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6)  # on the fp16 weights themselves
+    params = [p for g in groups for p in g["params"]]
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(2, batch, 3, 224, 224, generator=g).to(device)  # normalized fp32, as their loader gives
+    ids = random_ids(batch, text_len, device)
+
+    def step(b=None):  # b: their loader's (before fp32, after fp32, ids, index), or None for the fixed batch
+        before, after, text = (images[0], images[1], ids) if b is None else \
+            (t.to(device, non_blocking=True) for t in b[:3])
+        loss = contrastive_loss(pair(before, after), clip.encode_text(text), clip.logit_scale)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        optimizer.step()
+        return loss.detach()
+    return clip, step, pair
+
+
+def same_function(their_clip, their_pair, device, batch=4):
+    """Mean cosine between the authors' pair vectors (fp16) and ours (fp32) with their weights loaded into our
+    model: OpenAI's key names are ours, pair parameters included, so the state dict loads as it is."""
+    import torch.nn.functional as F
+    ours = CLIP(CLIPConfig(context_length=their_clip.positional_embedding.shape[0])).to(device).eval()
+    ours.load_state_dict({k: v.float() for k, v in their_clip.state_dict().items()})
+    x = torch.randn(2, batch, 3, 224, 224, device=device)
+    with torch.no_grad():
+        theirs, mine = their_pair(x[0], x[1]).float(), ours.encode_pair(x[0], x[1])[1]
+    return F.cosine_similarity(theirs, mine, dim=-1).mean().item()
+
+
+def report_step(label, seconds, batch, flops, peaks, device):
+    sheet, measured = peaks
+    tflops = flops / seconds / 1e12
+    mfu = f"{100 * flops / seconds / sheet:.1f}% MFU" if sheet else "MFU n/a (unknown GPU)"
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+    print(f"{label:<44} {1000 * seconds:7.1f} ms/step {batch / seconds:8.0f} pairs/s {tflops:6.1f} TFLOP/s "
+          f"{mfu} ({100 * flops / seconds / measured:.0f}% of the measured matmul) peak memory {peak:.1f} GiB",
+          flush=True)
+
+
+def bench_adapt(args):
+    """One training step as adapt.py's paper preset runs it, and the authors' configuration on the same GPU."""
+    device, amp, where = device_and_amp(args)
+    cfg = CLIPConfig()
+    flops = adapt_step_flops(cfg, args.batch, args.text_len)
+    print(f"adaptation step, ViT-B/32 9/3 at 224 px, batch {args.batch} pairs x {args.text_len} tokens, {where}, "
+          f"torch {torch.__version__}; model FLOPs per step {flops / 1e12:.2f} T (bench.adapt_step_flops: matmuls, "
+          f"backward = 2x forward)")
+    if device.type != "cuda":
+        _, step = our_adapt_step(device, amp, False, args.batch, args.text_len)
+        seconds = throughput(step, device, args.repeats, 1)
+        print(f"ours, fp32 on the CPU: {1000 * seconds:.0f} ms/step, {args.batch / seconds:.1f} pairs/s, "
+              f"{flops / seconds / 1e9:.0f} GFLOP/s")
+        return
+    peaks = gpu_peak(device)
+    print(f"GPU peak: datasheet dense bf16 {peaks[0] / 1e12 if peaks[0] else float('nan'):.0f} TFLOP/s, measured "
+          f"8192^3 bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s; MFU = model FLOPs / step time / datasheet peak")
+    runs = {"ours": [False], "ours+compile": [True], "authors": None}
+    for name in args.impl:
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    seconds, _ = timed(step, device, args.repeats)
-    peak = f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if device.type == "cuda" else ""
-    print(f"adaptation step, ViT-B/32 9/3, batch {B} pairs x 32 tokens, {where}, "
-          f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}{' + compile' if args.compile else ''}: "
-          f"{1000 * seconds:.0f} ms/step, {B / seconds:.1f} pairs/s{peak}")
+        if name == "authors":
+            model, step, pair = authors_adapt_step(device, args.batch, args.text_len)
+            label = "authors' (OpenAI clip/model.py, pure fp16)"
+            print(f"authors' pair step vs ours on the same weights: cosine of pair vectors "
+                  f"{same_function(model, pair, device):.5f} (1 = the same function)")
+        else:
+            model, step = our_adapt_step(device, amp, runs[name][0], args.batch, args.text_len)
+            label = f"ours (fp32 weights, bf16 autocast{', compiled' if runs[name][0] else ''})"
+        seconds = throughput(step, device, args.repeats, warmup=3 if name != "ours+compile" else 5)
+        report_step(label, seconds, args.batch, flops, peaks, device)
+        if args.profile and name in args.profile:
+            profile_step(step, device, name)
+        del model, step
+
+
+def profile_step(step, device, name, rows=12):
+    """Where a step's GPU time goes: torch.profiler's CUDA time by kernel, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    print(f"--- {name}: CUDA time over 3 steps, by kernel")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
+
+
+# ---- numerics: bf16 autocast against fp32 on the same weights
+
+
+def bench_numerics(args):
+    """Pair vectors, text features and the contrastive loss of one batch, fp32 (TF32 off) against bf16 autocast,
+    on the same random-weight ViT-B/32; and the logits as they were computed before contrastive_loss turned
+    autocast off."""
+    from adapt import contrastive_loss
+    import clip_load
+    import torch.nn.functional as F
+    device, amp, where = device_and_amp(args)
+    if device.type != "cuda":
+        amp = torch.autocast("cpu", dtype=torch.bfloat16)  # the same comparison, slower
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # a true fp32 reference
+    model = vit_b32(device).train()
+    g = torch.Generator().manual_seed(1)
+    images = clip_load.normalize(torch.randint(0, 256, (2, args.batch, 3, 224, 224), dtype=torch.uint8,
+                                               generator=g).to(device))
+    ids = random_ids(args.batch, 32, device)
+    out = {}
+    for name, ctx in (("fp32", nullcontext()), ("bf16", amp)):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            tokens, v = model.encode_pair(images[0], images[1])
+            text = model.encode_text(ids)
+            loss = contrastive_loss(v, text, model.logit_scale)
+            old = (model.logit_scale.exp() * F.normalize(v.float(), dim=-1) @ F.normalize(text.float(), dim=-1).t())
+        loss.backward()
+        grad = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
+        out[name] = dict(tokens=tokens.float(), v=v.float(), g=text.float(), loss=loss.item(), grad=grad,
+                         old_logits=old.float())
+    a, b = out["fp32"], out["bf16"]
+    print(f"bf16 autocast vs fp32, ViT-B/32 random weights, {args.batch} pairs x 32 tokens, {where}:")
+    for key, label in (("v", "pair vectors"), ("g", "text features"), ("tokens", "pair tokens (captioner memory)")):
+        x, y = a[key].flatten(0, -2), b[key].flatten(0, -2)
+        cos = F.cosine_similarity(x, y, dim=-1)
+        print(f"  {label:<32} max |diff| {(x - y).abs().max():.4f} (values up to {x.abs().max():.2f}), cosine "
+              f"min {cos.min():.5f} mean {cos.mean():.5f}")
+    print(f"  contrastive loss                 fp32 {a['loss']:.5f} bf16 {b['loss']:.5f} (diff "
+          f"{abs(a['loss'] - b['loss']):.5f}); gradient cosine {cosine64(a['grad'], b['grad']):.5f}")
+    print(f"  logits left under autocast (before the fix): max |diff| to fp32 "
+          f"{(a['old_logits'] - b['old_logits']).abs().max():.3f}, dtype {b['old_logits'].dtype} after .float()")
+
+
+def cosine64(x, y):
+    x, y = x.double(), y.double()
+    return (x @ y / (x.norm() * y.norm())).item()
+
+
+# ---- captioning: the paper captioner's training step with the pair encoder fine-tuned
+
+
+def bench_caption(args):
+    """caption.py's paper preset step: ViT-B/32 9/3 fine-tuned at 1e-7, a 3+3-layer 512-wide captioner at 1e-4,
+    word-level cross entropy, images arriving as uint8."""
+    import torch.nn.functional as F
+    from caption import IDC, PRESETS, learning_rates, to_device
+    device, amp, where = device_and_amp(args)
+    p = PRESETS["paper"]
+    cfg = CaptionerConfig(vocab_size=args.vocab, memory_dim=512, memory_len=100, width=p["width"],
+                          heads=p["heads"], enc_layers=p["enc_layers"], dec_layers=p["dec_layers"], max_len=32)
+    print(f"captioning step, ViT-B/32 9/3 fine-tuned + {cfg.enc_layers}+{cfg.dec_layers}-layer {cfg.width}-wide "
+          f"captioner, captions of {args.caption_len} tokens, {where}, torch {torch.__version__}")
+    for batch in args.batches:
+        model = IDC(vit_b32(device), Captioner(cfg)).to(device).train()
+        rule = learning_rates(SimpleNamespace(lr=p["lr"], encoder_lr=p["encoder_lr"], freeze_encoder=False), 3)
+        groups = param_groups(model.named_parameters(), rule, 0.01)
+        optimizer = make_optimizer(groups, device)
+        scheduler = warmup_cosine(optimizer, 1000)
+        params = [q for g in groups for q in g["params"]]
+        g = torch.Generator().manual_seed(0)
+        images = torch.randint(0, 256, (2, batch, 3, 224, 224), dtype=torch.uint8, generator=g).to(device)
+        tokens = torch.randint(4, args.vocab, (batch, args.caption_len), generator=g).to(device)
+        ctx = SimpleNamespace(amp=amp, device=device)
+
+        def loss_fn(_):
+            logits = model(to_device([images[0], images[1]], device), tokens[:, :-1])
+            return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()), batch
+        step = lambda: train_step(ctx, model, None, loss_fn, optimizer, scheduler, params, 1.0)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds = throughput(step, device, args.repeats, 2)
+        peak = f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" \
+            if device.type == "cuda" else ""
+        print(f"  batch {batch:>3}: {1000 * seconds:7.1f} ms/step, {batch / seconds:7.0f} pairs/s{peak}", flush=True)
+
+
+
+# ---- end to end: the training loop with its data, ours against the authors' data path
+
+
+class _Normalized(torch.utils.data.Dataset):
+    """The authors' data path: every sample decoded from PNG and normalized to fp32 inside a loader worker."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, key):
+        import clip_load
+        before, after, ids, i = self.ds[key]
+        return clip_load.normalize(before), clip_load.normalize(after), ids, i
+
+
+class GPUBusy:
+    """Mean GPU utilization (nvidia-smi's figure, through pynvml) sampled every 50 ms while the block runs;
+    None where pynvml is absent."""
+
+    def __init__(self, device):
+        self.device, self.samples, self.mean = device, [], None
+
+    def __enter__(self):
+        import threading
+        self.stop = threading.Event()
+
+        def sample():
+            while not self.stop.wait(0.05):
+                try:
+                    self.samples.append(torch.cuda.utilization(self.device))
+                except Exception:
+                    return
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.mean = sum(self.samples) / len(self.samples) if self.samples else None
+
+
+def loop_rate(loader, step, device, batches, warmup=1):
+    """pairs/s of `step` fed by `loader` (step=None: the loader alone, batches copied to the device), over
+    `batches` batches after `warmup` (worker start-up, compilation, and the batches the workers prefetched
+    meanwhile, which would flatter the loader); and the GPU's mean utilization meanwhile."""
+    warmup = max(warmup, 1 + loader.num_workers * (loader.prefetch_factor or 0))
+    it, n, done = iter(loader), 0, 0
+    busy = GPUBusy(device)
+    for k in range(warmup + batches):
+        if k == warmup:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            busy.__enter__()
+            t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)
+            batch = next(it)
+        if step is None:
+            for t in batch[:3]:
+                t.to(device, non_blocking=True)
+        else:
+            step(batch)
+        if k >= warmup:
+            n += len(batch[0])
+            done += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    busy.__exit__()
+    return n / seconds, busy.mean
+
+
+def bench_e2e(args):
+    """Pairs/s of the whole adaptation loop, data included, on a synthetic set at CLEVR-Change's 480x320: ours
+    (images decoded once into memory over all cores, uint8 batches, normalized on the GPU, bf16 autocast) and the
+    authors' (PNG streamed through 4 workers, normalized there, pure fp16), with the model step of each; the
+    loaders alone; and the projected wall time of the paper's two stages on the real CLEVR-Change."""
+    import data
+    import synth
+    from pathlib import Path
+    device, amp, where = device_and_amp(args)
+    cores = os.cpu_count()
+    root = Path(args.root) if args.root else Path(args.workdir) / "synth480"
+    if not args.root and not (root / "synth.json").is_file():
+        t0 = time.time()
+        synth.make_synth(root, args.scenes, seed=0, size=(480, 320), workers=cores)
+        print(f"rendered {args.scenes} scenes at 480x320 in {time.time() - t0:.0f}s")
+    items = data.load_items("clevr", root, "train", "semantic")
+    stream = data.CaptionDataset(items, 224, 32, swap_prob=0.5)
+    print(f"end to end, adaptation at batch {args.batch}, {len(items)} pairs / {len(stream)} captions at 480x320, "
+          f"{where}, {cores} CPU cores, torch {torch.__version__}")
+    # decoding: one core, then all of them
+    paths = sorted({p for it in items for p in (it.before, it.after, it.alt_before)})[:200]
+    t0 = time.time()
+    for path in paths[:100]:
+        data._decode_uint8(path, 224)
+    per_core = 100 / (time.time() - t0)
+    cache = data.ImageCache(items, 224, workers=cores)
+    print(f"decode 480x320 PNG -> 224 uint8: {per_core:.0f} images/s on one core; {cache.rate:.0f} images/s "
+          f"building the cache on {cores} cores ({len(cache.index)} images)")
+    results = {}
+    loaders = {
+        "authors": lambda: torch.utils.data.DataLoader(_Normalized(stream), args.batch, shuffle=True, num_workers=4,
+                                                       pin_memory=True, drop_last=True, persistent_workers=True),
+        "ours": lambda: data.make_loader(data.CaptionDataset(items, 224, 32, swap_prob=0.5, cache=cache), args.batch,
+                                         shuffle=True, workers=args.workers, device=device, drop_last=True),
+        "ours, streaming": lambda: data.make_loader(stream, args.batch, shuffle=True, workers=cores, device=device,
+                                                    drop_last=True),
+    }
+    if args.skip_authors:
+        del loaders["authors"], loaders["ours, streaming"]
+    for name, make in loaders.items():
+        batches = args.stream_batches if name != "ours" else args.batches
+        rate, _ = loop_rate(make(), None, device, batches)
+        results[name] = {"loader": rate}
+        print(f"  {name:<16} loader alone: {rate:8.0f} pairs/s", flush=True)
+    if device.type == "cuda":
+        for name in [n for n in ("authors", "ours") if n in loaders]:
+            torch.cuda.empty_cache()
+            if name == "authors":
+                model, step, _ = authors_adapt_step(device, args.batch)
+            else:
+                model, step = our_adapt_step(device, amp, args.compile, args.batch)
+            fixed = args.batch / throughput(step, device, 5, 3)
+            batches = args.stream_batches if name == "authors" else args.batches
+            warmup = 6 if name == "ours" and args.compile else 1  # compiling, then again for the varying lengths
+            rate, busy = loop_rate(loaders[name](), step, device, batches, warmup)
+            results[name].update(step=fixed, loop=rate, busy=busy)
+            print(f"  {name:<16} model step alone: {fixed:8.0f} pairs/s | whole loop: {rate:8.0f} pairs/s, GPU "
+                  f"utilization {busy if busy is None else round(busy)}%", flush=True)
+            del model, step
+    # projections for the real CLEVR-Change (DESIGN: 33,830 train scenes, ~6 change captions each, 119k images)
+    samples, images = 33_830 * 6, 39_803 * 3
+    if device.type == "cuda" and "authors" in results:
+        ours = results["ours"]["loop"]
+        theirs = results["authors"]["loop"]
+        build = images / cache.rate
+        print(f"projected, 12 adaptation epochs of CLEVR-Change ({samples:,} samples each, one per change caption): "
+              f"ours {fmt_min(build + 12 * samples / ours)} ({fmt_min(build)} decoding {images:,} images once, then "
+              f"{ours:.0f} pairs/s); authors' {fmt_min(12 * samples / theirs)} ({theirs:.0f} pairs/s); ratio "
+              f"{(12 * samples / theirs) / (build + 12 * samples / ours):.1f}x")
+        print(f"  decoding alone would need {2 * results['ours']['step'] / per_core:.0f} cores to stream at our model "
+              f"step's rate ({results['ours']['step']:.0f} pairs/s, 2 images per pair)")
+
+
+def fmt_min(seconds):
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
+
+
+# ---- the whole paper path on CUDA, through the stages' own command lines
+
+
+def bench_cuda_path(args):
+    """A random-weight ViT-B/32 in OpenAI's archive format and a small synthetic set at 480x320, then both stages
+    for one epoch each, --before/--after, and torchrun (NCCL, one process) with --compile: every CUDA-only line
+    of the code (pinned memory, non_blocking copies, autocast, fused AdamW, compile, NCCL) runs once."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    import clip_load
+    import synth
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    archive, root = work / "ViT-B-32.pt", work / "set"
+    if not archive.is_file():
+        torch.manual_seed(0)
+        clip_load.save_archive(CLIP(CLIPConfig()), archive)
+    if not (root / "synth.json").is_file():
+        synth.make_synth(root, args.scenes, seed=0, size=(480, 320), workers=os.cpu_count())
+    py, run = [sys.executable], [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    adapt = ["adapt.py", "--data", "clevr", "--data-root", str(root), "--clip", str(archive), "--epochs", "1",
+             "--batch-size", "32", "--log-every", "5"]
+    caption = ["caption.py", "--epochs", "1", "--batch-size", "16", "--log-every", "10"]
+    steps = [
+        ("adapt", py + adapt + ["--out", str(work / "adapted.pt")]),
+        ("caption", py + caption + ["--ckpt", str(work / "adapted.pt"), "--out", str(work / "cap.pt"),
+                                    "--results", str(work / "cap.json")]),
+        ("caption your own two images", py + ["caption.py", "--ckpt", str(work / "cap.pt"), "--before",
+                                              str(root / "images/CLEVR_default_000000.png"), "--after",
+                                              str(root / "sc_images/CLEVR_semantic_000000.png")]),
+        ("adapt, torchrun (NCCL) + compile", run + adapt + ["--compile", "--out", str(work / "adapted_ddp.pt")]),
+        ("caption, torchrun (NCCL)", run + caption + ["--ckpt", str(work / "adapted.pt"), "--out",
+                                                      str(work / "cap_ddp.pt"), "--results", str(work / "ddp.json")]),
+    ]
+    steps = [s for i, s in enumerate(steps) if not args.steps or i + 1 in args.steps]
+    failed = 0
+    for name, cmd in steps:
+        t0 = time.time()
+        # its own process group, so that a timeout ends torchrun's workers too, not only torchrun
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, rc = proc.communicate(timeout=args.timeout)[0], proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            out, rc = proc.communicate()[0], "timeout"
+        failed += rc != 0
+        lines, skip = [], False
+        for line in str(out).strip().splitlines():  # library warnings and the source line they quote: left out
+            if "Warning" in line or skip:
+                skip = "Warning" in line
+                continue
+            lines.append(line)
+        tail = "\n".join("    " + line for line in lines[-args.tail:])
+        print(f"== {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {time.time() - t0:.0f}s\n{tail}", flush=True)
+    print(f"cuda-path: {len(steps) - failed} of {len(steps)} steps ran")
+    return failed
 
 
 def bench_matmul(args):
@@ -145,6 +676,12 @@ def bench_metrics(args):
 # -----------------------------------------------------------------------------
 
 
+def common(q, repeats=3):
+    q.add_argument("--repeats", type=int, default=repeats, help="timed steps (the mean of back-to-back steps)")
+    q.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    q.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -158,23 +695,62 @@ def main(argv=None):
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     d.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     d.set_defaults(func=bench_decode)
-    for name, fn, batch, what in (("pair", bench_pair, 8, "ViT-B/32 pair-encoder forward"),
-                                  ("adapt", bench_adapt, 128, "one ViT-B/32 adaptation training step")):
-        q = sub.add_parser(name, help=what, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        q.add_argument("--batch", type=int, default=batch, help="pairs per batch")
-        q.add_argument("--repeats", type=int, default=3, help="timed runs (the median is reported)")
-        q.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-        q.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
-        q.add_argument("--compile", action="store_true", help="torch.compile (adapt, CUDA)")
-        q.set_defaults(func=fn)
+    q = sub.add_parser("pair", help="ViT-B/32 pair-encoder forward", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("--batch", type=int, default=8, help="pairs per batch")
+    common(q)
+    q.set_defaults(func=bench_pair)
+    q = sub.add_parser("adapt", help="one ViT-B/32 adaptation training step: ours (eager, compiled) and the "
+                       "authors' configuration; pairs/s, MFU, peak memory",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("--batch", type=int, default=128, help="pairs per step (paper: 128)")
+    q.add_argument("--text-len", type=int, default=32, help="caption tokens (paper: 32)")
+    q.add_argument("--impl", nargs="+", default=["ours", "ours+compile", "authors"],
+                   choices=["ours", "ours+compile", "authors"], help="which steps to time (CUDA)")
+    q.add_argument("--profile", nargs="*", default=[], help="also print a kernel profile of these --impl steps")
+    common(q, repeats=20)
+    q.set_defaults(func=bench_adapt)
+    q = sub.add_parser("numerics", help="bf16 autocast vs fp32 on the same weights: features, loss, gradients",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("--batch", type=int, default=128, help="pairs")
+    common(q)
+    q.set_defaults(func=bench_numerics)
+    q = sub.add_parser("caption", help="the paper captioner's training step with the encoder fine-tuned",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("--batches", type=int, nargs="+", default=[16, 64], help="batch sizes (paper: 16)")
+    q.add_argument("--vocab", type=int, default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
+    q.add_argument("--caption-len", type=int, default=14, help="tokens per caption, <bos>/<eos> included")
+    common(q, repeats=10)
+    q.set_defaults(func=bench_caption)
+    q = sub.add_parser("e2e", help="the adaptation loop with its data: ours vs the authors' data path; projections",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("--root", default=None, help="a CLEVR-Change-layout set (default: render --scenes at 480x320)")
+    q.add_argument("--workdir", default="data/bench", help="where the rendered set goes")
+    q.add_argument("--scenes", type=int, default=800, help="scenes to render")
+    q.add_argument("--batch", type=int, default=128, help="pairs per step")
+    q.add_argument("--workers", type=int, default=8, help="our loader's workers (adapt.py's paper preset: 8)")
+    q.add_argument("--batches", type=int, default=30, help="batches timed, ours")
+    q.add_argument("--stream-batches", type=int, default=24, help="batches timed, streaming loaders")
+    q.add_argument("--compile", action="store_true", help="our step compiled")
+    q.add_argument("--skip-authors", action="store_true", help="time our loop only")
+    common(q)
+    q.set_defaults(func=bench_e2e)
+    q = sub.add_parser("cuda-path", help="both stages, --before/--after, torchrun + compile on a random ViT-B/32",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("--workdir", default="data/cuda_path", help="archive, set and checkpoints go here")
+    q.add_argument("--scenes", type=int, default=200, help="synthetic scenes at 480x320")
+    q.add_argument("--timeout", type=int, default=300, help="seconds per command")
+    q.add_argument("--tail", type=int, default=6, help="output lines shown per command")
+    q.add_argument("--steps", type=int, nargs="*", default=[], help="run only these steps (1-5; default all): "
+                   "adapt, caption, your own two images, adapt under torchrun + compile, caption under torchrun")
+    q.set_defaults(func=bench_cuda_path)
     sub.add_parser("metrics", help="scoring speed: python metrics.py --bench").set_defaults(func=bench_metrics)
     m = sub.add_parser("matmul", help="this CPU's fp32 GFLOP/s, the figure to quote beside a timing",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m.add_argument("--n", type=int, default=2048, help="matrix size")
     m.set_defaults(func=bench_matmul)
     args = p.parse_args(argv)
-    args.func(args)
+    return args.func(args)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(1 if main() else 0)

@@ -892,6 +892,29 @@ def test_contrastive_logits_fp32_under_autocast():
     assert got.dtype == torch.float32 and abs(got.item() - want.item()) < 1e-5, (got.item(), want.item())
 
 
+def test_step_flops_match_torch_counter():
+    """bench.adapt_step_flops (the MFU numerator) equals torch's FLOP counter on a pair step with several heads,
+    non-square counts of intra/inter blocks and a frozen patch convolution (attention through the plain path,
+    which the counter sees as matmuls)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    import bench
+    cfg = M.CLIPConfig(embed_dim=64, image_resolution=64, vision_layers=5, vision_width=128, vision_patch_size=16,
+                       context_length=24, transformer_width=128, transformer_heads=2, transformer_layers=2, n_inter=2)
+    m = M.CLIP(cfg)
+    rule = adapt.lr_for(adapt.get_args(["--clip", "x", "--n-inter", "2"]))
+    adapt.param_groups(m.named_parameters(), rule, 0.2)  # freezes conv1 and the embeddings, as the paper preset
+    x, ids = torch.randn(3, 3, 64, 64), bench.random_ids(3, 24, "cpu")
+    old = M.USE_SDPA
+    M.USE_SDPA = False
+    try:
+        with FlopCounterMode(display=False) as counter:
+            adapt.contrastive_loss(*adapt.PairText(m)(x, x.flip(0), ids)).backward()
+    finally:
+        M.USE_SDPA = old
+    want = bench.adapt_step_flops(cfg, 3, 24)
+    assert abs(counter.get_total_flops() - want) / want < 1e-4, (counter.get_total_flops(), want)
+
+
 def test_train_epoch_stops_on_nan():
     model = torch.nn.Linear(2, 1)
     opt = train_utils.make_optimizer([{"params": list(model.parameters()), "lr": 0.1}], "cpu")
