@@ -26,7 +26,7 @@ import clip_load
 import data
 import model as M
 from train_utils import (gather, interrupted, last_path, load_resume, log, make_optimizer, param_groups, rng_state,
-                         save_atomic, set_rng_state, setup, train_epoch, warmup_cosine, where)
+                         save_atomic, seed_ranks, set_rng_state, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings, and a small from-scratch model that learns on a CPU in minutes
@@ -88,6 +88,8 @@ def get_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
+                   help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
     p.add_argument("--eval-batch-size", type=int, default=None, help="pairs per batch when encoding for eval")
     p.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
     args = p.parse_args(argv)
@@ -226,7 +228,7 @@ def fmt(m):
 
 def main(argv=None):
     args = get_args(argv)
-    ctx = setup(args.seed, args.device)
+    ctx = setup(args.seed, args.device, args.amp)
     log(ctx, f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
     if args.preset == "small":
         log(ctx, "   no CLIP weights given or found: training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo). "
@@ -240,6 +242,13 @@ def main(argv=None):
         root = data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs)
     if args.swap_prob is None:  # on the synthetic set the swap costs 20 CIDEr-D downstream (README 'Results')
         args.swap_prob = 0.0 if (root / "synth.json").is_file() else 0.5
+    # the model first: a CLIP file decides the input size (the preset's 224 is ViT-B/32's)
+    model = build_model(args).to(ctx.device)
+    if args.clip and args.image_size != model.cfg.image_resolution:
+        log(ctx, f"   {args.clip} takes {model.cfg.image_resolution}px images: --image-size {args.image_size} -> "
+                 f"{model.cfg.image_resolution}")
+        args.image_size = model.cfg.image_resolution
+    seed_ranks(ctx, args.seed)
     split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
     train_items, val_items, test_items = split("train"), split("val"), split("test")
     cache = None  # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
@@ -258,8 +267,7 @@ def main(argv=None):
              f"val {len(val_items)} pairs, test {len(test_items)} pairs" +
              (f" | distractor swap p={args.swap_prob:g}" if args.data == "clevr" else ""))
 
-    # model, optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
-    model = build_model(args).to(ctx.device)
+    # optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
     groups = param_groups(model.named_parameters(), lr_for(args), args.weight_decay)
     optimizer = make_optimizer(groups, ctx.device)
     total_steps = args.epochs * len(loader)

@@ -1,11 +1,22 @@
-"""Benchmarks for clip4idc, one subcommand each.
+"""Benchmarks for clip4idc, one subcommand each; README 'Benchmarks' gives the figures they printed.
 
+    python bench.py adapt                   # ViT-B/32 adaptation step at batch 128: ours (eager, compiled) vs the
+                                            #   authors' configuration (OpenAI's clip/model.py, pure fp16): pairs/s,
+                                            #   MFU, peak memory (--profile ours: where the GPU time goes)
+    python bench.py numerics                # bf16 autocast vs fp32 on the same weights: features, loss, gradients
+    python bench.py caption                 # the paper captioner's training step, encoder fine-tuned, batch 16/64
     python bench.py decode                  # greedy captions/s at batch 64: key/value cache vs re-running the prefix
-    python bench.py decode --device cuda    # the same on a GPU (bf16 autocast, as caption.py runs there)
+    python bench.py e2e                     # the adaptation loop with its data, ours vs the authors' data path, on a
+                                            #   synthetic set at 480x320; projected hours for real CLEVR-Change
+    python bench.py cuda-path               # both stages, --before/--after, torchrun (NCCL) + --compile, on a
+                                            #   random-weight ViT-B/32 in OpenAI's archive format
     python bench.py pair                    # ViT-B/32 pair encoder forward, 8 pairs (CPU fp32 / CUDA bf16)
-    python bench.py adapt --batch 128       # one adaptation training step of ViT-B/32: pairs/s, peak memory
     python bench.py metrics                 # = python metrics.py --bench (8,000 candidates x 6 references)
     python bench.py matmul                  # this CPU's fp32 GFLOP/s (2048^3 matmul): quote it beside any timing
+
+Every subcommand runs on the CPU too (--device cpu; slowly, and the authors' step and the loops only on CUDA).
+The authors' configuration needs OpenAI's code: pip install --no-deps openai-clip==1.0.1. Model FLOPs are counted
+by adapt_step_flops (matmuls; backward = 2x forward), checked against torch's FLOP counter in the tests.
 
 Decoding runs all --max-len steps (no caption stops early), so both paths do the same number of steps and the
 figure is the worst case; random weights and memory are enough, since the cost does not depend on the values.
@@ -19,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
-from train_utils import make_optimizer, matmul_gflops, param_groups, train_step, warmup_cosine
+from train_utils import autocast, make_optimizer, matmul_gflops, param_groups, train_step, warmup_cosine
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
@@ -90,7 +101,7 @@ def device_and_amp(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    amp = autocast(device)  # as the stages: bf16 on CUDA, fp32 on a CPU
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as train_utils.setup
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
@@ -414,8 +425,7 @@ def cosine64(x, y):
 def bench_caption(args):
     """caption.py's paper preset step: ViT-B/32 9/3 fine-tuned at 1e-7, a 3+3-layer 512-wide captioner at 1e-4,
     word-level cross entropy, images arriving as uint8."""
-    import torch.nn.functional as F
-    from caption import IDC, PRESETS, learning_rates, to_device
+    from caption import IDC, PRESETS, caption_loss, learning_rates, to_device
     device, amp, where = device_and_amp(args)
     p = PRESETS["paper"]
     cfg = CaptionerConfig(vocab_size=args.vocab, memory_dim=512, memory_len=100, width=p["width"],
@@ -436,7 +446,7 @@ def bench_caption(args):
 
         def loss_fn(_):
             logits = model(to_device([images[0], images[1]], device), tokens[:, :-1])
-            return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()), batch
+            return caption_loss(logits, tokens[:, 1:]), batch
         step = lambda: train_step(ctx, model, None, loss_fn, optimizer, scheduler, params, 1.0)
         if device.type == "cuda":
             torch.cuda.empty_cache()

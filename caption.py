@@ -22,6 +22,7 @@ import warnings
 from collections import Counter
 from dataclasses import asdict
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from clip_load import MODELS, load_clip, load_image, normalize, open_image, reso
 from data import EpochSampler, ImageCache, ImageDataset, load_items, make_loader, resolve_root, use_cache
 from model import PAIR_KEYS, Captioner, CaptionerConfig
 from train_utils import (fmt_time, interrupted, last_path, load_resume, log, make_optimizer, param_groups, rng_state,
-                         save_atomic, set_rng_state, setup, train_epoch, unwrap, warmup_cosine, where)
+                         save_atomic, seed_ranks, set_rng_state, setup, train_epoch, unwrap, warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoder, frozen (its tokens computed once per pair): a decoder that reads the 2(n+1)
@@ -85,6 +86,21 @@ def to_text(ids, vocab):
         if i not in (PAD, BOS):
             out.append(vocab[i])
     return " ".join(out)
+
+
+def caption_loss(logits, targets, world=1):
+    """Word-level cross entropy (paper Sec. 3.3): -(1/N) sum_t log p(w_t | w_<t, pair), over the N words
+    (<eos> included, padding not) of the global batch. logits (B, T, vocab), targets (B, T). Under torchrun each
+    process holds a part of the batch and DDP averages the gradients, so each divides its sum by N / world: the
+    same loss and gradients as one process on the whole batch."""
+    targets = targets.flatten()
+    total = F.cross_entropy(logits.float().flatten(0, 1), targets, ignore_index=PAD, reduction="sum")
+    n = (targets != PAD).sum()
+    if world > 1:
+        n = n.clone()
+        torch.distributed.all_reduce(n)  # stays on the device: no wait for the GPU
+        n = n / world
+    return total / n
 
 
 # -----------------------------------------------------------------------------
@@ -269,6 +285,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", choices=["auto", "small", "paper"], default="auto", help="defaults for the flags "
                    "left unset: auto = small for adapt.py's small encoder, paper for ViT-B/32")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
+                   help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
     # data
     p.add_argument("--data", choices=["clevr", "spot", "ier"], default=None,
                    help="dataset (default: the one the checkpoint was adapted on, else clevr)")
@@ -404,7 +422,7 @@ def test_and_report(model, test_loader, train_items, test_items, vocab, args, ct
 
 def evaluate_captioner(args, extra):
     """--ckpt captioner.pt without --before: test scores, baseline, predictions (and --gallery) of that model."""
-    ctx = setup(args.seed, args.device)
+    ctx = setup(args.seed, args.device, args.amp)
     model, vocab = build(args.ckpt, ctx.device, extra=extra)
     name, root = data_source(args, extra, ctx)
     train_items, test_items = (load_items(name, root, s, "total", args.skip_missing) for s in ("train", "test"))
@@ -423,7 +441,7 @@ def main(argv=None):
     extra = read_extra(args.ckpt)
     if extra.get("stage") == "caption":
         return evaluate_captioner(args, extra)
-    ctx = setup(args.seed, args.device)
+    ctx = setup(args.seed, args.device, args.amp)
     if not ctx.main:  # one copy of each warning, not one per process
         warnings.filterwarnings("ignore")
     preset = apply_preset(args, extra)
@@ -448,7 +466,8 @@ def main(argv=None):
     cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
                           max_len=args.max_len, dropout=args.dropout)
-    model = IDC(clip, Captioner(cfg)).to(ctx.device)
+    model = IDC(clip, Captioner(cfg)).to(ctx.device)  # every process builds the same (setup seeds them alike)
+    seed_ranks(ctx, args.seed)
     lr_for = learning_rates(args, clip.cfg.n_inter)
     optimizer = make_optimizer(param_groups(model.named_parameters(), lr_for, args.weight_decay), ctx.device)
     n_train = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
@@ -488,15 +507,17 @@ def main(argv=None):
         start, step, best, best_epoch, bad, history = (resume[k] for k in
                                                        ("epoch", "step", "best", "best_epoch", "bad", "history"))
         log(ctx, f"resumed from {last_path(args.out)} at epoch {start + 1} (best val CIDEr-D {best:.1f})")
-    gen = torch.Generator()
+    epoch = start
 
     def loss_fn(batch):
         *inputs, idx = batch
-        row = first[idx] + (torch.rand(len(idx), generator=gen) * count[idx]).long()  # a random caption per pair
+        # a random caption per pair, drawn from (seed, epoch, pair): the same whatever the process or batch
+        pick = [np.random.default_rng([args.seed, epoch, i]).integers(max(1, int(count[i]))) for i in idx.tolist()]
+        row = first[idx] + torch.tensor(pick, dtype=torch.long)
         tokens = captions[row]
         tokens = tokens[:, :int((tokens != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
         logits = ddp(to_device(inputs, ctx.device), tokens[:, :-1])
-        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten(), ignore_index=PAD), len(idx)
+        return caption_loss(logits, tokens[:, 1:], ctx.world), len(idx)
 
     def meta(metrics_):
         return {"model": model.clip.state_dict(), "captioner": model.captioner.state_dict(),
@@ -509,11 +530,14 @@ def main(argv=None):
     try:
         for epoch in range(start, args.epochs):
             train_loader.sampler.set_epoch(epoch)
-            gen.manual_seed(args.seed * 1_000_003 + epoch + 7919 * ctx.rank)
             t0 = time.time()
             loss, step = train_epoch(ctx, ddp, train_loader, loss_fn, optimizer, scheduler, epoch, args.epochs,
                                      step, total_steps, args.grad_clip, args.log_every)
             val = {"CIDEr-D": cider(splits["val"], predict(model, val_loader, splits["val"], vocab, ctx))}
+            if ctx.world > 1:  # rank 0's figure decides for all: a split decision would hang the next collective
+                shared = torch.tensor([val["CIDEr-D"]], dtype=torch.float64, device=ctx.device)
+                torch.distributed.broadcast(shared, 0)
+                val["CIDEr-D"] = shared.item()
             history.append({"epoch": epoch + 1, "loss": loss, **{f"val {k}": v for k, v in val.items()}})
             if val["CIDEr-D"] > best:
                 best, best_epoch, bad = val["CIDEr-D"], epoch + 1, 0

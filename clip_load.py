@@ -131,15 +131,24 @@ def to_fp16(module):
 
 def save_archive(model, path):
     """Write a CLIP (model.py) as OpenAI's ViT-B-32.pt is written: a TorchScript archive of the fp16 model, traced
-    on encode_image and encode_text. For tests and benchmarks: a random-weight ViT-B/32 saved so goes through the
-    same loading code as the released file. Returns the model with its fp16-rounded weights back in fp32."""
-    model = to_fp16(model.eval())
-    res, ctx = model.cfg.image_resolution, model.cfg.context_length
-    text = torch.zeros(1, ctx, dtype=torch.long)
-    text[0, :3] = torch.tensor([SOT, 320, EOT])
-    traced = torch.jit.trace_module(model, {"encode_image": torch.zeros(1, 3, res, res, dtype=torch.half),
-                                            "encode_text": text}, check_trace=False)
-    torch.jit.save(traced, str(path))
+    on encode_image and encode_text, without CLIP4IDC's pair parameters (the release has none). For tests and
+    benchmarks: a random-weight ViT-B/32 saved so goes through the same loading code as the released file.
+    Returns the model, pair parameters included, with its fp16-rounded weights back in fp32."""
+    model, vis = to_fp16(model.eval()), model.visual
+    pair = {name: getattr(vis, name) for name in ("bef_embedding", "aft_embedding", "joint_positional_embedding",
+                                                   "ln_mid")}
+    for name in pair:
+        delattr(vis, name)
+    try:
+        res, ctx = model.cfg.image_resolution, model.cfg.context_length
+        text = torch.zeros(1, ctx, dtype=torch.long)
+        text[0, :3] = torch.tensor([SOT, 320, EOT])
+        traced = torch.jit.trace_module(model, {"encode_image": torch.zeros(1, 3, res, res, dtype=torch.half),
+                                                "encode_text": text}, check_trace=False)
+        torch.jit.save(traced, str(path))
+    finally:
+        for name, value in pair.items():
+            setattr(vis, name, value)
     return model.float()
 
 

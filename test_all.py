@@ -84,19 +84,24 @@ def write_archive(module, path, images, text):
     return module.float()  # the same fp16-rounded weights, run in fp32: the "original module"
 
 
-def test_openai_archive_matches_openai_code(tmp_path):
+@pytest.mark.parametrize("vision_width,text_width,text_heads", [(64, 64, 1), (192, 128, 2)])
+def test_openai_archive_matches_openai_code(tmp_path, vision_width, text_width, text_heads):
+    """OpenAI's code and ours on the same archive, with one head per tower and with several (3 vision heads,
+    2 text heads): a bug in splitting heads shows only in the second."""
     ref = openai_module("model")
     if ref is None:
         pytest.skip("openai-clip not installed (pip install --no-deps openai-clip==1.0.1)")
     torch.manual_seed(0)
-    original = ref.CLIP(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=64, vision_patch_size=8,
-                        context_length=77, vocab_size=49408, transformer_width=64, transformer_heads=1,
-                        transformer_layers=2)
+    original = ref.CLIP(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=vision_width,
+                        vision_patch_size=8, context_length=77, vocab_size=49408, transformer_width=text_width,
+                        transformer_heads=text_heads, transformer_layers=2)
     images, text = tiny_inputs()
     ref.convert_weights(original)  # OpenAI's own fp16 conversion
     original = write_archive(original, tmp_path / "ViT-tiny.pt", images, text).eval()
     ours = load_clip(tmp_path / "ViT-tiny.pt")
     assert ours.cfg.vision_layers == 4 and ours.cfg.image_resolution == 32 and ours.cfg.embed_dim == 32
+    assert ours.visual.transformer.resblocks[0].attn.heads == vision_width // 64
+    assert ours.transformer.resblocks[0].attn.heads == text_heads
     with torch.no_grad():
         assert_close(ours.encode_image(images), original.encode_image(images))
         assert_close(ours.encode_text(text), original.encode_text(text))
@@ -119,6 +124,7 @@ def test_archive_roundtrip_and_state_dict(tmp_path):
     torch.manual_seed(0)
     images, text = tiny_inputs()
     original = clip_load.save_archive(M.CLIP(TINY), tmp_path / "a.pt")  # as OpenAI's release: fp16 TorchScript
+    assert not set(M.PAIR_KEYS) & set(clip_load.read_state_dict(tmp_path / "a.pt")[0])  # no pair parameters in it
     torch.save(original.state_dict(), tmp_path / "sd.pt")
     for path in (tmp_path / "a.pt", tmp_path / "sd.pt"):
         ours = load_clip(path, n_inter=2)
@@ -126,7 +132,9 @@ def test_archive_roundtrip_and_state_dict(tmp_path):
         with torch.no_grad():
             assert_close(ours.encode_image(images), original.encode_image(images))
             assert_close(ours.encode_text(text), original.encode_text(text))
-            assert_close(ours.encode_pair(images, images.flip(0))[0], original.encode_pair(images, images.flip(0))[0])
+            if path.name == "sd.pt":  # the archive's pair parameters are freshly initialized on loading
+                assert_close(ours.encode_pair(images, images.flip(0))[0],
+                             original.encode_pair(images, images.flip(0))[0])
 
 
 def test_strict_load_of_openai_keys():
@@ -284,6 +292,22 @@ def test_preprocess_any_mode():
     std = torch.tensor(clip_load.STD).view(3, 1, 1)
     assert_close(preprocess(white8, 8), ((1 - mean) / std).expand(3, 8, 8))
     assert preprocess(Image.fromarray(rgb), 32, crop=True).shape == (3, 32, 32)
+
+
+def test_preprocess_keeps_channels_and_orientation():
+    """A non-square image whose red grows left to right, green top to bottom, blue constant: a channel swap or an
+    H/W transpose in preprocessing changes which axis each channel grows along."""
+    h, w = 24, 40
+    rgb = np.zeros((h, w, 3), dtype=np.uint8)
+    rgb[..., 0] = np.linspace(0, 255, w).astype(np.uint8)[None, :]
+    rgb[..., 1] = np.linspace(0, 255, h).astype(np.uint8)[:, None]
+    rgb[..., 2] = 200
+    x = clip_load.resize_uint8(Image.fromarray(rgb), 32).float()  # (3, 32, 32) before the mean/std
+    assert x[0, :, -1].mean() - x[0, :, 0].mean() > 200 and (x[0, -1] - x[0, 0]).abs().max() < 3  # red along W
+    assert x[1, -1].mean() - x[1, 0].mean() > 200 and (x[1, :, -1] - x[1, :, 0]).abs().max() < 3  # green along H
+    assert (x[2] - 200).abs().max() < 2
+    mean, std = torch.tensor(clip_load.MEAN).view(3, 1, 1), torch.tensor(clip_load.STD).view(3, 1, 1)
+    assert_close(preprocess(Image.fromarray(rgb), 32), (x / 255 - mean) / std)
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -1026,6 +1050,175 @@ def test_two_processes_equal_one_on_the_global_batch(tmp_path):
     assert torch.allclose(got["loss"], loss, atol=1e-6)
     for k, p in model.named_parameters():
         assert torch.allclose(got["grads"][k], p.grad, atol=1e-6, rtol=1e-4), k
+
+
+# -------------------------------------------------------------------------------------------------------------
+# the paper path through both stages' main: an OpenAI-format CLIP with several heads, the authors' frozen set and
+# two learning rates, bf16 autocast, torchrun (2 gloo processes)
+
+
+MH = M.CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
+                  context_length=77, vocab_size=49408, transformer_width=128, transformer_heads=2,
+                  transformer_layers=2)  # 2 heads per tower; the paper's n_inter=3 leaves 1 intra block
+FAST = ["--epochs", "1", "--batch-size", "8", "--eval-batch-size", "16", "--workers", "0", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def openai_archive(tmp_path_factory):
+    path = tmp_path_factory.mktemp("clip_cache") / "ViT-B-32.pt"
+    torch.manual_seed(0)
+    clip_load.save_archive(M.CLIP(MH), path)
+    return path
+
+
+def as_cached_release(monkeypatch, archive):
+    """`archive` becomes ~/.cache/clip/ViT-B-32.pt, its SHA256 standing in for the release's."""
+    monkeypatch.setattr(clip_load, "CACHE", archive.parent)
+    monkeypatch.setitem(clip_load.MODELS, "ViT-B/32", f"https://example.invalid/{clip_load.sha256(archive)}/ViT-B-32.pt")
+
+
+def max_change(a, b, keys):
+    return {k: (a[k].float() - b[k].float()).abs().max().item() for k in keys}
+
+
+def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypatch, capsys):
+    # adaptation: the paper preset chosen because ViT-B-32.pt is in the cache; its input size follows the CLIP
+    monkeypatch.setattr(clip_load, "CACHE", tmp_path)
+    assert adapt.get_args([]).preset == "small"  # nothing cached: the small preset
+    as_cached_release(monkeypatch, openai_archive)
+    assert adapt.get_args([]).preset == "paper"
+    out = tmp_path / "adapted.pt"
+    adapt.main(["--data-root", str(adapt_synth), "--out", str(out)] + FAST)
+    log = capsys.readouterr().out
+    assert "preset 'paper'" in log and "takes 32px images: --image-size 224 -> 32" in log
+    assert "lr 1.00e-04/1.00e-07" in log  # both learning rates on the progress line
+    train_utils.seed_everything(0)  # adapt.main's seed: the same fresh pair parameters
+    start = clip_load.load_clip(openai_archive, n_inter=3).state_dict()
+    adapted = torch.load(out, weights_only=False)["model"]
+    steps = torch.load(train_utils.last_path(out), weights_only=False)["step"]
+    moved = max_change(adapted, start, start)
+    clip_moved = []
+    for k, d in moved.items():
+        if k.startswith(adapt.FROZEN):  # the authors' frozen input embeddings: bit-identical
+            assert d == 0, k
+        elif k.startswith(adapt.NEW_PARAMS):  # e1, e2, p, ln_mid at 1e-4
+            assert 1e-5 < d <= 2 * steps * 1e-4, (k, d)
+        else:  # CLIP's own weights at 1e-7: Adam moves a weight by about lr per step at most
+            assert d <= 2 * steps * 1e-7, (k, d)
+            clip_moved.append(d > 0)
+    # all but a few moved: a 1e-7 step rounds away on an fp32 weight above ~1.7 (logit_scale is 2.66 here)
+    assert sum(clip_moved) >= len(clip_moved) - 2, moved
+
+    # captioning with the paper preset: the encoder fine-tuned at --encoder-lr, a captioner from scratch
+    cap, results = tmp_path / "captioner.pt", tmp_path / "captions.json"
+    caption.main(["--ckpt", str(out), "--preset", "paper", "--out", str(cap), "--results", str(results), "--epochs",
+                  "2", "--batch-size", "4", "--workers", "0", "--encoder-lr", "1e-6", "--log-every", "1000"])
+    trained = torch.load(cap, weights_only=False)
+    steps = torch.load(train_utils.last_path(cap), weights_only=False)["step"]
+    moved = max_change(trained["model"], adapted, adapted)
+    assert all(d == 0 for k, d in moved.items() if not k.startswith("visual."))  # the text tower takes no part
+    visual = [d for k, d in moved.items() if k.startswith("visual.")]
+    assert 0 < max(visual) <= 2 * steps * 1e-6 and sum(d > 0 for d in visual) > 0.9 * len(visual)
+    history = trained["metrics"]["history"]
+    assert history[-1]["loss"] < history[0]["loss"] < math.log(len(trained["vocab"])), history  # it learns
+    # the saved captioner, evaluated again, and on two images of one's own
+    first = json.loads(results.read_text())["predictions"]
+    again = caption.main(["--ckpt", str(cap), "--results", str(tmp_path / "again.json"), "--workers", "0"])
+    assert [p["caption"] for p in again["predictions"]] == [p["caption"] for p in first]
+    capsys.readouterr()
+    caption.main(["--ckpt", str(cap), "--before", first[0]["before"], "--after", first[0]["after"]])
+    assert capsys.readouterr().out.strip() == first[0]["caption"]
+
+
+def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
+    # 12/0: no inter blocks, so e1, e2, p, ln_mid take no part and are never trained
+    out = tmp_path / "adapted_12_0.pt"
+    adapt.main(["--clip", str(openai_archive), "--n-inter", "0", "--data-root", str(adapt_synth),
+                "--out", str(out)] + FAST)
+    ckpt = torch.load(out, weights_only=False)
+    assert ckpt["config"]["n_inter"] == 0
+    train_utils.seed_everything(0)
+    start = clip_load.load_clip(openai_archive, n_inter=0).state_dict()
+    assert all(torch.equal(ckpt["model"][k], start[k]) for k in M.PAIR_KEYS)
+    # no adaptation: the raw CLIP archive as caption.py's encoder
+    res = caption.main(["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "small",
+                        "--out", str(tmp_path / "cap.pt"), "--results", str(tmp_path / "c.json"), "--epochs", "1",
+                        "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
+    assert set(res["scores"]) >= {"BLEU-4", "CIDEr-D"} and len(res["predictions"]) > 0
+
+
+def test_bf16_autocast_through_main(adapt_synth, tmp_path):
+    """One epoch of each stage with bf16 autocast on the CPU: the code path a CUDA run takes (train_utils.autocast
+    decides it in one place). The training loss stays within 2 % of fp32's."""
+    loss = {}
+    for amp in ("off", "bf16"):
+        out = tmp_path / f"adapt_{amp}.pt"
+        adapt.main(TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "1", "--amp", amp, "--out", str(out)])
+        loss["adapt", amp] = torch.load(train_utils.last_path(out), weights_only=False)["history"][0]["loss"]
+        cap = tmp_path / f"cap_{amp}.pt"
+        caption.main(["--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / f"{amp}.json"), "--amp", amp,
+                      "--epochs", "1", "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
+        loss["caption", amp] = torch.load(train_utils.last_path(cap), weights_only=False)["history"][0]["loss"]
+    for stage in ("adapt", "caption"):
+        assert abs(loss[stage, "bf16"] - loss[stage, "off"]) < 0.02 * loss[stage, "off"], loss
+
+
+def _stage_worker(rank, world, port, stage, argv, skew=False):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if skew:  # rank 0 sees no val CIDEr-D gain after the first epoch; rank 1 a gain every epoch
+        scores = iter(range(100, 10_000)) if rank else None
+        caption.cider = lambda items, preds: float(next(scores)) if scores else 0.0
+    {"adapt": adapt.main, "caption": caption.main}[stage](argv)
+
+
+def torchrun(stage, argv, world=2, timeout=300, skew=False):
+    """`stage`.main(argv) in `world` gloo processes, as torchrun starts them; a hang fails the test."""
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = mp.start_processes(_stage_worker, args=(world, port, stage, argv, skew), nprocs=world, join=False,
+                               start_method="spawn")
+    deadline = time.time() + timeout
+    while not procs.join(timeout=5):
+        if time.time() > deadline:
+            for p in procs.processes:
+                p.kill()
+            pytest.fail(f"{stage}.main under {world} processes did not finish in {timeout}s: a hang")
+
+
+def test_torchrun_equals_one_process(adapt_synth, openai_archive, tmp_path):
+    """2 processes with half the batch each = 1 process with the whole batch (EpochSampler gives the two halves
+    the same samples), for adaptation and for captioning; early stopping ends both processes together. The
+    captioner runs on the raw CLIP (no pair parameters in the file): every process must initialize them alike,
+    or each caches other frozen features."""
+    argv = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "1"]
+    adapt.main(argv + ["--out", str(tmp_path / "one.pt")])
+    torchrun("adapt", argv + ["--out", str(tmp_path / "two.pt")])
+    one, two = (torch.load(tmp_path / f"{n}.pt", weights_only=False)["model"] for n in ("one", "two"))
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-5, rtol=1e-4), k
+    # captioning: dropout off (each process draws its own masks); patience 1 stops early
+    argv = ["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--freeze-encoder", "--dropout", "0",
+            "--epochs", "6", "--patience", "1", "--batch-size", "8", "--workers", "0", "--log-every", "1000"]
+    caption.main(argv + ["--out", str(tmp_path / "cap1.pt"), "--results", str(tmp_path / "c1.json")])
+    torchrun("caption", argv + ["--out", str(tmp_path / "cap2.pt"), "--results", str(tmp_path / "c2.json")])
+    one, two = (torch.load(tmp_path / f"cap{n}.pt", weights_only=False) for n in (1, 2))
+    assert [h["epoch"] for h in one["metrics"]["history"]] == [h["epoch"] for h in two["metrics"]["history"]]
+    for k in one["captioner"]:
+        assert torch.allclose(one["captioner"][k], two["captioner"][k], atol=1e-5, rtol=1e-4), k
+
+
+def test_torchrun_early_stop_is_one_decision(adapt_synth, openai_archive, tmp_path):
+    """Were each process to decide early stopping from its own val figure, one that disagrees would leave the
+    loop while the other waits in the next collective, forever; rank 0's decision is shared."""
+    argv = ["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--freeze-encoder", "--epochs", "5",
+            "--patience", "1", "--batch-size", "8", "--workers", "0", "--log-every", "1000",
+            "--out", str(tmp_path / "cap.pt"), "--results", str(tmp_path / "c.json")]
+    torchrun("caption", argv, timeout=120, skew=True)
+    assert len(torch.load(tmp_path / "cap.pt", weights_only=False)["metrics"]["history"]) == 2  # rank 0's stop
 
 
 # -------------------------------------------------------------------------------------------------------------

@@ -20,9 +20,21 @@ import torch.distributed as dist
 # device, numerics, processes
 
 
-def setup(seed=0, device=None):
+def autocast(device, amp="auto"):
+    """The one place that decides mixed precision. auto: bf16 autocast on CUDA, fp32 on a CPU; "bf16" forces
+    autocast (a CPU runs it too, slowly: the tests check the CUDA numerics path that way); "off": fp32."""
+    if amp not in ("auto", "bf16", "off"):
+        raise SystemExit(f"--amp {amp!r}: expected auto, bf16 or off")
+    if amp == "off" or (amp == "auto" and device.type != "cuda"):
+        return nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def setup(seed=0, device=None, amp="auto"):
     """One process's view of the run. Under `torchrun` (RANK/WORLD_SIZE set) it joins the process group:
-    NCCL on CUDA, gloo on CPU. fp32 master weights everywhere; bf16 autocast on CUDA only."""
+    NCCL on CUDA, gloo on CPU. fp32 master weights everywhere; autocast as `autocast(device, amp)` says.
+    Every process is seeded alike, so that models built next are identical on all of them; `seed_ranks` then
+    gives each its own stream."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
     if device is None:
@@ -34,9 +46,15 @@ def setup(seed=0, device=None):
         torch.backends.cudnn.allow_tf32 = True
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    seed_everything(seed + rank)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    return SimpleNamespace(device=device, rank=rank, world=world, main=rank == 0, amp=amp)
+    seed_everything(seed)
+    return SimpleNamespace(device=device, rank=rank, world=world, main=rank == 0, amp=autocast(device, amp))
+
+
+def seed_ranks(ctx, seed):
+    """After the model is built (the same on every process): a random stream of each process's own (dropout).
+    A single process keeps the stream it has."""
+    if ctx.world > 1:
+        seed_everything(seed + 1000 * ctx.rank)
 
 
 @functools.lru_cache
