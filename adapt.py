@@ -327,6 +327,10 @@ def main(argv=None):
     except KeyboardInterrupt:
         interrupted(ctx, args.out)
 
+    if ctx.world > 1:  # training is over: the other processes leave, rank 0 alone tests
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
     # final: the best-on-val weights, evaluated once on test
     if ctx.main:
         ckpt = torch.load(args.out, map_location="cpu", weights_only=False)
@@ -340,8 +344,6 @@ def main(argv=None):
               for d in ("text->pair", "pair->text")}
         log(ctx, f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx)}): test text->pair R@1 "
                  f"{r1['text->pair']}, pair->text R@1 {r1['pair->text']} -> {args.out}")
-    if ctx.world > 1:
-        torch.distributed.destroy_process_group()
 
 
 def checkpoint(model, args, root, metrics):

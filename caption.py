@@ -560,7 +560,8 @@ def main(argv=None):
     log(ctx, f"training done in {fmt_time(time.time() - t_start)} ({where(ctx)}): best val CIDEr-D {best:.1f} at "
              f"epoch {best_epoch}")
 
-    if ctx.world > 1:
+    if ctx.world > 1:  # training is over: the other processes leave, rank 0 alone tests
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     if not ctx.main:
         return None
