@@ -166,7 +166,10 @@ def _decode_uint8_tensor(path, size):
 
 
 def _decode_uint8(path, size):
-    return _decode_uint8_tensor(path, size).numpy()
+    try:
+        return _decode_uint8_tensor(path, size).numpy()
+    except SystemExit as e:  # in a Pool worker a SystemExit ends the worker and the pool waits for it forever
+        raise OSError(str(e)) from None
 
 
 def cache_bytes(items, size):
@@ -201,12 +204,15 @@ class ImageCache:
         self.data = torch.empty(len(paths), 3, size, size, dtype=torch.uint8)  # filled in place: no second copy
         t0 = time.time()
         with Pool(max(1, workers)) as pool:
-            for i, a in enumerate(pool.imap(partial(_decode_uint8, size=size), paths, chunksize=64)):
-                self.data[i] = torch.from_numpy(a)
-                if log_every and (i + 1) % log_every == 0:
-                    rate = (i + 1) / (time.time() - t0)
-                    print(f"   decoding images: {i + 1}/{len(paths)}, {rate:.0f} images/s, ETA "
-                          f"{(len(paths) - i - 1) / rate:.0f}s", flush=True)
+            try:
+                for i, a in enumerate(pool.imap(partial(_decode_uint8, size=size), paths, chunksize=64)):
+                    self.data[i] = torch.from_numpy(a)
+                    if log_every and (i + 1) % log_every == 0:
+                        rate = (i + 1) / (time.time() - t0)
+                        print(f"   decoding images: {i + 1}/{len(paths)}, {rate:.0f} images/s, ETA "
+                              f"{(len(paths) - i - 1) / rate:.0f}s", flush=True)
+            except OSError as e:
+                raise SystemExit(f"{e}: replace that file with a readable PNG/JPEG image ({SEE})") from None
         self.rate = len(paths) / max(time.time() - t0, 1e-9)
 
     def __getitem__(self, path):

@@ -589,6 +589,21 @@ def test_empty_captions_are_not_trained_on(synth_set):
     assert data.PairDataset(items, 16)[0][3] == 0 and len(data.ImageDataset(items, 16)) == 2
 
 
+def test_cache_build_stops_on_a_truncated_image(synth_set, tmp_path):
+    """A truncated PNG met while decoding into the ImageCache (a Pool of workers) ends the run within seconds with
+    a message naming the file; it used to end a worker and leave the pool waiting forever."""
+    broken = tmp_path / "broken"
+    shutil.copytree(synth_set, broken)
+    victim = data.load_items("clevr", broken, "val", "total")[1].after
+    Path(victim).write_bytes(Path(victim).read_bytes()[:300])
+    code = (f"import data; items = data.load_items('clevr', {str(broken)!r}, 'val', 'total'); "
+            f"data.ImageCache(items, 32, workers=2)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parent)
+    assert r.returncode != 0 and victim in r.stderr and "readable PNG" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
 def test_cache_equals_streaming(synth_set):
     items = data.load_items("clevr", synth_set, "val", "total")
     cache = data.ImageCache(items, size=48, workers=2)
