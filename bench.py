@@ -225,16 +225,18 @@ def random_ids(batch, text_len, device, seed=0):
     return ids.to(device)
 
 
-def openai_clip_model():
-    """OpenAI's own clip/model.py (the openai-clip package, installed with --no-deps), loaded by path so that
-    clip/__init__.py (which imports torchvision) is never run."""
+def openai_code(name="model"):
+    """OpenAI's own clip/model.py or clip/simple_tokenizer.py (the openai-clip package, installed with --no-deps),
+    loaded by path so that clip/__init__.py (which imports torchvision) never runs; None when it is absent. The
+    authors' configuration here and the parity tests both use it."""
     import importlib.util
     spec = importlib.util.find_spec("clip")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the authors' configuration needs OpenAI's clip/model.py: pip install --no-deps "
-                         "openai-clip==1.0.1")
-    path = os.path.join(list(spec.submodule_search_locations)[0], "model.py")
-    mod_spec = importlib.util.spec_from_file_location("openai_clip_model", path)
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], f"{name}.py")
+    if not os.path.isfile(path):
+        return None
+    mod_spec = importlib.util.spec_from_file_location(f"openai_clip_{name}", path)
     mod = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(mod)
     return mod
@@ -247,7 +249,10 @@ def authors_adapt_step(device, batch=128, text_len=32):
     same frozen set, learning rates, AdamW, clipping and loss."""
     import torch.nn as nn
     from adapt import contrastive_loss, lr_for
-    ref = openai_clip_model()
+    ref = openai_code("model")
+    if ref is None:
+        raise SystemExit("the authors' configuration needs OpenAI's clip/model.py: pip install --no-deps "
+                         "openai-clip==1.0.1")
     torch.manual_seed(0)
     clip = ref.CLIP(embed_dim=512, image_resolution=224, vision_layers=12, vision_width=768, vision_patch_size=32,
                     context_length=text_len, vocab_size=49408, transformer_width=512, transformer_heads=8,
@@ -508,7 +513,7 @@ def loop_rate(loader, step, device, batches, warmup=1):
     `batches` batches after `warmup` (worker start-up, compilation, and the batches the workers prefetched
     meanwhile, which would flatter the loader); and the GPU's mean utilization meanwhile."""
     warmup = max(warmup, 1 + loader.num_workers * (loader.prefetch_factor or 0))
-    it, n, done = iter(loader), 0, 0
+    it, n = iter(loader), 0
     busy = GPUBusy(device)
     for k in range(warmup + batches):
         if k == warmup:
@@ -528,7 +533,6 @@ def loop_rate(loader, step, device, batches, warmup=1):
             step(batch)
         if k >= warmup:
             n += len(batch[0])
-            done += 1
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
@@ -556,11 +560,11 @@ def bench_e2e(args):
     print(f"end to end, adaptation at batch {args.batch}, {len(items)} pairs / {len(stream)} captions at 480x320, "
           f"{where}, {cores} CPU cores, torch {torch.__version__}")
     # decoding: one core, then all of them
-    paths = sorted({p for it in items for p in (it.before, it.after, it.alt_before)})[:200]
+    paths = data.image_paths(items)[:100]
     t0 = time.time()
-    for path in paths[:100]:
+    for path in paths:
         data._decode_uint8(path, 224)
-    per_core = 100 / (time.time() - t0)
+    per_core = len(paths) / (time.time() - t0)
     cache = data.ImageCache(items, 224, workers=cores)
     print(f"decode 480x320 PNG -> 224 uint8: {per_core:.0f} images/s on one core; {cache.rate:.0f} images/s "
           f"building the cache on {cores} cores ({len(cache.index)} images)")

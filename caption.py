@@ -507,7 +507,7 @@ def main(argv=None):
         start, step, best, best_epoch, bad, history = (resume[k] for k in
                                                        ("epoch", "step", "best", "best_epoch", "bad", "history"))
         log(ctx, f"resumed from {last_path(args.out)} at epoch {start + 1} (best val CIDEr-D {best:.1f})")
-    epoch = start
+    epoch = start  # the training loop below rebinds it; loss_fn reads the current epoch
 
     def loss_fn(batch):
         *inputs, idx = batch

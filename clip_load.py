@@ -120,11 +120,10 @@ def read_state_dict(path):
 
 
 def to_fp16(module):
-    """What OpenAI's `convert_weights` leaves in the release: matrices, convolutions, projections and biases in
-    fp16, LayerNorms in fp32."""
+    """Round a CLIP's weights as the released archive holds them, approximately: matrices, embeddings, the
+    attention and MLP biases and the [CLS] embedding in fp16; LayerNorms and the other vectors in fp32."""
     for name, p in module.named_parameters():
-        if p.ndim >= 2 or name.endswith(("in_proj_bias", "class_embedding", "bef_embedding", "aft_embedding")) \
-                or ".mlp." in name or "out_proj" in name:
+        if p.ndim >= 2 or name.endswith(("in_proj_bias", "class_embedding")) or ".mlp." in name or "out_proj" in name:
             p.data = p.data.half()
     return module
 

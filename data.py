@@ -172,9 +172,14 @@ def _decode_uint8(path, size):
         raise OSError(str(e)) from None
 
 
+def image_paths(items):
+    """Every distinct image the items name (before, after, and the swap's alternative), sorted."""
+    return sorted({p for it in items for p in (it.before, it.after, it.alt_before) if p})
+
+
 def cache_bytes(items, size):
     """Memory an ImageCache of these items takes: every distinct image once, uint8 at size x size."""
-    return len({p for it in items for p in (it.before, it.after, it.alt_before) if p}) * 3 * size * size
+    return len(image_paths(items)) * 3 * size * size
 
 
 def ram_bytes():
@@ -199,7 +204,7 @@ class ImageCache:
     than a CPU decodes (README 'Benchmarks'). Forked DataLoader workers share the tensor without copying it."""
 
     def __init__(self, items, size, workers=2, log_every=0):
-        paths = sorted({p for it in items for p in (it.before, it.after, it.alt_before) if p})
+        paths = image_paths(items)
         self.index = {p: i for i, p in enumerate(paths)}
         self.data = torch.empty(len(paths), 3, size, size, dtype=torch.uint8)  # filled in place: no second copy
         t0 = time.time()

@@ -2,7 +2,6 @@
 files in ../shared/, skipped cleanly when absent); a few minutes on 2 CPU cores."""
 
 import gzip
-import importlib.util
 import io
 import json
 import math
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 from PIL import Image
 
 import adapt
+import bench
 import caption
 import clip_load
 import data
@@ -54,19 +54,7 @@ def assert_close(a, b, atol=1e-5):
     assert diff.max() <= atol, f"max |diff| {diff.max():.3g}, mean {diff.mean():.3g}"
 
 
-def openai_module(name):
-    """OpenAI's own clip/model.py or clip/simple_tokenizer.py (test-only reference), loaded by path so that
-    clip/__init__.py (which needs torchvision) is never run; None when the openai-clip package is absent."""
-    spec = importlib.util.find_spec("clip")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / f"{name}.py"
-    if not path.is_file():
-        return None
-    mod_spec = importlib.util.spec_from_file_location(f"openai_clip_{name}", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
+openai_module = bench.openai_code  # OpenAI's own code, the reference of the parity tests (None when absent)
 
 
 def tiny_inputs(seed=0):
@@ -936,7 +924,6 @@ def test_step_flops_match_torch_counter():
     non-square counts of intra/inter blocks and a frozen patch convolution (attention through the plain path,
     which the counter sees as matmuls)."""
     from torch.utils.flop_counter import FlopCounterMode
-    import bench
     cfg = M.CLIPConfig(embed_dim=64, image_resolution=64, vision_layers=5, vision_width=128, vision_patch_size=16,
                        context_length=24, transformer_width=128, transformer_heads=2, transformer_layers=2, n_inter=2)
     m = M.CLIP(cfg)
@@ -1176,6 +1163,7 @@ def test_bf16_autocast_through_main(adapt_synth, tmp_path):
                       "--epochs", "1", "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
         loss["caption", amp] = torch.load(train_utils.last_path(cap), weights_only=False)["history"][0]["loss"]
     for stage in ("adapt", "caption"):
+        assert loss[stage, "bf16"] != loss[stage, "off"], loss  # autocast really ran
         assert abs(loss[stage, "bf16"] - loss[stage, "off"]) < 0.02 * loss[stage, "off"], loss
 
 
