@@ -53,7 +53,7 @@ FROZEN = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.c
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # data
-    p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier"], help="dataset")
+    p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier", "levir"], help="dataset")
     p.add_argument("--data-root", default=None, help="dataset directory (default data/<name>; clevr falls back "
                                                      "to a generated synthetic set when absent)")
     p.add_argument("--synth-pairs", type=int, default=3000, help="size of the synthetic set, when it is used")
@@ -355,4 +355,7 @@ def checkpoint(model, args, root, metrics):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except data.BadImage as e:  # an undecodable image met while training: its name and what to do, no traceback
+        raise SystemExit(data.exit_message(e)) from None

@@ -31,7 +31,8 @@ from PIL import Image, ImageDraw
 import metrics
 import synth
 from clip_load import MODELS, load_clip, load_image, normalize, open_image, resolve, to_rgb
-from data import EpochSampler, ImageCache, ImageDataset, load_items, make_loader, resolve_root, use_cache
+from data import (BadImage, EpochSampler, ImageCache, ImageDataset, exit_message, load_items, make_loader, resolve_root,
+                  use_cache)
 from model import PAIR_KEYS, Captioner, CaptionerConfig
 from train_utils import (fmt_time, interrupted, last_path, load_resume, log, make_optimizer, param_groups, rng_state,
                          save_atomic, seed_ranks, set_rng_state, setup, train_epoch, unwrap, warmup_cosine, where)
@@ -288,7 +289,7 @@ def parse_args(argv=None):
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
                    help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
     # data
-    p.add_argument("--data", choices=["clevr", "spot", "ier"], default=None,
+    p.add_argument("--data", choices=["clevr", "spot", "ier", "levir"], default=None,
                    help="dataset (default: the one the checkpoint was adapted on, else clevr)")
     p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's, else data/...)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
@@ -577,4 +578,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BadImage as e:  # an undecodable image met while training: its name and what to do, no traceback
+        raise SystemExit(exit_message(e)) from None

@@ -288,11 +288,12 @@ STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def to_rgb(image):
-    """Any PIL mode -> RGB. 16-bit and float greyscale are rescaled to 8 bits first (PIL would clip them)."""
+    """Any PIL mode -> RGB. 16-bit greyscale (I;16*, and I, the mode PIL gives 16-bit PNGs) is scaled by its bit
+    depth, 0..65535 -> 0..255, and float (F) from 0..1, the same rule for every image whatever its content: a dark
+    16-bit image stays dark, and both images of a pair scale alike (PIL alone would clip them to 255)."""
     if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
-        a = np.asarray(image, dtype=np.float32)
-        hi = 65535.0 if image.mode.startswith("I;16") or a.max() > 255 else (1.0 if a.max() <= 1 else 255.0)
-        image = Image.fromarray(np.clip(a / hi * 255 + 0.5, 0, 255).astype(np.uint8), "L")
+        a = np.asarray(image, dtype=np.float64) * (255.0 if image.mode == "F" else 255.0 / 65535)
+        image = Image.fromarray(np.clip(a + 0.5, 0, 255).astype(np.uint8), "L")
     return image if image.mode == "RGB" else image.convert("RGB")
 
 

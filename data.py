@@ -1,4 +1,5 @@
-"""How data gets into the model: CLEVR-Change, Spot-the-Diff and Image-Editing-Request loaders, the torch datasets.
+"""How data gets into the model: CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders, the torch
+datasets.
 
     python data.py bench --root data/clevr_synth --size 96   # decoded images/s, streaming and cached
 
@@ -25,7 +26,8 @@ from PIL import Image
 import synth
 from clip_load import open_image, resize_uint8, tokenize
 
-ROOTS = {"clevr": "data/clevr_change", "spot": "data/spot_the_diff", "ier": "data/image_editing_request"}
+ROOTS = {"clevr": "data/clevr_change", "spot": "data/spot_the_diff", "ier": "data/image_editing_request",
+         "levir": "data/levir_cc"}
 SEE = "see README 'Data' for where to get it"
 CLEVR_FILES = ("images", "sc_images", "nsc_images", "change_captions.json", "no_change_captions.json",
                "splits.json", "type_mapping.json")
@@ -70,8 +72,19 @@ def load_items(name, root, split, setting="total", skip_missing=False):
     split = {"valid": "val"}.get(split, split)
     if split not in ("train", "val", "test"):
         raise SystemExit(f"unknown split {split!r}: expected train, val or test")
-    items = {"clevr": partial(_clevr, setting=setting), "spot": _spot, "ier": _ier}[name](root, split)
-    return _check_files(items, name, root, split, skip_missing)
+    items = {"clevr": partial(_clevr, setting=setting), "spot": _spot, "ier": _ier, "levir": _levir}[name](root, split)
+    return _check_files(_nonempty_captions(items, name, split), name, root, split, skip_missing)
+
+
+def _nonempty_captions(items, name, split):
+    """Empty caption strings are never trained on nor scored against: each item keeps its non-empty captions, and
+    a pair with none left is left out (of training and of evaluation, which needs a reference), counted."""
+    kept = [it._replace(captions=[c for c in it.captions if c.strip()]) for it in items]
+    n_empty = sum(len(a.captions) - len(b.captions) for a, b in zip(items, kept))
+    if n_empty:
+        dropped = sum(not it.captions for it in kept)
+        print(f"{name} {split}: {n_empty} empty caption(s) ignored; {dropped} pair(s) with no caption left out")
+    return [it for it in kept if it.captions]
 
 
 def _read_json(path, what):
@@ -83,20 +96,41 @@ def _read_json(path, what):
         raise SystemExit(f"{path} is not valid JSON ({e}): expected {what}") from None
 
 
+def _expect(ok, path, what):
+    """Annotation files of the wrong shape: a message naming the file and the shape expected, not a KeyError."""
+    if not ok:
+        raise SystemExit(f"{path} is not in the expected format: {what} ({SEE})")
+
+
+def _captions_ok(caps):
+    return isinstance(caps, list) and all(isinstance(c, str) for c in caps)
+
+
 def _clevr(root, split, setting):
     if setting not in ("semantic", "total"):
         raise SystemExit(f"unknown CLEVR-Change setting {setting!r}: expected 'semantic' or 'total'")
     if missing := [f for f in CLEVR_FILES if not (root / f).exists()]:
         raise SystemExit(f"CLEVR-Change at {root} lacks {', '.join(missing)}: expected {', '.join(CLEVR_FILES)} "
                          f"there, {SEE}")
-    splits = _read_json(root / "splits.json", 'split ids {"train": [...], "val": [...], "test": [...]}')
+    want = 'split ids {"train": [0, 3, ...], "val": [...], "test": [...]}'
+    splits = _read_json(root / "splits.json", want)
+    _expect(isinstance(splits, dict), root / "splits.json", want)
     if split not in splits:
         raise SystemExit(f"{root / 'splits.json'} has no {split!r} list (it has {list(splits)})")
     ids = splits[split]
-    change = _read_json(root / "change_captions.json", 'captions {"CLEVR_default_%06d.png": [...]}')
-    same = _read_json(root / "no_change_captions.json", 'captions {"CLEVR_default_%06d.png": [...]}')
-    types = {int(f[:6]): t for t, files in _read_json(root / "type_mapping.json", "change type -> ids").items()
-             for f in files}
+    _expect(isinstance(ids, list) and all(isinstance(i, int) or (isinstance(i, str) and i.isdigit()) for i in ids),
+            root / "splits.json", f"{split!r}: a list of integer image ids, got {str(ids)[:60]}")
+    ids = [int(i) for i in ids]
+    want = 'captions {"CLEVR_default_000000.png": ["a caption", ...], ...}'
+    change, same = (_read_json(root / f, want) for f in ("change_captions.json", "no_change_captions.json"))
+    for f, caps in (("change_captions.json", change), ("no_change_captions.json", same)):
+        _expect(isinstance(caps, dict) and all(_captions_ok(c) for c in caps.values()), root / f, want)
+    want = 'change type -> image files {"color": ["000000.png", ...], ...}'
+    mapping = _read_json(root / "type_mapping.json", want)
+    _expect(isinstance(mapping, dict) and all(isinstance(v, list) and all(isinstance(f, str) and f[:6].isdigit()
+                                                                          for f in v) for v in mapping.values()),
+            root / "type_mapping.json", want)
+    types = {int(f[:6]): t for t, files in mapping.items() for f in files}
     items = []
     for i in ids:
         key = f"CLEVR_default_{i:06d}.png"
@@ -118,8 +152,12 @@ def _first_dir(root, names):
 def _spot(root, split):
     ann = _first_dir(root, ["annotations", "data/annotations"]) / f"{split}.json"
     images = _first_dir(root, ["resized_images", "images", "data/resized_images"])
+    want = 'Spot-the-Diff annotations [{"img_id": 12, "sentences": ["...", ...]}, ...]'
+    entries = _read_json(ann, want)
+    _expect(isinstance(entries, list) and all(isinstance(d, dict) and isinstance(d.get("img_id"), (int, str)) and
+                                              _captions_ok(d.get("sentences")) for d in entries), ann, want)
     merged = {}  # an img_id can repeat: its sentences are merged, in file order
-    for d in _read_json(ann, 'Spot-the-Diff annotations [{"img_id", "sentences"}]'):
+    for d in entries:
         merged.setdefault(str(d["img_id"]), []).extend(d["sentences"])
     return [Item(i, str(images / f"{i}.png"), str(images / f"{i}_2.png"), s) for i, s in merged.items()]
 
@@ -128,23 +166,57 @@ def _ier(root, split):
     split = {"val": "valid"}.get(split, split)
     ann = _first_dir(root, ["data"]) / f"{split}.json"
     images = _first_dir(root, ["images"])
-    data = _read_json(ann, 'Image-Editing-Request annotations [{"img0", "img1", "sents", "uid"}]')
-    return [Item(d["uid"], str(images / d["img0"]), str(images / d["img1"]), d["sents"]) for d in data]
+    want = 'Image-Editing-Request annotations [{"img0": "a.jpg", "img1": "b.jpg", "sents": ["...", ...], "uid": ...}]'
+    entries = _read_json(ann, want)
+    _expect(isinstance(entries, list) and all(
+        isinstance(d, dict) and all(isinstance(d.get(k), str) for k in ("img0", "img1")) and
+        isinstance(d.get("uid"), (str, int)) and _captions_ok(d.get("sents")) for d in entries), ann, want)
+    return [Item(str(d["uid"]), str(images / d["img0"]), str(images / d["img1"]), d["sents"]) for d in entries]
+
+
+def _levir(root, split):
+    """LEVIR-CC (Liu et al. 2022): Karpathy-style LevirCCcaptions.json, images/{split}/A (before) and B (after)."""
+    ann = root / "LevirCCcaptions.json"
+    want = ('LEVIR-CC captions {"images": [{"filename": "train_000016.png", "split": "train", "sentences": '
+            '[{"raw": "..."}, ...]}, ...]}')
+    obj = _read_json(ann, want)
+    entries = obj.get("images") if isinstance(obj, dict) else None
+    _expect(isinstance(entries, list) and all(
+        isinstance(d, dict) and isinstance(d.get("filename"), str) and d.get("split") in ("train", "val", "test")
+        and isinstance(d.get("sentences"), list) and all(isinstance(s, dict) and isinstance(s.get("raw"), str)
+                                                         for s in d["sentences"]) for d in entries), ann, want)
+    images = _first_dir(root, ["images"])
+    return [Item(Path(d["filename"]).stem, str(images / split / "A" / d["filename"]),
+                 str(images / split / "B" / d["filename"]), [s["raw"].strip() for s in d["sentences"]])
+            for d in entries if d["split"] == split]
+
+
+class BadImage(OSError):
+    """An image that cannot be decoded; its message names the file and what to do. The stages turn it into a clean
+    exit (`exit_message`), also when a DataLoader worker raised it."""
+
+
+def exit_message(error):
+    """A BadImage -> its own message: a DataLoader re-raises a worker's error with the worker's traceback in it."""
+    return str(error).strip().splitlines()[-1].removeprefix(f"{__name__}.BadImage: ").removeprefix("BadImage: ")
 
 
 def _readable(path):
     try:
-        Image.open(path).close()  # reads the header only
+        with Image.open(path) as im:
+            im.load()  # decodes it all: a truncated file fails here, not its header
         return True
-    except (OSError, ValueError):
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         return False
 
 
 def _check_files(items, name, root, split, skip_missing):
     """Missing images are an error; with --skip-missing those pairs (also unreadable ones) are dropped, counted."""
     paths = lambda it: [p for p in (it.before, it.after, it.alt_before) if p]
-    if skip_missing:
-        kept = [it for it in items if all(os.path.isfile(p) and _readable(p) for p in paths(it))]
+    if skip_missing:  # every image decoded once, over the cores
+        with Pool(min(os.cpu_count() or 1, 8)) as pool:
+            ok = dict(zip(image_paths(items), pool.map(_readable, image_paths(items), chunksize=64)))
+        kept = [it for it in items if all(ok[p] for p in paths(it))]
         if len(kept) < len(items):
             print(f"--skip-missing: dropped {len(items) - len(kept)} of {len(items)} {name} {split} pairs with "
                   f"missing or unreadable images: numbers are not comparable to published ones")
@@ -169,7 +241,7 @@ def _decode_uint8(path, size):
     try:
         return _decode_uint8_tensor(path, size).numpy()
     except SystemExit as e:  # in a Pool worker a SystemExit ends the worker and the pool waits for it forever
-        raise OSError(str(e)) from None
+        raise BadImage(str(e)) from None
 
 
 def image_paths(items):
@@ -217,7 +289,8 @@ class ImageCache:
                         print(f"   decoding images: {i + 1}/{len(paths)}, {rate:.0f} images/s, ETA "
                               f"{(len(paths) - i - 1) / rate:.0f}s", flush=True)
             except OSError as e:
-                raise SystemExit(f"{e}: replace that file with a readable PNG/JPEG image ({SEE})") from None
+                raise SystemExit(f"{e}: replace that file with a readable image, or pass --skip-missing to drop "
+                                 f"its pair ({SEE})") from None
         self.rate = len(paths) / max(time.time() - t0, 1e-9)
 
     def __getitem__(self, path):
@@ -244,7 +317,8 @@ class _Pairs(torch.utils.data.Dataset):
         try:
             return _decode_uint8_tensor(path, self.size)
         except SystemExit as e:  # a worker must raise an Exception for the DataLoader to re-raise it
-            raise OSError(f"{e}: expected a readable PNG/JPEG image there ({SEE})") from None
+            raise BadImage(f"{e}: replace that file with a readable image, or pass --skip-missing to drop its "
+                           f"pair ({SEE})") from None
 
 
 def _key(key):

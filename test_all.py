@@ -284,6 +284,24 @@ def test_preprocess_any_mode():
     assert preprocess(Image.fromarray(rgb), 32, crop=True).shape == (3, 32, 32)
 
 
+def test_16_bit_and_float_images_scale_by_their_depth(tmp_path):
+    # a dark 16-bit image stays dark (it used to be read as 8-bit, 256x too bright), and the rule is the mode's,
+    # not each image's own maximum: both images of a pair scale alike
+    dark = np.full((20, 30), 1000, dtype=np.uint16)
+    dark[5:9, 5:9] = 3000
+    Image.fromarray(dark).save(tmp_path / "dark16.png")  # PIL reads a 16-bit PNG back in mode I or I;16
+    read = clip_load.open_image(tmp_path / "dark16.png")
+    assert read.mode.startswith("I")
+    grey = np.asarray(clip_load.to_rgb(read))[..., 0]
+    assert grey[0, 0] == round(1000 / 65535 * 255) == 4 and grey[6, 6] == round(3000 / 65535 * 255) == 12
+    half = np.full((20, 30), 0.5, dtype=np.float32)
+    assert np.asarray(clip_load.to_rgb(Image.fromarray(half, "F")))[0, 0, 0] == 128
+    before, after = dark.copy(), dark.copy()
+    after[10:12, 10:12] = 65535  # the after image alone has a bright spot: the rest must read the same in both
+    b, a = (np.asarray(clip_load.to_rgb(Image.fromarray(x)))[..., 0] for x in (before, after))
+    assert (b == a)[:10].all() and b[0, 0] == a[0, 0] == 4 and a[10, 10] == 255
+
+
 def test_preprocess_keeps_channels_and_orientation():
     """A non-square image whose red grows left to right, green top to bottom, blue constant: a channel swap or an
     H/W transpose in preprocessing changes which axis each channel grows along."""
@@ -480,7 +498,8 @@ def test_spot_the_diff_real_annotations(tmp_path):
     ids = {str(d["img_id"]) for d in json.loads((root / "annotations" / "test.json").read_text())}
     placeholders([root / "resized_images" / f"{i}{s}.png" for i in ids for s in ("", "_2")])
     items = data.load_items("spot", root, "test")
-    assert len(items) == 1270 and sum(len(it.captions) for it in items) == 2107
+    # 1,270 pairs and 2,107 sentences in the file; 7 sentences are empty, the only ones of their 7 pairs
+    assert len(items) == 1270 - 7 and sum(len(it.captions) for it in items) == 2107 - 7
     assert all(it.change_type is None and it.after.endswith(f"{it.id}_2.png") for it in items)
     with pytest.raises(SystemExit, match=r"image\(s\) of spot val missing, first .*resized_images.*README 'Data'"):
         data.load_items("spot", root, "val")  # placeholders only for test
@@ -572,11 +591,78 @@ def test_datasets(synth_set):
     assert i == 2 and torch.equal(clip_load.normalize(a), load_image(items[2].after, 32))
 
 
+def test_annotation_files_of_the_wrong_shape_say_so(tmp_path):
+    spot = tmp_path / "spot"
+    (spot / "annotations").mkdir(parents=True)
+    cases = {  # what the file holds -> what the message must say
+        '{"img_id": 1, "sentences": ["a"]}': "Spot-the-Diff annotations",  # not a list
+        '[{"sentences": ["a"]}]': "img_id",  # a missing key
+        '[{"img_id": 1, "sentences": "a car moved"}]': "sentences",  # captions not a list
+        '[{"img_id": 1, "sentences": [3]}]': "sentences",
+    }
+    for text, says in cases.items():
+        (spot / "annotations" / "train.json").write_text(text)
+        with pytest.raises(SystemExit, match=rf"train\.json is not in the expected format.*{says}"):
+            data.load_items("spot", spot, "train")
+    ier = tmp_path / "ier"
+    ier.mkdir()
+    (ier / "train.json").write_text('[{"img0": "a.jpg", "sents": ["x"], "uid": 1}]')
+    with pytest.raises(SystemExit, match=r"train\.json is not in the expected format.*img1"):
+        data.load_items("ier", ier, "train")
+    clevr = tmp_path / "clevr"
+    for d in ("images", "sc_images", "nsc_images"):
+        (clevr / d).mkdir(parents=True)
+    files = {"change_captions.json": {"CLEVR_default_000001.png": ["a cube moved"]},
+             "no_change_captions.json": {"CLEVR_default_000001.png": ["no change"]},
+             "type_mapping.json": {"move": ["000001.png"]}, "splits.json": {"train": ["1"], "val": [], "test": []}}
+    for f, obj in files.items():
+        (clevr / f).write_text(json.dumps(obj))
+    placeholders([clevr / d / f"CLEVR_{n}_000001.png" for d, n in
+                  (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic"))])
+    assert [it.id for it in data.load_items("clevr", clevr, "train")] == ["000001", "000001_n"]  # "1" is read as 1
+    for f, bad, says in (("splits.json", {"train": ["one"]}, "integer image ids"),
+                         ("splits.json", [1, 2], "split ids"),
+                         ("change_captions.json", {"CLEVR_default_000001.png": "a cube moved"}, "captions"),
+                         ("type_mapping.json", {"move": "000001.png"}, "change type")):
+        (clevr / f).write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=rf"{f.replace('.', '[.]')} is not in the expected format.*{says}"):
+            data.load_items("clevr", clevr, "train")
+        (clevr / f).write_text(json.dumps(files[f]))
+
+
+def test_levir_cc_layout(tmp_path):
+    root = tmp_path / "levir"
+    entries = [{"filename": f"{s}_{i:06d}.png", "split": s, "sentences": [{"raw": f" a road was built {i} .",
+                                                                           "tokens": ["a"]}, {"raw": " "}]}
+               for s, n in (("train", 3), ("val", 2), ("test", 1)) for i in range(n)]
+    root.mkdir()
+    (root / "LevirCCcaptions.json").write_text(json.dumps({"images": entries}))
+    rng = np.random.default_rng(0)
+    for e in entries:
+        for side in ("A", "B"):
+            (root / "images" / e["split"] / side).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
+                root / "images" / e["split"] / side / e["filename"])
+    items = data.load_items("levir", root, "train")
+    assert [it.id for it in items] == ["train_000000", "train_000001", "train_000002"]
+    assert items[1].captions == ["a road was built 1 ."]  # raw text, stripped; the empty one left out
+    assert items[1].before.endswith("images/train/A/train_000001.png") and "/B/" in items[1].after
+    assert len(data.load_items("levir", root, "val")) == 2 and len(data.load_items("levir", root, "test")) == 1
+    b, a, _ = data.ImageDataset(items, 32)[0]
+    assert b.shape == a.shape == (3, 32, 32) and not torch.equal(a, b)
+    (root / "LevirCCcaptions.json").write_text(json.dumps({"images": [{"filename": "x.png", "split": "train"}]}))
+    with pytest.raises(SystemExit, match="LevirCCcaptions.json is not in the expected format"):
+        data.load_items("levir", root, "train")
+
+
 def test_empty_captions_are_not_trained_on(synth_set):
     it = data.load_items("clevr", synth_set, "val", "semantic")[0]
     items = [it._replace(captions=["", "the red cube moved", " "]), it._replace(captions=[""])]
     assert len(data.CaptionDataset(items, 16)) == 1 and len(data.PairDataset(items, 16)) == 1
     assert data.PairDataset(items, 16)[0][3] == 0 and len(data.ImageDataset(items, 16)) == 2
+    # from the loaders, empty strings are gone and a pair with none is left out, counted (Spot-the-Diff's case)
+    kept = data._nonempty_captions(items + [it], "spot", "train")
+    assert [k.captions for k in kept] == [["the red cube moved"], it.captions]
 
 
 def test_cache_build_stops_on_a_truncated_image(synth_set, tmp_path):
@@ -592,6 +678,27 @@ def test_cache_build_stops_on_a_truncated_image(synth_set, tmp_path):
                        cwd=Path(__file__).resolve().parent)
     assert r.returncode != 0 and victim in r.stderr and "readable PNG" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zero bytes", "text named .png"])
+def test_streaming_stops_on_a_bad_image(synth_set, tmp_path, damage):
+    """adapt.py streaming its images through 2 DataLoader workers meets an undecodable image: it ends within
+    seconds, naming the file and what to do, without a traceback; --skip-missing decodes every image first and
+    drops that pair, counted."""
+    broken = tmp_path / "broken"
+    shutil.copytree(synth_set, broken)
+    victim = data.load_items("clevr", broken, "train", "semantic")[2].after
+    raw = Path(victim).read_bytes()
+    Path(victim).write_bytes({"truncated": raw[:300], "zero bytes": b"", "text named .png": b"a caption\n"}[damage])
+    cmd = [sys.executable, "adapt.py", "--data-root", str(broken), *TINY_ADAPT, "--epochs", "1", "--workers", "2",
+           "--no-image-cache", "--out", str(tmp_path / "a.pt")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=Path(__file__).resolve().parent)
+    assert r.returncode != 0 and f"cannot read image {victim}" in r.stderr and "--skip-missing" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr  # one line: the message
+    if damage == "truncated":  # the header reads fine: only a full decode finds it
+        r = subprocess.run(cmd + ["--skip-missing"], capture_output=True, text=True, timeout=180,
+                           cwd=Path(__file__).resolve().parent)
+        assert r.returncode == 0 and "--skip-missing: dropped 1 of" in r.stdout, r.stderr[-2000:]
 
 
 def test_cache_equals_streaming(synth_set):
