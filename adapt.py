@@ -62,9 +62,11 @@ def get_args(argv=None):
                    help="CLEVR: probability of replacing the before image by its non-semantic version (default: "
                         "0.5, the authors'; 0 on the synthetic set, see README 'Results')")
     p.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (preset)")
+    p.add_argument("--cache-dir", default=None, help="where decoded-image caches go (default: "
+                                                     "$CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images)")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode every image once into memory (uint8) before training; default: when it fits in a "
-                        "quarter of RAM")
+                   help="decode every image once into a uint8 file (--cache-dir), reused by later runs, and train "
+                        "from it; default: when the disk has room for it")
     # model
     p.add_argument("--preset", default="auto", choices=["auto", "paper", "small"],
                    help="auto: paper when CLIP weights are found, else small")
@@ -251,12 +253,9 @@ def main(argv=None):
     seed_ranks(ctx, args.seed)
     split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
     train_items, val_items, test_items = split("train"), split("val"), split("test")
-    cache = None  # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
-    if data.use_cache(train_items + val_items + test_items, args.image_size, args.image_cache):
-        cache = data.ImageCache(train_items + val_items + test_items, args.image_size, workers=os.cpu_count(),
-                                log_every=20_000 if ctx.main else 0)
-        log(ctx, f"   decoded {len(cache.index)} images to memory ({cache.data.numel() / 2**30:.1f} GiB) at "
-                 f"{cache.rate:.0f} images/s")
+    # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
+    cache = data.open_cache(train_items + val_items + test_items, args.image_size, args.image_cache, args.cache_dir,
+                            ctx.world, ctx.rank, log=lambda m: log(ctx, m))
     train_ds = data.CaptionDataset(train_items, args.image_size, args.context_length,
                                    swap_prob=args.swap_prob if args.data == "clevr" else 0.0, cache=cache)
     sampler = data.EpochSampler(len(train_ds), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)

@@ -31,8 +31,8 @@ from PIL import Image, ImageDraw
 import metrics
 import synth
 from clip_load import MODELS, load_clip, load_image, normalize, open_image, resolve, to_rgb
-from data import (BadImage, EpochSampler, ImageCache, ImageDataset, exit_message, load_items, make_loader, resolve_root,
-                  use_cache)
+from data import (BadImage, EpochSampler, ImageDataset, exit_message, load_items, make_loader, open_cache,
+                  resolve_root)
 from model import PAIR_KEYS, Captioner, CaptionerConfig
 from train_utils import (fmt_time, interrupted, last_path, load_resume, log, make_optimizer, param_groups, rng_state,
                          save_atomic, seed_ranks, set_rng_state, setup, train_epoch, unwrap, warmup_cosine, where)
@@ -295,8 +295,10 @@ def parse_args(argv=None):
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
     p.add_argument("--workers", type=int, default=2, help="image-loading processes")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode every image once into memory (uint8) when the encoder is fine-tuned; default: when "
-                        "it fits in a quarter of RAM")
+                   help="decode every image once into a uint8 file (--cache-dir), reused by later runs (adapt.py "
+                        "builds the same one); default: when the disk has room for it")
+    p.add_argument("--cache-dir", default=None, help="where decoded-image caches go (default: "
+                                                     "$CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images)")
     # model
     p.add_argument("--n-inter", type=int, default=None, help="inter blocks of the pair encoder (default: the "
                    "checkpoint's, 3 for a raw CLIP)")
@@ -477,18 +479,17 @@ def main(argv=None):
              f"x {cfg.memory_dim} | captioner {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
              f"{n_train / 1e6:.2f}M trainable parameters")
 
-    # loaders: a frozen encoder runs once per pair, here; a fine-tuned one on every batch
+    # loaders: images decoded once (the cache adapt.py built, when it used the same images and size); a frozen
+    # encoder then runs once per pair, here, a fine-tuned one on every batch
+    everything = [it for v in splits.values() for it in v]
+    cache = open_cache(everything, size, args.image_cache, args.cache_dir, ctx.world, ctx.rank,
+                       log=lambda m: log(ctx, m))
     feats = {}
     if args.freeze_encoder:
         t0 = time.time()
-        feats = {s: encode_all(model, loader_for(items, args, ctx, size), ctx) for s, items in splits.items()}
+        feats = {s: encode_all(model, loader_for(items, args, ctx, size, cache=cache), ctx)
+                 for s, items in splits.items()}
         log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
-    cache = None  # a fine-tuned encoder sees every image every epoch: decode once when it fits (--image-cache)
-    everything = [it for v in splits.values() for it in v]
-    if not args.freeze_encoder and use_cache(everything, size, args.image_cache):
-        cache = ImageCache(everything, size, os.cpu_count(), log_every=20_000 if ctx.main else 0)
-        log(ctx, f"decoded {len(cache.index)} images to memory ({cache.data.numel() / 2**30:.1f} GiB) at "
-                 f"{cache.rate:.0f} images/s")
     batch = args.batch_size // ctx.world
     train_loader = loader_for(splits["train"], args, ctx, size, feats.get("train"), True, batch, cache)
     val_loader, test_loader = (loader_for(splits[s], args, ctx, size, feats.get(s), cache=cache)

@@ -1,7 +1,8 @@
 """How data gets into the model: CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders, the torch
 datasets.
 
-    python data.py bench --root data/clevr_synth --size 96   # decoded images/s, streaming and cached
+    python data.py cache --data clevr --size 224             # decode a dataset once into the disk cache
+    python data.py bench --root data/clevr_synth --size 96   # decode images/s per core, pairs/s from the cache
 
 One item = (before image, after image, its captions, change type or None, id). The stages choose how to sample:
 `CaptionDataset` (one sample per caption: adaptation), `PairDataset` (one per pair, a random caption each time:
@@ -10,9 +11,12 @@ README "Data". With no CLEVR-Change at data/clevr_change, `resolve_root("clevr")
 CLEVR-Change-style set of `synth.py` once and uses that.
 """
 import argparse
+import hashlib
 import json
 import os
 import random
+import shutil
+import tempfile
 import time
 from functools import partial
 from multiprocessing import Pool
@@ -250,58 +254,128 @@ def image_paths(items):
 
 
 def cache_bytes(items, size):
-    """Memory an ImageCache of these items takes: every distinct image once, uint8 at size x size."""
+    """Bytes an ImageCache of these items takes: every distinct image once, uint8 at size x size."""
     return len(image_paths(items)) * 3 * size * size
 
 
-def ram_bytes():
-    """This machine's physical memory (0 where the OS does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
+PREPROCESS = "squash-bicubic-uint8-v1"  # the decoding rule above: change the name when it changes (old caches unread)
 
 
-def use_cache(items, size, flag=None):
-    """Decode into an ImageCache? flag True/False decides; None (auto) caches when the images fit in a quarter of
-    RAM: CLEVR-Change at 224 px is 119k images, 17.9 GB; the synthetic set at 96 px, 0.2 GB."""
+def cache_dir(directory=None):
+    """Where image caches live: --cache-dir, else $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images (under
+    $XDG_CACHE_HOME when set)."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return Path(directory or os.environ.get("CLIP4IDC_IMAGE_CACHE") or home / "clip4idc" / "images")
+
+
+def use_cache(items, size, flag=None, directory=None):
+    """Decode into an ImageCache? flag True/False decides; None (auto): yes, unless the cache's disk lacks room
+    for it (CLEVR-Change at 224 px is 119k images, 17.9 GB; the synthetic set at 96 px, 0.2 GB)."""
     if flag is not None:
         return flag
-    return cache_bytes(items, size) <= ram_bytes() / 4
+    where = cache_dir(directory)
+    while not where.exists():
+        where = where.parent
+    return cache_bytes(items, size) < shutil.disk_usage(where).free * 0.9
 
 
 class ImageCache:
-    """Every image of some items decoded once to uint8 [N, 3, S, S] (27 KiB each at 96 px, 147 KiB at 224): a
-    small model on a CPU trains faster than PNGs decode, and a GPU step of ViT-B/32 wants more images per second
-    than a CPU decodes (README 'Benchmarks'). Forked DataLoader workers share the tensor without copying it."""
+    """Every image of some items decoded once to uint8 [N, 3, S, S], kept in a file on disk and read through a
+    numpy memmap. Built once, over the cores, and reused by later runs of both stages. A cache larger than RAM
+    works (the OS pages it in), and forked DataLoader workers share its pages. A PNG costs more to decode than
+    the small model's step, and a GPU step of ViT-B/32 wants more images per second than a CPU decodes (README
+    'Benchmarks').
 
-    def __init__(self, items, size, workers=2, log_every=0):
+    The cache's name is a hash of the preprocessing rule, the size, and every image's path, byte size and time:
+    another dataset root, split, size or a changed image gives another cache. It is built in a temporary
+    folder and renamed into place when complete, so a killed build is never read; running again builds it anew."""
+
+    def __init__(self, items, size, workers=2, log_every=0, directory=None):
         paths = image_paths(items)
+        stamp = [PREPROCESS, size] + [(p, *_stat(p)) for p in paths]
+        key = hashlib.sha1(json.dumps(stamp).encode()).hexdigest()[:16]
+        self.folder = cache_dir(directory) / f"{len(paths)}x{size}px-{key}"
         self.index = {p: i for i, p in enumerate(paths)}
-        self.data = torch.empty(len(paths), 3, size, size, dtype=torch.uint8)  # filled in place: no second copy
-        t0 = time.time()
+        self.rate, self.built = None, not (self.folder / "images.npy").is_file()
+        if self.built:
+            self.rate = _build_cache(self.folder, paths, size, workers, log_every)
+        # copy-on-write: a writable view for torch (nothing writes to it), pages shared between processes
+        self.array = np.load(self.folder / "images.npy", mmap_mode="c")
+        if self.array.shape != (len(paths), 3, size, size):
+            raise SystemExit(f"image cache {self.folder} holds {self.array.shape}, not {(len(paths), 3, size, size)}:"
+                             f" delete that folder and run again")
+        self.data = torch.from_numpy(self.array)
+
+    def __getitem__(self, path):
+        return self.data[self.index[path]]
+
+    def batch(self, paths):
+        """Images of a batch -> uint8 [B, 3, S, S], read with one sorted index (the file in order, not at random)."""
+        idx = np.array([self.index[p] for p in paths])
+        order = np.argsort(idx, kind="stable")
+        out = torch.empty((len(idx), *self.data.shape[1:]), dtype=torch.uint8)
+        out[torch.from_numpy(order)] = torch.from_numpy(np.ascontiguousarray(self.array[idx[order]]))
+        return out
+
+
+def _stat(path):
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def _build_cache(folder, paths, size, workers, log_every):
+    """Decode every image into folder/images.npy (written in a temporary folder, renamed into place) -> images/s."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for old in folder.parent.glob(folder.name + ".tmp*"):  # a killed build's leftovers (a live one writes often)
+        if time.time() - old.stat().st_mtime > 600:
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp", dir=folder.parent))
+    t0 = time.time()
+    try:
+        array = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8,
+                                          shape=(len(paths), 3, size, size))
         with Pool(max(1, workers)) as pool:
             try:
                 for i, a in enumerate(pool.imap(partial(_decode_uint8, size=size), paths, chunksize=64)):
-                    self.data[i] = torch.from_numpy(a)
+                    array[i] = a
                     if log_every and (i + 1) % log_every == 0:
                         rate = (i + 1) / (time.time() - t0)
-                        print(f"   decoding images: {i + 1}/{len(paths)}, {rate:.0f} images/s, ETA "
+                        print(f"   decoding images into {folder}: {i + 1}/{len(paths)}, {rate:.0f} images/s, ETA "
                               f"{(len(paths) - i - 1) / rate:.0f}s", flush=True)
             except OSError as e:
                 raise SystemExit(f"{e}: replace that file with a readable image, or pass --skip-missing to drop "
                                  f"its pair ({SEE})") from None
-        self.rate = len(paths) / max(time.time() - t0, 1e-9)
+        array.flush()
+        del array
+        (tmp / "paths.json").write_text(json.dumps(paths))
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return len(paths) / max(time.time() - t0, 1e-9)
 
-    def __getitem__(self, path):
-        return self.data[self.index[path]]
+
+def open_cache(items, size, flag=None, directory=None, world=1, rank=0, log=print):
+    """The ImageCache of these items (None when not used): under torchrun, rank 0 builds it while the others wait,
+    then each opens it."""
+    if not use_cache(items, size, flag, directory):
+        return None
+    if world > 1 and rank != 0:
+        torch.distributed.barrier()
+    cache = ImageCache(items, size, os.cpu_count(), log_every=20_000 if rank == 0 else 0, directory=directory)
+    if world > 1 and rank == 0:
+        torch.distributed.barrier()
+    what = f"{len(cache.index)} images at {size} px ({cache.data.numel() / 2**30:.2f} GiB)"
+    log(f"   image cache: decoded {what} at {cache.rate:.0f} images/s into {cache.folder}" if cache.built else
+        f"   image cache: {what} from {cache.folder}")
+    return cache
 
 
 class _Pairs(torch.utils.data.Dataset):
     """Items -> uint8 images [3, S, S] (streamed from disk, or from an ImageCache) and pre-tokenized captions. The
     stages normalize on the device (`clip_load.normalize`): a quarter of the bytes through the loader and the
-    host-to-GPU copy. Empty captions (Spot-the-Diff has a few) stay in the items, for the published reference
-    counts, but are never trained on."""
+    host-to-GPU copy. Each dataset says what one sample is in `parts(key)`: (its image paths, its other fields).
+    A DataLoader asks for whole batches (`__getitems__`): from a cache, one sorted read per image column."""
 
     def __init__(self, items, size=224, context_length=32, cache=None, captions=True):
         self.items, self.size, self.cache = items, size, cache
@@ -319,6 +393,17 @@ class _Pairs(torch.utils.data.Dataset):
         except SystemExit as e:  # a worker must raise an Exception for the DataLoader to re-raise it
             raise BadImage(f"{e}: replace that file with a readable image, or pass --skip-missing to drop its "
                            f"pair ({SEE})") from None
+
+    def __getitem__(self, key):
+        paths, rest = self.parts(key)
+        return (*(self.image(p) for p in paths), *rest)
+
+    def __getitems__(self, keys):
+        parts = [self.parts(k) for k in keys]
+        images = [self.cache.batch(list(column)) if self.cache is not None else
+                  torch.stack([self.image(p) for p in column]) for column in zip(*(paths for paths, _ in parts))]
+        rest = [torch.utils.data.default_collate(list(column)) for column in zip(*(r for _, r in parts))]
+        return (*images, *rest)
 
 
 def _key(key):
@@ -338,12 +423,12 @@ class CaptionDataset(_Pairs):
     def __len__(self):
         return len(self.samples)
 
-    def __getitem__(self, key):
+    def parts(self, key):
         k, rng = _key(key)
         i, r = self.samples[k]
         it = self.items[i]
         before = it.alt_before if it.alt_before and rng.random() < self.swap_prob else it.before
-        return self.image(before), self.image(it.after), self.tokens[r], i
+        return (before, it.after), (self.tokens[r], i)
 
 
 class PairDataset(_Pairs):
@@ -356,11 +441,11 @@ class PairDataset(_Pairs):
     def __len__(self):
         return len(self.index)
 
-    def __getitem__(self, key):
+    def parts(self, key):
         k, rng = _key(key)
         i = self.index[k]
         it = self.items[i]
-        return self.image(it.before), self.image(it.after), self.tokens[rng.choice(self.rows[i])], i
+        return (it.before, it.after), (self.tokens[rng.choice(self.rows[i])], i)
 
 
 class ImageDataset(_Pairs):
@@ -372,9 +457,9 @@ class ImageDataset(_Pairs):
     def __len__(self):
         return len(self.items)
 
-    def __getitem__(self, key):
+    def parts(self, key):
         i, _ = _key(key)
-        return self.image(self.items[i].before), self.image(self.items[i].after), i
+        return (self.items[i].before, self.items[i].after), (i,)
 
 
 class EpochSampler(torch.utils.data.Sampler):
@@ -401,43 +486,77 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", sampler=None, drop_last=False, seed=0):
-    """DataLoader with an EpochSampler (unless `sampler` is given, e.g. a DistributedSampler); pinned memory on
-    CUDA; workers stay alive across epochs."""
+    """DataLoader with an EpochSampler (unless `sampler` is given, e.g. a DistributedSampler); whole batches from
+    datasets that read them at once; pinned memory on CUDA; workers stay alive across epochs."""
     return torch.utils.data.DataLoader(
         dataset, batch_size, sampler=sampler or EpochSampler(len(dataset), shuffle, seed), num_workers=workers,
-        pin_memory=str(device).startswith("cuda"), persistent_workers=workers > 0, drop_last=drop_last)
+        pin_memory=str(device).startswith("cuda"), persistent_workers=workers > 0, drop_last=drop_last,
+        collate_fn=_whole if hasattr(dataset, "__getitems__") else None)
+
+
+def _whole(batch):
+    return batch  # the dataset's __getitems__ built the batch
 
 
 # -----------------------------------------------------------------------------
 # measuring decode speed
 
 
-def bench(root, size, workers, n=1024):
-    """Decoded images/s: streamed by DataLoader workers, decoding the cache, and served from the cache."""
-    items = load_items("clevr", root, "train", "total")[: n // 2]
-    ds = ImageDataset(items, size)
+def bench(root, size, n=512, batch=128, workers=(0, 2, 8), gpu_rate=3233, directory=None):
+    """What feeding a GPU takes: decode+resize images/s on one core (streaming's cost), pairs/s delivered from the
+    disk cache through the DataLoader at `batch` with 0, 2 and 8 workers, and the cores streaming would need to
+    keep up with a GPU step of `gpu_rate` pairs/s (default: our ViT-B/32 adaptation step with --compile on an H100,
+    README 'Benchmarks')."""
+    items = load_items("clevr", root, "train", "semantic")
+    paths = image_paths(items)[:n]
     t0 = time.time()
-    for _ in make_loader(ds, 32, workers=workers):
-        pass
-    stream = 2 * len(items) / (time.time() - t0)
-    cache = ImageCache(items, size, workers)
-    t0 = time.time()
-    for _ in make_loader(ImageDataset(items, size, cache=cache), 32):
-        pass
-    cached = 2 * len(items) / (time.time() - t0)
-    print(f"{size} px, {workers} workers: streaming {stream:.0f} images/s, building the cache {cache.rate:.0f} "
-          f"images/s, from the cache {cached:.0f} images/s ({cache.data.numel() / 2**20:.0f} MiB for "
-          f"{len(cache.data)} images)")
+    for p in paths:
+        _decode_uint8(p, size)
+    per_core = len(paths) / (time.time() - t0)
+    w, h = Image.open(paths[0]).size
+    print(f"decode {w}x{h} PNG -> {size} px uint8, streaming: {per_core:.0f} images/s on one core; a GPU step of "
+          f"{gpu_rate} pairs/s ({2 * gpu_rate} images/s) needs {2 * gpu_rate / per_core:.0f} cores of it")
+    cache = ImageCache(items, size, os.cpu_count(), log_every=20_000, directory=directory)
+    print(f"disk cache {cache.folder}: {len(cache.index)} images, {cache.data.numel() / 2**30:.2f} GiB" +
+          (f", built at {cache.rate:.0f} images/s on {os.cpu_count()} cores" if cache.built else ", already built"))
+    ds = CaptionDataset(items, size, 32, cache=cache)
+    for k in workers:
+        loader = make_loader(ds, batch, shuffle=True, workers=k, drop_last=True)
+        it, seen = iter(loader), 0
+        next(it)  # workers started
+        t0 = time.time()
+        for b in it:
+            seen += len(b[0])
+            if time.time() - t0 > 10:
+                break
+        print(f"  from the cache, batch {batch}, {k} workers: {seen / (time.time() - t0):.0f} pairs/s")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmd = p.add_subparsers(dest="cmd", required=True)
+    c = cmd.add_parser("cache", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       help="decode a dataset's images once into the disk cache the stages read")
+    c.add_argument("--data", default="clevr", choices=list(ROOTS), help="dataset")
+    c.add_argument("--data-root", default=None, help="its directory (default data/<name>)")
+    c.add_argument("--size", type=int, default=224, help="model input size (ViT-B/32: 224; the small preset: 96)")
+    c.add_argument("--cache-dir", default=None, help="default: $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images")
+    c.add_argument("--skip-missing", action="store_true", help="leave out pairs with missing or undecodable images")
     b = cmd.add_parser("bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       help="decode throughput, streaming and cached (the synthetic set: python synth.py make)")
+                       help="decode and cache throughput (a CLEVR-Change(-style) set: python synth.py make)")
     b.add_argument("--root", default=synth.SYNTH_ROOT, help="a CLEVR-Change directory")
-    b.add_argument("--size", type=int, default=96, help="model input size")
-    b.add_argument("--workers", type=int, default=2, help="DataLoader / cache worker processes")
-    b.add_argument("--images", type=int, default=1024, help="images to decode")
+    b.add_argument("--size", type=int, default=224, help="model input size")
+    b.add_argument("--images", type=int, default=512, help="images decoded on one core")
+    b.add_argument("--batch", type=int, default=128, help="pairs per batch from the cache")
+    b.add_argument("--gpu-rate", type=float, default=3233, help="pairs/s of the GPU step to feed")
+    b.add_argument("--cache-dir", default=None, help="default: $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images")
     args = p.parse_args()
-    bench(args.root, args.size, args.workers, args.images)
+    if args.cmd == "bench":
+        bench(args.root, args.size, args.images, args.batch, gpu_rate=args.gpu_rate, directory=args.cache_dir)
+    else:  # the images both stages read: every split, change and distractor pairs (the same cache as theirs)
+        root = resolve_root(args.data, args.data_root)
+        items = [it for s in ("train", "val", "test") for it in load_items(args.data, root, s, "total",
+                                                                            args.skip_missing)]
+        cache = ImageCache(items, args.size, os.cpu_count(), log_every=2_000, directory=args.cache_dir)
+        print(f"{cache.folder}: {len(cache.index)} images at {args.size} px, {cache.data.numel() / 2**30:.2f} GiB" +
+              (f", built at {cache.rate:.0f} images/s" if cache.built else ", already there"))
