@@ -453,6 +453,7 @@ def main(argv=None):
 
     # data: CLEVR-Change in the "total" setting (change pairs + distractor pairs)
     name, root = data_source(args, extra, ctx)
+    scenes = synth.read_scenes(root) if name == "clevr" else None
     splits = {s: load_items(name, root, s, "total", args.skip_missing) for s in ("train", "val", "test")}
     vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions],
                                                        args.min_count)
@@ -535,7 +536,11 @@ def main(argv=None):
             t0 = time.time()
             loss, step = train_epoch(ctx, ddp, train_loader, loss_fn, optimizer, scheduler, epoch, args.epochs,
                                      step, total_steps, args.grad_clip, args.log_every)
-            val = {"CIDEr-D": cider(splits["val"], predict(model, val_loader, splits["val"], vocab, ctx))}
+            val_preds = predict(model, val_loader, splits["val"], vocab, ctx)
+            val = {"CIDEr-D": cider(splits["val"], val_preds)}
+            if scenes:  # a synthetic set: what the val captions get right, read back against the scenes
+                judged = synth.report(val_preds, scenes)
+                val.update({k: judged[k + " %"] for k in ("right type", "right object")})
             if ctx.world > 1:  # rank 0's figure decides for all: a split decision would hang the next collective
                 shared = torch.tensor([val["CIDEr-D"]], dtype=torch.float64, device=ctx.device)
                 torch.distributed.broadcast(shared, 0)
@@ -547,7 +552,8 @@ def main(argv=None):
                     save_atomic(meta({"val": val, "epoch": epoch + 1}), args.out)
             else:
                 bad += 1
-            log(ctx, f"epoch {epoch + 1}/{args.epochs} | loss {loss:.3f} | val {summary(val)} | best CIDEr-D "
+            judged = "".join(f", {k} {val[k]:.0f}%" for k in ("right type", "right object") if k in val)
+            log(ctx, f"epoch {epoch + 1}/{args.epochs} | loss {loss:.3f} | val {summary(val)}{judged} | best CIDEr-D "
                      f"{best:.1f} (epoch {best_epoch}) | {time.time() - t0:.0f}s")
             if ctx.main:
                 save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
