@@ -25,8 +25,9 @@ import torch.nn.functional as F
 import clip_load
 import data
 import model as M
-from train_utils import (gather, interrupted, last_path, load_resume, log, make_optimizer, param_groups, rng_state,
-                         save_atomic, seed_ranks, set_rng_state, setup, train_epoch, warmup_cosine, where)
+from train_utils import (freeze, gather, interrupted, last_path, load_resume, log, make_optimizer, param_groups,
+                         policy_table, rng_state, save_atomic, seed_ranks, set_rng_state, setup, train_epoch,
+                         warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings, and a small from-scratch model that learns on a CPU in minutes
@@ -100,7 +101,14 @@ def get_args(argv=None):
     for k, v in PRESETS[args.preset].items():  # a flag given on the command line wins over the preset
         if getattr(args, k, None) is None:
             setattr(args, k, v)
-    assert 0 < args.batch_size and 0 <= (args.swap_prob or 0) <= 1 and 0 <= args.warmup < 1, "check the numbers"
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.swap_prob is not None and not 0 <= args.swap_prob <= 1:
+        p.error(f"--swap-prob is a probability, in [0, 1]; got {args.swap_prob}")
+    if not 0 <= args.warmup < 1:
+        p.error(f"--warmup is a fraction of the steps, in [0, 1); got {args.warmup}")
+    if args.epochs < 1:
+        p.error(f"--epochs must be at least 1, got {args.epochs}")
     return args
 
 
@@ -108,7 +116,7 @@ def get_args(argv=None):
 # model
 
 
-def build_model(args):
+def new_model(args):
     if args.clip:  # paper preset: OpenAI's CLIP + freshly initialized pair parameters
         return clip_load.load_clip(args.clip, n_inter=args.n_inter)
     cfg = M.CLIPConfig(embed_dim=args.embed_dim, image_resolution=args.image_size,
@@ -231,21 +239,24 @@ def fmt(m):
 def main(argv=None):
     args = get_args(argv)
     ctx = setup(args.seed, args.device, args.amp)
+    # data first, so that every default is settled before the banner: one sample per caption, the CLEVR distractor
+    # swap; val/test pairs with all their captions
+    root = data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs) if ctx.main else None
+    if ctx.world > 1:  # rank 0 may have generated the synthetic set; the others wait for it
+        torch.distributed.barrier()
+        root = data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs)
+    if args.swap_prob is None:  # the authors' 0.5; on our synthetic set it cost 20 val CIDEr-D downstream (README)
+        args.swap_prob = 0.0 if (root / "synth.json").is_file() else 0.5
+    if args.data != "clevr":
+        args.swap_prob = 0.0  # only CLEVR-Change has distractor images to swap in
     log(ctx, f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
     if args.preset == "small":
         log(ctx, "   no CLIP weights given or found: training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo). "
                  "For the paper's results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip (README 'Weights').")
     log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
 
-    # data: one sample per caption, the CLEVR distractor swap; val/test pairs with all their captions
-    root = data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs) if ctx.main else None
-    if ctx.world > 1:  # rank 0 may have generated the synthetic set; the others wait for it
-        torch.distributed.barrier()
-        root = data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs)
-    if args.swap_prob is None:  # on the synthetic set the swap costs 20 CIDEr-D downstream (README 'Results')
-        args.swap_prob = 0.0 if (root / "synth.json").is_file() else 0.5
     # the model first: a CLIP file decides the input size (the preset's 224 is ViT-B/32's)
-    model = build_model(args).to(ctx.device)
+    model = new_model(args).to(ctx.device)
     if args.clip and args.image_size != model.cfg.image_resolution:
         log(ctx, f"   {args.clip} takes {model.cfg.image_resolution}px images: --image-size {args.image_size} -> "
                  f"{model.cfg.image_resolution}")
@@ -257,7 +268,7 @@ def main(argv=None):
     cache = data.open_cache(train_items + val_items + test_items, args.image_size, args.image_cache, args.cache_dir,
                             ctx.world, ctx.rank, log=lambda m: log(ctx, m))
     train_ds = data.CaptionDataset(train_items, args.image_size, args.context_length,
-                                   swap_prob=args.swap_prob if args.data == "clevr" else 0.0, cache=cache)
+                                   swap_prob=args.swap_prob, cache=cache)
     sampler = data.EpochSampler(len(train_ds), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)
     local_batch = args.batch_size // ctx.world
     loader = data.make_loader(train_ds, local_batch, workers=args.workers, device=ctx.device, sampler=sampler,
@@ -266,7 +277,9 @@ def main(argv=None):
              f"val {len(val_items)} pairs, test {len(test_items)} pairs" +
              (f" | distractor swap p={args.swap_prob:g}" if args.data == "clevr" else ""))
 
-    # optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
+    # what trains at which rate (lr_for, above), the optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
+    freeze(model.named_parameters(), lr_for(args))
+    log(ctx, "   what trains:\n" + policy_table(model.named_parameters(), lr_for(args)))
     groups = param_groups(model.named_parameters(), lr_for(args), args.weight_decay)
     optimizer = make_optimizer(groups, ctx.device)
     total_steps = args.epochs * len(loader)

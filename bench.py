@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
-from train_utils import autocast, make_optimizer, matmul_gflops, param_groups, train_step, warmup_cosine
+from train_utils import autocast, freeze, make_optimizer, matmul_gflops, param_groups, train_step, warmup_cosine
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
@@ -198,6 +198,7 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32):
     args = paper_adapt_args()
     model = vit_b32(device).train()
     net = torch.compile(PairText(model)) if compile else PairText(model)
+    freeze(model.named_parameters(), lr_for(args))
     groups = param_groups(model.named_parameters(), lr_for(args), args.weight_decay)
     optimizer = make_optimizer(groups, device)
     scheduler = warmup_cosine(optimizer, 1000, args.warmup)
@@ -287,6 +288,7 @@ def authors_adapt_step(device, batch=128, text_len=32):
 
     args = paper_adapt_args()
     lr = lr_for(args)
+    freeze(clip.named_parameters(), lr)
     groups = param_groups(clip.named_parameters(), lr, args.weight_decay)
     optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6)  # on the fp16 weights themselves
     params = [p for g in groups for p in g["params"]]
@@ -440,6 +442,7 @@ def bench_caption(args):
     for batch in args.batches:
         model = IDC(vit_b32(device), Captioner(cfg)).to(device).train()
         rule = learning_rates(SimpleNamespace(lr=p["lr"], encoder_lr=p["encoder_lr"], freeze_encoder=False), 3)
+        freeze(model.named_parameters(), rule)
         groups = param_groups(model.named_parameters(), rule, 0.01)
         optimizer = make_optimizer(groups, device)
         scheduler = warmup_cosine(optimizer, 1000)
@@ -599,7 +602,7 @@ def bench_e2e(args):
             print(f"  {name:<16} model step alone: {fixed:8.0f} pairs/s | whole loop: {rate:8.0f} pairs/s, GPU "
                   f"utilization {busy if busy is None else round(busy)}%", flush=True)
             del model, step
-    # projections for the real CLEVR-Change (DESIGN: 33,830 train scenes, ~6 change captions each, 119k images)
+    # projections for the real CLEVR-Change (33,830 train scenes, ~6 change captions each, 119k images)
     samples, images = 33_830 * 6, 39_803 * 3
     if device.type == "cuda" and "authors" in results:
         ours = results["ours"]["loop"]

@@ -34,8 +34,9 @@ from clip_load import MODELS, load_clip, load_image, normalize, open_image, reso
 from data import (BadImage, EpochSampler, ImageDataset, exit_message, load_items, make_loader, open_cache,
                   resolve_root)
 from model import PAIR_KEYS, Captioner, CaptionerConfig
-from train_utils import (fmt_time, interrupted, last_path, load_resume, log, make_optimizer, param_groups, rng_state,
-                         save_atomic, seed_ranks, set_rng_state, setup, train_epoch, unwrap, warmup_cosine, where)
+from train_utils import (fmt_time, freeze, interrupted, last_path, load_resume, log, make_optimizer, param_groups,
+                         policy_table, rng_state, save_atomic, seed_ranks, set_rng_state, setup, train_epoch, unwrap,
+                         warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoder, frozen (its tokens computed once per pair): a decoder that reads the 2(n+1)
@@ -44,7 +45,7 @@ PRESETS = {
     # pair (val CIDEr-D 62.9). README "Quickstart trade-offs"
     "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                   freeze_encoder=True, epochs=20),
-    # the authors' settings (DESIGN.md "Authors' training settings"): 3+3 layers, 512 wide, encoder at 1e-7
+    # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
                   freeze_encoder=False, epochs=50),
 }
@@ -179,15 +180,21 @@ def read_extra(path):
 
 
 def learning_rates(args, n_inter):
-    """The training rule: parameter name -> learning rate, or None for frozen."""
-    unused = PAIR_KEYS if n_inter == 0 else ()  # 12/0: e1, e2, p, ln_mid take no part (and DDP minds)
+    """The training rule: parameter name -> learning rate, or None for frozen. One case per line, with its reason."""
+    unused = PAIR_KEYS if n_inter == 0 else ()
 
     def lr(name):
         if name.startswith("captioner."):
-            return args.lr  # trained from scratch
-        if args.freeze_encoder or not name.startswith("clip.visual.") or name[len("clip."):] in unused:
-            return None  # the text tower and logit scale play no part in captioning
-        return args.encoder_lr  # the pair encoder, fine-tuned end to end (authors: 1e-7)
+            return args.lr  # the captioner, trained from scratch
+        if not name.startswith("clip.visual."):
+            return None  # the text tower and the logit scale take no part in captioning
+        if args.freeze_encoder:
+            return None  # the small preset: the pair encoder's tokens are computed once, before training
+        if name[len("clip."):] in unused:
+            return None  # 12/0: e1, e2, p, ln_mid are never used (and DDP wants every trained parameter used)
+        # the whole pair encoder fine-tuned end to end (authors: 1e-7), CLIP's input embeddings included: the
+        # authors froze those in adaptation only
+        return args.encoder_lr
     return lr
 
 
@@ -231,8 +238,8 @@ def constant_baseline(train_items, items, limit=5000):
     candidates = [c for c, _ in counts.most_common(limit or None)]
     refs = {it.id: it.captions for it in items}
     prepared = metrics.cider_d_prepare({i: [metrics.tokenize(c) for c in r] for i, r in refs.items()})
-    cider = metrics.cider_d_constant(prepared, candidates)
-    best = max(range(len(candidates)), key=lambda i: cider[i])
+    per_candidate = metrics.cider_d_constant(prepared, candidates)
+    best = max(range(len(candidates)), key=lambda i: per_candidate[i])
     scores = {k: 100 * v for k, v in metrics.evaluate(refs, {i: candidates[best] for i in refs}).items()}
     return {"caption": candidates[best], "scores": scores}
 
@@ -472,7 +479,9 @@ def main(argv=None):
                           max_len=args.max_len, dropout=args.dropout)
     model = IDC(clip, Captioner(cfg)).to(ctx.device)  # every process builds the same (setup seeds them alike)
     seed_ranks(ctx, args.seed)
-    lr_for = learning_rates(args, clip.cfg.n_inter)
+    lr_for = learning_rates(args, clip.cfg.n_inter)  # what trains at which rate: the rule above
+    freeze(model.named_parameters(), lr_for)
+    log(ctx, "what trains:\n" + policy_table(model.named_parameters(), lr_for))
     optimizer = make_optimizer(param_groups(model.named_parameters(), lr_for, args.weight_decay), ctx.device)
     n_train = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     log(ctx, f"model: pair encoder {clip.cfg.vision_layers - clip.cfg.n_inter}/{clip.cfg.n_inter} "
@@ -522,7 +531,7 @@ def main(argv=None):
         logits = ddp(to_device(inputs, ctx.device), tokens[:, :-1])
         return caption_loss(logits, tokens[:, 1:], ctx.world), len(idx)
 
-    def meta(metrics_):
+    def checkpoint(metrics_):  # the selected model and what describes it (adapt.py: checkpoint())
         return {"model": model.clip.state_dict(), "captioner": model.captioner.state_dict(),
                 "config": asdict(clip.cfg), "captioner_config": asdict(cfg), "vocab": vocab,
                 "data": {"name": name, "root": str(root), "image_size": size}, "args": vars(args),
@@ -549,7 +558,7 @@ def main(argv=None):
             if val["CIDEr-D"] > best:
                 best, best_epoch, bad = val["CIDEr-D"], epoch + 1, 0
                 if ctx.main:
-                    save_atomic(meta({"val": val, "epoch": epoch + 1}), args.out)
+                    save_atomic(checkpoint({"val": val, "epoch": epoch + 1}), args.out)
             else:
                 bad += 1
             judged = "".join(f", {k} {val[k]:.0f}%" for k in ("right type", "right object") if k in val)
@@ -579,8 +588,9 @@ def main(argv=None):
     model.clip.load_state_dict(best_state["model"])
     model.captioner.load_state_dict(best_state["captioner"])
     results = test_and_report(model, test_loader, splits["train"], splits["test"], vocab, args, ctx, name, root)
-    save_atomic(meta({**best_state["metrics"], "test": results["scores"], "test_by_type": results["scores_by_type"],
-                      "baseline": results["baseline"], "history": history}), args.out)
+    save_atomic(checkpoint({**best_state["metrics"], "test": results["scores"],
+                            "test_by_type": results["scores_by_type"], "baseline": results["baseline"],
+                            "history": history}), args.out)
     return results
 
 

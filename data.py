@@ -5,10 +5,10 @@ datasets.
     python data.py bench --root data/clevr_synth --size 96   # decode images/s per core, pairs/s from the cache
 
 One item = (before image, after image, its captions, change type or None, id). The stages choose how to sample:
-`CaptionDataset` (one sample per caption: adaptation), `PairDataset` (one per pair, a random caption each time:
-captioning), `ImageDataset` (images only: evaluation). Formats: DESIGN.md "Datasets"; where to get the data:
-README "Data". With no CLEVR-Change at data/clevr_change, `resolve_root("clevr")` renders the synthetic
-CLEVR-Change-style set of `synth.py` once and uses that.
+`CaptionDataset` (one sample per caption: adaptation) and `ImageDataset` (images only: captioning, which picks
+a caption per pair itself, and evaluation). Where to get the data and the layouts we read: README "Data". With no
+CLEVR-Change at data/clevr_change, `resolve_root("clevr")` renders the synthetic CLEVR-Change-style set of
+`synth.py` once and uses that.
 """
 import argparse
 import hashlib
@@ -429,23 +429,6 @@ class CaptionDataset(_Pairs):
         it = self.items[i]
         before = it.alt_before if it.alt_before and rng.random() < self.swap_prob else it.before
         return (before, it.after), (self.tokens[r], i)
-
-
-class PairDataset(_Pairs):
-    """One sample per pair with a random one of its captions -> (before, after, token_ids, item_index)."""
-
-    def __init__(self, items, size=224, context_length=32, cache=None):
-        super().__init__(items, size, context_length, cache)
-        self.index = [i for i, rows in enumerate(self.rows) if rows]  # pairs with something to learn
-
-    def __len__(self):
-        return len(self.index)
-
-    def parts(self, key):
-        k, rng = _key(key)
-        i = self.index[k]
-        it = self.items[i]
-        return (it.before, it.after), (self.tokens[rng.choice(self.rows[i])], i)
 
 
 class ImageDataset(_Pairs):
