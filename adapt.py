@@ -268,7 +268,7 @@ def main(argv=None):
     cache = data.open_cache(train_items + val_items + test_items, args.image_size, args.image_cache, args.cache_dir,
                             ctx.world, ctx.rank, log=lambda m: log(ctx, m))
     train_ds = data.CaptionDataset(train_items, args.image_size, args.context_length,
-                                   swap_prob=args.swap_prob, cache=cache)
+                                   swap_prob=args.swap_prob, cache=cache, seed=args.seed)
     sampler = data.EpochSampler(len(train_ds), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)
     local_batch = args.batch_size // ctx.world
     loader = data.make_loader(train_ds, local_batch, workers=args.workers, device=ctx.device, sampler=sampler,
@@ -317,7 +317,7 @@ def main(argv=None):
     t_start = time.time()
     try:
         for epoch in range(start, args.epochs):
-            sampler.set_epoch(epoch)
+            data.set_epoch(loader, epoch)
             t0 = time.time()
             loss, step = train_epoch(ctx, net, loader, loss_fn, optimizer, scheduler, epoch, args.epochs, step,
                                      total_steps, args.grad_clip, args.log_every)

@@ -432,7 +432,7 @@ def cosine64(x, y):
 def bench_caption(args):
     """caption.py's paper preset step: ViT-B/32 9/3 fine-tuned at 1e-7, a 3+3-layer 512-wide captioner at 1e-4,
     word-level cross entropy, images arriving as uint8."""
-    from caption import IDC, PRESETS, caption_loss, learning_rates, to_device
+    from caption import IDC, PRESETS, caption_loss, learning_rates
     device, amp, where = device_and_amp(args)
     p = PRESETS["paper"]
     cfg = CaptionerConfig(vocab_size=args.vocab, memory_dim=512, memory_len=100, width=p["width"],
@@ -453,7 +453,7 @@ def bench_caption(args):
         ctx = SimpleNamespace(amp=amp, device=device)
 
         def loss_fn(_):
-            logits = model(to_device([images[0], images[1]], device), tokens[:, :-1])
+            logits = model(tokens[:, :-1], before=clip_load.normalize(images[0]), after=clip_load.normalize(images[1]))
             return caption_loss(logits, tokens[:, 1:]), batch
         step = lambda: train_step(ctx, model, None, loss_fn, optimizer, scheduler, params, 1.0)
         if device.type == "cuda":

@@ -22,7 +22,6 @@ import warnings
 from collections import Counter
 from dataclasses import asdict
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -32,7 +31,7 @@ import metrics
 import synth
 from clip_load import MODELS, load_clip, load_image, normalize, open_image, resolve, to_rgb
 from data import (BadImage, EpochSampler, ImageDataset, exit_message, load_items, make_loader, open_cache,
-                  resolve_root)
+                  resolve_root, sample_rng, set_epoch)
 from model import PAIR_KEYS, Captioner, CaptionerConfig
 from train_utils import (fmt_time, freeze, interrupted, last_path, load_resume, log, make_optimizer, param_groups,
                          policy_table, rng_state, save_atomic, seed_ranks, set_rng_state, setup, train_epoch, unwrap,
@@ -114,16 +113,17 @@ class IDC(nn.Module):
         super().__init__()
         self.clip, self.captioner = clip, captioner
 
-    def memory(self, inputs):
-        """[cached encoder tokens] or [before, after] images -> memory (B, 2(n+1), embed_dim)."""
-        return inputs[0] if len(inputs) == 1 else self.clip.encode_pair(*inputs)[0]
+    def memory(self, before=None, after=None, tokens=None):
+        """The captioner's memory (B, 2(n+1), embed_dim): the pair encoder's tokens of the two images, or `tokens`,
+        those tokens computed already (a frozen encoder runs once per pair, before training)."""
+        return tokens if tokens is not None else self.clip.encode_pair(before, after)[0]
 
-    def forward(self, inputs, tokens):
-        return self.captioner(self.memory(inputs), tokens)  # (B, T, vocab)
+    def forward(self, words, **inputs):
+        return self.captioner(self.memory(**inputs), words)  # (B, T, vocab)
 
     @torch.no_grad()
-    def caption(self, inputs, beam=1):
-        mem = self.memory(inputs)
+    def caption(self, beam=1, **inputs):
+        mem = self.memory(**inputs)
         if beam > 1:
             return self.captioner.beam_search(mem, BOS, EOS, beam)
         return self.captioner.generate(mem, BOS, EOS)
@@ -138,25 +138,28 @@ class Features(torch.utils.data.Dataset):
     def __len__(self):
         return len(self.feats)
 
-    def __getitem__(self, key):
-        i = key[0] if isinstance(key, tuple) else key  # EpochSampler yields (index, seed)
+    def __getitem__(self, i):
         return self.feats[i], i
 
 
-def to_device(inputs, device):
-    """A batch's model inputs onto the device: uint8 images (the loaders' output) normalized there, cached
-    encoder tokens as they are."""
-    inputs = [x.to(device, non_blocking=True) for x in inputs]
-    return [normalize(x) if x.dtype == torch.uint8 else x for x in inputs]
+def model_inputs(batch, device):
+    """A batch of either loader -> (IDC's inputs on the device, item indices): ImageDataset gives (before, after,
+    index), uint8 images normalized on the device; Features gives (encoder tokens, index)."""
+    *x, idx = batch
+    x = [t.to(device, non_blocking=True) for t in x]
+    if len(x) == 2:
+        return {"before": normalize(x[0]), "after": normalize(x[1])}, idx
+    return {"tokens": x[0]}, idx
 
 
 @torch.no_grad()
 def encode_all(model, loader, ctx):
     """Images -> pair-encoder tokens for every item, stored in fp16 (half the memory, far below the noise)."""
     out = []
-    for before, after, _ in loader:
+    for batch in loader:
+        inputs, _ = model_inputs(batch, ctx.device)
         with ctx.amp:
-            out.append(model.memory(to_device([before, after], ctx.device)).half().cpu())
+            out.append(model.memory(**inputs).half().cpu())
     return torch.cat(out)
 
 
@@ -207,9 +210,10 @@ def predict(model, loader, items, vocab, ctx, beam=1):
     """Captions of every item the loader yields -> {item id: caption}."""
     model = unwrap(model).eval()
     out = {}
-    for *inputs, idx in loader:
+    for batch in loader:
+        inputs, idx = model_inputs(batch, ctx.device)
         with ctx.amp:
-            ids = model.caption(to_device(inputs, ctx.device), beam)
+            ids = model.caption(beam, **inputs)
         for i, row in zip(idx.tolist(), ids.tolist()):
             out[items[i].id] = to_text(row, vocab)
     return out
@@ -371,8 +375,8 @@ def caption_images(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, vocab = build(args.ckpt, device, extra=extra)
     size = model.clip.cfg.image_resolution  # any size and mode: squashed to the encoder's input, RGB
-    before, after = (load_image(p, size)[None].to(device) for p in (args.before, args.after))
-    print(to_text(model.caption([before, after], args.beam)[0].tolist(), vocab))
+    before, after = (load_image(p, size)[None].to(device) for p in (args.before, args.after))  # normalized
+    print(to_text(model.caption(args.beam, before=before, after=after)[0].tolist(), vocab))
 
 
 def data_source(args, extra, ctx):
@@ -389,14 +393,14 @@ def data_source(args, extra, ctx):
 
 
 def loader_for(items, args, ctx, size, feats=None, shuffle=False, batch=None, cache=None):
-    """Batches of ([encoder tokens] or [before, after], item index): in order, or shuffled as a function of
-    (seed, epoch) so that a resumed run sees the same batches."""
+    """Batches of (encoder tokens, item index) from `feats`, else (before, after, item index): in order, or (for
+    training) shuffled as a function of (seed, epoch) by an EpochSampler, each process its share under torchrun,
+    so that a resumed run sees the same batches (call data.set_epoch(loader, e) before each epoch)."""
     dataset = Features(feats) if feats is not None else ImageDataset(items, size, cache=cache)
-    sampler = None
-    if shuffle and ctx.world > 1:  # each process its own share of the epoch's order
-        sampler = EpochSampler(len(dataset), True, args.seed, rank=ctx.rank, world=ctx.world)
+    share = dict(rank=ctx.rank, world=ctx.world) if shuffle else {}  # evaluation: every process sees everything
+    sampler = EpochSampler(len(dataset), shuffle, args.seed, **share)
     return make_loader(dataset, batch or args.eval_batch_size, shuffle, 0 if feats is not None else args.workers,
-                       ctx.device, sampler=sampler, drop_last=shuffle and len(dataset) > (batch or 1), seed=args.seed)
+                       ctx.device, sampler=sampler, drop_last=shuffle and len(dataset) > (batch or 1))
 
 
 def test_and_report(model, test_loader, train_items, test_items, vocab, args, ctx, name, root):
@@ -441,16 +445,8 @@ def evaluate_captioner(args, extra):
                            args, ctx, name, root)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    if args.before:
-        return caption_images(args)
-    if not os.path.exists(args.ckpt) and args.ckpt not in MODELS:
-        raise SystemExit(f"--ckpt {args.ckpt}: no such file. Run `python adapt.py` first (it writes adapted.pt), "
-                         f"or pass a CLIP file / 'ViT-B/32' for the no-adaptation ablation")
-    extra = read_extra(args.ckpt)
-    if extra.get("stage") == "caption":
-        return evaluate_captioner(args, extra)
+def train(args, extra):
+    """Train a captioner on the pair encoder of --ckpt, select it on val CIDEr-D, test it once."""
     ctx = setup(args.seed, args.device, args.amp)
     if not ctx.main:  # one copy of each warning, not one per process
         warnings.filterwarnings("ignore")
@@ -522,13 +518,13 @@ def main(argv=None):
     epoch = start  # the training loop below rebinds it; loss_fn reads the current epoch
 
     def loss_fn(batch):
-        *inputs, idx = batch
-        # a random caption per pair, drawn from (seed, epoch, pair): the same whatever the process or batch
-        pick = [np.random.default_rng([args.seed, epoch, i]).integers(max(1, int(count[i]))) for i in idx.tolist()]
+        inputs, idx = model_inputs(batch, ctx.device)
+        # a random caption per pair, from (seed, epoch, pair) as every per-sample choice (data.sample_rng)
+        pick = [sample_rng(args.seed, epoch, i).integers(int(count[i])) for i in idx.tolist()]
         row = first[idx] + torch.tensor(pick, dtype=torch.long)
         tokens = captions[row]
         tokens = tokens[:, :int((tokens != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
-        logits = ddp(to_device(inputs, ctx.device), tokens[:, :-1])
+        logits = ddp(tokens[:, :-1], **inputs)
         return caption_loss(logits, tokens[:, 1:], ctx.world), len(idx)
 
     def checkpoint(metrics_):  # the selected model and what describes it (adapt.py: checkpoint())
@@ -541,7 +537,7 @@ def main(argv=None):
     t_start = time.time()
     try:
         for epoch in range(start, args.epochs):
-            train_loader.sampler.set_epoch(epoch)
+            set_epoch(train_loader, epoch)
             t0 = time.time()
             loss, step = train_epoch(ctx, ddp, train_loader, loss_fn, optimizer, scheduler, epoch, args.epochs,
                                      step, total_steps, args.grad_clip, args.log_every)
@@ -592,6 +588,19 @@ def main(argv=None):
                             "test_by_type": results["scores_by_type"], "baseline": results["baseline"],
                             "history": history}), args.out)
     return results
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.before:
+        return caption_images(args)
+    if not os.path.exists(args.ckpt) and args.ckpt not in MODELS:
+        raise SystemExit(f"--ckpt {args.ckpt}: no such file. Run `python adapt.py` first (it writes adapted.pt), "
+                         f"or pass a CLIP file / 'ViT-B/32' for the no-adaptation ablation")
+    extra = read_extra(args.ckpt)
+    if extra.get("stage") == "caption":
+        return evaluate_captioner(args, extra)
+    return train(args, extra)
 
 
 if __name__ == "__main__":

@@ -406,29 +406,37 @@ class _Pairs(torch.utils.data.Dataset):
         return (*images, *rest)
 
 
-def _key(key):
-    """EpochSampler yields (index, seed) so random choices in workers repeat exactly; a plain int uses `random`."""
-    return (key[0], random.Random(key[1])) if isinstance(key, tuple) else (key, random)
+def sample_rng(seed, epoch, index):
+    """Every random choice about one sample (the distractor swap, which caption a pair is trained on) comes from
+    (seed, epoch, sample index) alone: the same whatever the batch, the worker or the process, and again on resume."""
+    return np.random.default_rng([seed, epoch, index])
+
+
+def set_epoch(loader, epoch):
+    """Before each training epoch: its order (the EpochSampler) and its per-sample randomness (the dataset)."""
+    loader.sampler.set_epoch(epoch)
+    if hasattr(loader.dataset, "epoch"):
+        loader.dataset.epoch = epoch
 
 
 class CaptionDataset(_Pairs):
     """One sample per caption -> (before, after, token_ids, item_index). swap_prob: CLEVR adaptation replaces the
-    before image by the scene's non-semantic image with this probability (authors: 0.5)."""
+    before image by the scene's non-semantic image with this probability (authors: 0.5), drawn from (seed, epoch,
+    sample) by sample_rng; `set_epoch(loader, e)` sets the epoch."""
 
-    def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None):
+    def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None, seed=0):
         super().__init__(items, size, context_length, cache)
         self.samples = [(i, r) for i, rows in enumerate(self.rows) for r in rows]  # (item index, token row)
-        self.swap_prob = swap_prob
+        self.swap_prob, self.seed, self.epoch = swap_prob, seed, 0
 
     def __len__(self):
         return len(self.samples)
 
-    def parts(self, key):
-        k, rng = _key(key)
+    def parts(self, k):
         i, r = self.samples[k]
         it = self.items[i]
-        before = it.alt_before if it.alt_before and rng.random() < self.swap_prob else it.before
-        return (before, it.after), (self.tokens[r], i)
+        swap = it.alt_before and self.swap_prob and sample_rng(self.seed, self.epoch, k).random() < self.swap_prob
+        return (it.alt_before if swap else it.before, it.after), (self.tokens[r], i)
 
 
 class ImageDataset(_Pairs):
@@ -440,14 +448,13 @@ class ImageDataset(_Pairs):
     def __len__(self):
         return len(self.items)
 
-    def parts(self, key):
-        i, _ = _key(key)
+    def parts(self, i):
         return (self.items[i].before, self.items[i].after), (i,)
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """Order and per-sample seeds are a function of (seed, epoch) only: call set_epoch(e) before each epoch (as
-    with DistributedSampler) and a resumed run sees the same batches, even with persistent workers. Under
+    """Sample indices in an order that is a function of (seed, epoch) only: call set_epoch(e) before each epoch
+    (as with DistributedSampler; `set_epoch(loader, e)` does it) and a resumed run sees the same batches. Under
     torchrun each of `world` processes takes every world-th sample of the same order (rank's share)."""
 
     def __init__(self, n, shuffle, seed=0, rank=0, world=1):
@@ -460,9 +467,8 @@ class EpochSampler(torch.utils.data.Sampler):
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.n, generator=g) if self.shuffle else torch.arange(self.n)
-        seeds = torch.randint(2**62, (self.n,), generator=g)
         n = len(self) * self.world  # drop the tail that does not split evenly over the processes
-        return iter(list(zip(order.tolist(), seeds.tolist()))[self.rank:n:self.world])
+        return iter(order.tolist()[self.rank:n:self.world])
 
     def __len__(self):
         return self.n // self.world
@@ -470,10 +476,11 @@ class EpochSampler(torch.utils.data.Sampler):
 
 def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", sampler=None, drop_last=False, seed=0):
     """DataLoader with an EpochSampler (unless `sampler` is given, e.g. a DistributedSampler); whole batches from
-    datasets that read them at once; pinned memory on CUDA; workers stay alive across epochs."""
+    datasets that read them at once; pinned memory on CUDA. Workers start anew each epoch, so that they see the
+    dataset's epoch (its per-sample randomness); with the image cache that costs a fork."""
     return torch.utils.data.DataLoader(
         dataset, batch_size, sampler=sampler or EpochSampler(len(dataset), shuffle, seed), num_workers=workers,
-        pin_memory=str(device).startswith("cuda"), persistent_workers=workers > 0, drop_last=drop_last,
+        pin_memory=str(device).startswith("cuda"), drop_last=drop_last,
         collate_fn=_whole if hasattr(dataset, "__getitems__") else None)
 
 

@@ -722,7 +722,7 @@ def test_cache_equals_streaming(synth_set, tmp_path):
         assert all(torch.equal(col, torch.stack([s[j] for s in one_by_one]) if j < 2 else torch.tensor(
             [s[j] for s in one_by_one])) for j, col in enumerate(batch))
     caps = data.CaptionDataset(items, 48, swap_prob=0.5, cache=cache)
-    keyed = [(7, 11), (2, 5), (7, 11)]
+    keyed = [7, 2, 7]
     for col, want in zip(caps.__getitems__(keyed), zip(*[caps[k] for k in keyed])):
         assert torch.equal(col, torch.stack(want) if torch.is_tensor(want[0]) else torch.tensor(want))
     # through a DataLoader with 2 workers: the same batches as streaming
@@ -767,14 +767,19 @@ def test_loader_reproducible(synth_set):
     ds = data.CaptionDataset(items, size=16, swap_prob=0.5)
     batches = lambda loader: [torch.cat([b[0].flatten(1), b[2]], 1) for b in loader]
     a = data.make_loader(ds, 8, shuffle=True, workers=0, seed=3)
-    b = data.make_loader(ds, 8, shuffle=True, workers=2, seed=3)  # workers see the same per-sample seeds
+    b = data.make_loader(ds, 8, shuffle=True, workers=2, seed=3)  # workers draw the same swaps: (seed, epoch, index)
     for epoch in (0, 1):
-        a.sampler.set_epoch(epoch)
-        b.sampler.set_epoch(epoch)
+        data.set_epoch(a, epoch)
+        data.set_epoch(b, epoch)
         assert all(torch.equal(x, y) for x, y in zip(batches(a), batches(b)))
     first = [x[3] for x in a]
-    a.sampler.set_epoch(0)
+    data.set_epoch(a, 0)
     assert not all(torch.equal(x, y) for x, y in zip(first, [x[3] for x in a]))  # a new order each epoch
+    swapped = lambda epoch: [ds.parts(k)[0][0] == items[ds.samples[k][0]].alt_before for k in range(len(ds))]
+    ds.epoch = 0
+    at0 = swapped(0)
+    ds.epoch = 1
+    assert at0 != swapped(1) and 0.3 < np.mean(at0) < 0.7  # about half swapped, anew each epoch
     assert not b.pin_memory and data.make_loader(ds, 8, device="cuda").pin_memory
     last = data.make_loader(ds, 8, drop_last=True)
     assert len(last) == len(ds) // 8
