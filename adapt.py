@@ -39,7 +39,7 @@ PRESETS = {
     # small: ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6 patch grid (ViT-B/32: 7x7;
     # an 8x8 grid costs 1.8x per step); from scratch, so no frozen parts and one lr (1e-3 collapses all pairs
     # onto one vector; 3e-4 learns), batch 32 for more steps in the CPU budget. 2 epochs with a 2-layer, 64-wide
-    # text tower lost 10 val CIDEr-D downstream (85.6 vs 95.5): README "Quickstart trade-offs"
+    # text tower lost 10 val CIDEr-D downstream (85.6 vs 95.5): RESULTS.md "Quickstart trade-offs"
     "small": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=3,
                   lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
                   eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
@@ -61,7 +61,7 @@ def get_args(argv=None):
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing (counted)")
     p.add_argument("--swap-prob", type=float, default=None,
                    help="CLEVR: probability of replacing the before image by its non-semantic version (default: "
-                        "0.5, the authors'; 0 on the synthetic set, see README 'Results')")
+                        "0.5, the authors'; 0 on the synthetic set, see RESULTS.md)")
     p.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (preset)")
     p.add_argument("--cache-dir", default=None, help="where decoded-image caches go (default: "
                                                      "$CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images)")
@@ -245,7 +245,7 @@ def main(argv=None):
     if ctx.world > 1:  # rank 0 may have generated the synthetic set; the others wait for it
         torch.distributed.barrier()
         root = data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs)
-    if args.swap_prob is None:  # the authors' 0.5; on our synthetic set it cost 20 val CIDEr-D downstream (README)
+    if args.swap_prob is None:  # the authors' 0.5; on our synthetic set it cost 20 val CIDEr-D downstream (RESULTS.md)
         args.swap_prob = 0.0 if (root / "synth.json").is_file() else 0.5
     if args.data != "clevr":
         args.swap_prob = 0.0  # only CLEVR-Change has distractor images to swap in

@@ -1,4 +1,4 @@
-"""Benchmarks for clip4idc, one subcommand each; README 'Benchmarks' gives the figures they printed.
+"""Benchmarks for clip4idc, one subcommand each; BENCHMARKS.md gives the figures they printed.
 
     python bench.py adapt                   # ViT-B/32 adaptation step at batch 128: ours (eager, compiled) vs the
                                             #   authors' configuration (OpenAI's clip/model.py, pure fp16): pairs/s,

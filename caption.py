@@ -41,7 +41,7 @@ PRESETS = {
     # CPU, adapt.py's small encoder, frozen (its tokens computed once per pair): a decoder that reads the 2(n+1)
     # memory tokens directly (a captioner encoder layer over them cost 3x per step; the pair encoder's inter
     # blocks already mix the two images). Fine-tuning the small encoder at 3e-4 collapsed to "no change" on every
-    # pair (val CIDEr-D 62.9). README "Quickstart trade-offs"
+    # pair (val CIDEr-D 62.9). RESULTS.md "Quickstart trade-offs"
     "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                   freeze_encoder=True, epochs=20),
     # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7

@@ -283,8 +283,8 @@ class ImageCache:
     """Every image of some items decoded once to uint8 [N, 3, S, S], kept in a file on disk and read through a
     numpy memmap. Built once, over the cores, and reused by later runs of both stages. A cache larger than RAM
     works (the OS pages it in), and forked DataLoader workers share its pages. A PNG costs more to decode than
-    the small model's step, and a GPU step of ViT-B/32 wants more images per second than a CPU decodes (README
-    'Benchmarks').
+    the small model's step, and a GPU step of ViT-B/32 wants more images per second than a CPU decodes
+    (BENCHMARKS.md).
 
     The cache's name is a hash of the preprocessing rule, the size, and every image's path, byte size and time:
     another dataset root, split, size or a changed image gives another cache. It is built in a temporary
@@ -496,7 +496,7 @@ def bench(root, size, n=512, batch=128, workers=(0, 2, 8), gpu_rate=3233, direct
     """What feeding a GPU takes: decode+resize images/s on one core (streaming's cost), pairs/s delivered from the
     disk cache through the DataLoader at `batch` with 0, 2 and 8 workers, and the cores streaming would need to
     keep up with a GPU step of `gpu_rate` pairs/s (default: our ViT-B/32 adaptation step with --compile on an H100,
-    README 'Benchmarks')."""
+    BENCHMARKS.md)."""
     items = load_items("clevr", root, "train", "semantic")
     paths = image_paths(items)[:n]
     t0 = time.time()

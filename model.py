@@ -122,7 +122,7 @@ class VisionTransformer(nn.Module):
     def patches(self, x):
         """(B, 3, H, W) -> (B, n, width): conv1 (kernel = stride = patch size) computed as one matmul over the
         flattened patches, in row-major patch order. The same numbers as the convolution, and on a GPU several
-        times faster than its kernels (README 'Benchmarks')."""
+        times faster than its kernels (BENCHMARKS.md)."""
         B, C, H, W = x.shape
         P = self.conv1.kernel_size[0]
         x = x[:, :, :H // P * P, :W // P * P].reshape(B, C, H // P, P, W // P, P)  # a remainder is dropped, as conv
