@@ -25,9 +25,9 @@ import torch.nn.functional as F
 import clip_load
 import data
 import model as M
-from train_utils import (freeze, gather, interrupted, last_path, load_resume, log, make_optimizer, param_groups,
-                         policy_table, rng_state, save_atomic, seed_ranks, set_rng_state, setup, train_epoch,
-                         warmup_cosine, where)
+from train_utils import (Progress, freeze, gather, interrupted, last_path, load_resume, log, make_optimizer,
+                         param_groups, policy_table, rng_state, save_atomic, seed_ranks, set_rng_state, setup,
+                         train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings, and a small from-scratch model that learns on a CPU in minutes
@@ -319,8 +319,9 @@ def main(argv=None):
         for epoch in range(start, args.epochs):
             data.set_epoch(loader, epoch)
             t0 = time.time()
-            loss, step = train_epoch(ctx, net, loader, loss_fn, optimizer, scheduler, epoch, args.epochs, step,
-                                     total_steps, args.grad_clip, args.log_every)
+            progress = Progress(epoch, args.epochs, step, total_steps, args.log_every)
+            loss = train_epoch(ctx, net, loader, loss_fn, optimizer, scheduler, progress, args.grad_clip)
+            step = progress.step
             if ctx.main:  # select on val, never on test
                 val = evaluate(model, val_items, args, ctx, cache)
                 history.append({"epoch": epoch + 1, "loss": loss, **val})

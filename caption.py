@@ -33,9 +33,9 @@ from clip_load import MODELS, load_clip, load_image, normalize, open_image, reso
 from data import (BadImage, EpochSampler, ImageDataset, exit_message, load_items, make_loader, open_cache,
                   resolve_root, sample_rng, set_epoch)
 from model import PAIR_KEYS, Captioner, CaptionerConfig
-from train_utils import (fmt_time, freeze, interrupted, last_path, load_resume, log, make_optimizer, param_groups,
-                         policy_table, rng_state, save_atomic, seed_ranks, set_rng_state, setup, train_epoch, unwrap,
-                         warmup_cosine, where)
+from train_utils import (Progress, fmt_time, freeze, interrupted, last_path, load_resume, log, make_optimizer,
+                         param_groups, policy_table, rng_state, save_atomic, seed_ranks, set_rng_state, setup,
+                         train_epoch, unwrap, warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoder, frozen (its tokens computed once per pair): a decoder that reads the 2(n+1)
@@ -539,8 +539,9 @@ def train(args, extra):
         for epoch in range(start, args.epochs):
             set_epoch(train_loader, epoch)
             t0 = time.time()
-            loss, step = train_epoch(ctx, ddp, train_loader, loss_fn, optimizer, scheduler, epoch, args.epochs,
-                                     step, total_steps, args.grad_clip, args.log_every)
+            progress = Progress(epoch, args.epochs, step, total_steps, args.log_every)
+            loss = train_epoch(ctx, ddp, train_loader, loss_fn, optimizer, scheduler, progress, args.grad_clip)
+            step = progress.step
             val_preds = predict(model, val_loader, splits["val"], vocab, ctx)
             val = {"CIDEr-D": cider(splits["val"], val_preds)}
             if scenes:  # a synthetic set: what the val captions get right, read back against the scenes

@@ -37,13 +37,20 @@ class QuickGELU(nn.Module):
 
 
 def attention(q, k, v, causal=False):
-    """(B, heads, T, hs) x3 -> (B, heads, T, hs). Causal masks assume q and k end at the same position."""
+    """(B, heads, Tq, hs), (B, heads, Tk, hs) x2 -> (B, heads, Tq, hs). Causal: the Tq queries are the last Tq of
+    the Tk positions (a decoding step after a cached prefix; Tq = Tk in training), and each sees the keys up to
+    its own position. Both paths (SDPA, and the plain softmax the tests and FLOP counts use) mask alike."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    assert not causal or Tq <= Tk, f"causal attention needs the {Tq} queries among the {Tk} key positions"
+    mask = None
+    if causal and Tq > 1:  # one query (the usual cached step) sees every key: no mask
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # aligned at the end
     if USE_SDPA:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal and q.shape[2] > 1))
+        if mask is not None and Tq == Tk:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # the same mask, the fused kernels
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, heads, Tq, Tk)
-    if causal:
-        Tq, Tk = q.shape[2], k.shape[2]
-        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+    if mask is not None:
         att = att.masked_fill(~mask, float("-inf"))
     return att.softmax(dim=-1) @ v
 
@@ -284,11 +291,9 @@ class CaptionerConfig:
 
 
 class Attention(nn.Module):
-    """Multi-head attention, self (source=None) or cross (queries from x, keys/values from source).
-
-    Key/value cache for decoding: `cache` is one dict per layer and kind. Self-attention appends the new
-    position's keys/values to the prefix's, so a step costs one token; cross-attention projects the memory once
-    and reuses it."""
+    """Multi-head attention: self-attention (source=None) or cross-attention (queries from x, keys and values from
+    `source`, the memory). `cache` (a dict per layer and kind) serves decoding: self-attention appends the new
+    positions' keys/values to the prefix's, so a step costs one token; cross-attention projects the memory once."""
 
     def __init__(self, width, heads):
         super().__init__()
@@ -301,19 +306,31 @@ class Attention(nn.Module):
         B, T, C = x.shape
         return x.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, heads, T, hs)
 
+    def keys_values(self, x):
+        return map(self.split, self.kv_proj(x).chunk(2, dim=-1))
+
+    def self_keys_values(self, x, cache):
+        """This call's positions' keys/values, after the cached prefix's (then cached in turn)."""
+        k, v = self.keys_values(x)
+        if cache is not None:
+            if cache:
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        return k, v
+
+    def cross_keys_values(self, memory, cache):
+        """The memory's keys/values: projected at the first decoding step, reused at the others."""
+        if cache is None or not cache:
+            k, v = self.keys_values(memory)
+            if cache is None:
+                return k, v
+            cache["k"], cache["v"] = k, v
+        return cache["k"], cache["v"]
+
     def forward(self, x, source=None, causal=False, cache=None):
         q = self.split(self.q_proj(x))
-        if source is not None and cache is not None and "k" in cache:
-            k, v = cache["k"], cache["v"]  # the memory's keys/values, computed at the first step
-        else:
-            k, v = map(self.split, self.kv_proj(x if source is None else source).chunk(2, dim=-1))
-            if cache is not None:
-                if source is None and "k" in cache:  # grow the prefix by the new position(s)
-                    k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-                cache["k"], cache["v"] = k, v
-        # with a cache, q is the last position only and sees every cached key: no mask needed (attention()
-        # masks only when q has more than one position)
-        y = attention(q, k, v, causal)  # (B, heads, T, hs)
+        k, v = self.self_keys_values(x, cache) if source is None else self.cross_keys_values(source, cache)
+        y = attention(q, k, v, causal)  # causal: x's positions are the last of k's (see attention)
         return self.out_proj(y.transpose(1, 2).flatten(2))  # (B, T, width)
 
 

@@ -1212,7 +1212,7 @@ def test_train_epoch_stops_on_nan():
     batches = [torch.ones(4, 2)] * 3 + [torch.full((4, 2), float("nan"))] + [torch.ones(4, 2)] * 3
     loss_fn = lambda b: (model(b).pow(2).mean(), len(b))
     with pytest.raises(SystemExit, match="loss became nan between steps 4 and 6 .*--resume"):
-        train_utils.train_epoch(ctx, model, batches, loss_fn, opt, sched, 0, 1, 0, 7, log_every=3)
+        train_utils.train_epoch(ctx, model, batches, loss_fn, opt, sched, train_utils.Progress(0, 1, 0, 7, 3))
 
 
 def test_loss_decreases_on_synthetic_batches(adapt_synth):
@@ -1241,7 +1241,7 @@ def ctrl_c_in_second_epoch(monkeypatch, stage):
     real_epoch = train_utils.train_epoch
 
     def interrupt(*a, **k):
-        if a[6] == 1:  # the epoch index
+        if a[6].epoch == 1:  # the Progress argument's epoch
             raise KeyboardInterrupt
         return real_epoch(*a, **k)
     monkeypatch.setattr(stage, "train_epoch", interrupt)
@@ -1596,6 +1596,16 @@ def test_cache_equals_no_cache():
         model.USE_SDPA = True
     assert torch.equal(cap.beam_search(memory, 1, 2, beam=1), cached)  # a beam of one is greedy
     assert cap.beam_search(memory, 1, 2, beam=3).shape[0] == 16
+    # several new positions after a cached prefix (queries aligned at the end of the keys), in both attention paths
+    for sdpa in (True, False):
+        model.USE_SDPA = sdpa
+        try:
+            caches = [{} for _ in cap.decoder]
+            head = cap.decode(prefix[:, :2], mem, caches)
+            tail = cap.decode(prefix[:, 2:], mem, caches, start=2)  # 3 positions at once, after 2 cached ones
+            torch.testing.assert_close(torch.cat([head, tail], 1), cap.decode(prefix, mem), atol=1e-5, rtol=1e-5)
+        finally:
+            model.USE_SDPA = True
 
 
 def test_overfit_exact_captions(trained):

@@ -11,6 +11,7 @@ import random
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -185,33 +186,46 @@ def train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_cl
     return loss.detach(), n
 
 
-def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, epoch, epochs, step, total_steps,
-                grad_clip=1.0, log_every=20, unit="pairs"):
-    """One pass over `loader` (see train_step). Prints `step/total loss lr units/s ETA` every `log_every` steps,
-    and checks the loss there: the loss is summed on the device, so the CPU queues the next steps while the GPU
-    runs. A NaN/inf loss stops the run, naming the steps. Returns (mean loss, step)."""
+@dataclass
+class Progress:
+    """Where a run stands, for its progress lines: `epoch` (0-based) of `epochs`, optimizer `step` of
+    `total_steps` (train_epoch advances it), a line every `log_every` steps counting `unit`s per second."""
+    epoch: int
+    epochs: int
+    step: int
+    total_steps: int
+    log_every: int = 20
+    unit: str = "pairs"
+
+
+def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, grad_clip=1.0):
+    """One pass over `loader` (see train_step) -> mean loss. Both stages share it rather than each writing the loop
+    out: what they share is the bookkeeping, the same in both (the progress line: step, loss, lr, throughput,
+    ETA; the NaN check), while what differs (the loss) comes in as `loss_fn(batch) -> (loss, n_samples)`. The
+    loss is summed on the device and checked at each progress line only, so the CPU queues the next steps while
+    the GPU runs; a NaN/inf loss stops the run, naming the steps."""
     model.train()
-    t0, seen, count, checked = time.time(), 0, 0, step
+    t0, seen, count, checked = time.time(), 0, 0, progress.step
     total = torch.zeros((), device=ctx.device)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for batch in loader:
         loss, n = train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip)
         total += loss.float()
-        step += 1
+        progress.step += 1
         seen += n * ctx.world
         count += 1
-        if step % log_every == 0 or count == len(loader):
+        if progress.step % progress.log_every == 0 or count == len(loader):
             if not torch.isfinite(total):  # the one host sync per log line
-                raise SystemExit(f"loss became {loss.item()} between steps {checked + 1} and {step} (epoch "
-                                 f"{epoch + 1}): stopping. The last good checkpoint is on disk; lower the learning "
-                                 f"rate or check the data, then --resume.")
-            checked = step
+                raise SystemExit(f"loss became {loss.item()} between steps {checked + 1} and {progress.step} (epoch "
+                                 f"{progress.epoch + 1}): stopping. The last good checkpoint is on disk; lower the "
+                                 f"learning rate or check the data, then --resume.")
+            checked = progress.step
             rate = seen / (time.time() - t0)
-            eta = (total_steps - step) * (time.time() - t0) / count
+            eta = (progress.total_steps - progress.step) * (time.time() - t0) / count
             lrs = "/".join(f"{lr:.2e}" for lr in sorted({g["lr"] for g in optimizer.param_groups}, reverse=True))
-            log(ctx, f"epoch {epoch + 1}/{epochs} step {step}/{total_steps} | loss {loss.item():.4f} | "
-                     f"lr {lrs} | {rate:.1f} {unit}/s | ETA {fmt_time(eta)}")
-    return total.item() / max(1, count), step
+            log(ctx, f"epoch {progress.epoch + 1}/{progress.epochs} step {progress.step}/{progress.total_steps} | "
+                     f"loss {loss.item():.4f} | lr {lrs} | {rate:.1f} {progress.unit}/s | ETA {fmt_time(eta)}")
+    return total.item() / max(1, count)
 
 
 def fmt_time(seconds):
