@@ -129,22 +129,9 @@ class IDC(nn.Module):
         return self.captioner.generate(mem, BOS, EOS)
 
 
-class Features(torch.utils.data.Dataset):
-    """Cached pair-encoder tokens -> (tokens, item index); a frozen encoder runs once per pair, not per epoch."""
-
-    def __init__(self, feats):
-        self.feats = feats
-
-    def __len__(self):
-        return len(self.feats)
-
-    def __getitem__(self, i):
-        return self.feats[i], i
-
-
 def model_inputs(batch, device):
     """A batch of either loader -> (IDC's inputs on the device, item indices): ImageDataset gives (before, after,
-    index), uint8 images normalized on the device; Features gives (encoder tokens, index)."""
+    index), uint8 images normalized on the device; the frozen encoder's cached tokens give (tokens, index)."""
     *x, idx = batch
     x = [t.to(device, non_blocking=True) for t in x]
     if len(x) == 2:
@@ -396,7 +383,10 @@ def loader_for(items, args, ctx, size, feats=None, shuffle=False, batch=None, ca
     """Batches of (encoder tokens, item index) from `feats`, else (before, after, item index): in order, or (for
     training) shuffled as a function of (seed, epoch) by an EpochSampler, each process its share under torchrun,
     so that a resumed run sees the same batches (call data.set_epoch(loader, e) before each epoch)."""
-    dataset = Features(feats) if feats is not None else ImageDataset(items, size, cache=cache)
+    if feats is not None:  # a frozen encoder's tokens, computed once: (tokens, item index)
+        dataset = torch.utils.data.TensorDataset(feats, torch.arange(len(feats)))
+    else:
+        dataset = ImageDataset(items, size, cache=cache)
     share = dict(rank=ctx.rank, world=ctx.world) if shuffle else {}  # evaluation: every process sees everything
     sampler = EpochSampler(len(dataset), shuffle, args.seed, **share)
     return make_loader(dataset, batch or args.eval_batch_size, shuffle, 0 if feats is not None else args.workers,
