@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import clip_load
 import data
 import model as M
+import plots
 from train_utils import (Progress, freeze, gather, interrupted, last_path, load_resume, log, make_optimizer,
                          param_groups, policy_table, rng_state, save_atomic, seed_ranks, set_rng_state, setup,
                          train_epoch, warmup_cosine, where)
@@ -335,6 +336,7 @@ def main(argv=None):
                              "scheduler": scheduler.state_dict(), "rng": rng_state(), "epoch": epoch + 1,
                              "step": step, "best": best, "history": history, "args": vars(args)},
                             last_path(args.out))
+                plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, "R@mean")  # val, selects
             if ctx.world > 1:
                 torch.distributed.barrier()
     except KeyboardInterrupt:

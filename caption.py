@@ -16,7 +16,6 @@ type (paper Table 2) and the best constant-caption baseline go to --results.
 import argparse
 import json
 import os
-import textwrap
 import time
 import warnings
 from collections import Counter
@@ -25,9 +24,8 @@ from dataclasses import asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
-
 import metrics
+import plots
 import synth
 from clip_load import MODELS, load_clip, load_image, normalize, open_image, resolve, to_rgb
 from data import (BadImage, EpochSampler, ImageDataset, exit_message, load_items, make_loader, open_cache,
@@ -239,28 +237,48 @@ def summary(scores):
     return " ".join(f"{k} {scores[k]:.1f}" for k in metrics.METRICS if k in scores)
 
 
-def draw_gallery(path, items, preds, n=8, height=128):
-    """Contact sheet: before | after | generated and reference captions, one test pair per row."""
+# -----------------------------------------------------------------------------
+# where the encoder looks: the last inter block's attention (plots.pair_maps says which map is which)
+
+
+@torch.no_grad()
+def encoder_maps(model, pairs, size, device, batch=64):
+    """[(before path, after path)] -> their attention maps {"before": (g, g), "after": (g, g)}, through the
+    plain-softmax path (forward_pair(explain=True)), `batch` pairs at a time."""
+    grid = size // model.clip.cfg.vision_patch_size
+    out = []
+    for i in range(0, len(pairs), batch):
+        b, a = (torch.stack([load_image(p, size) for p in paths]).to(device) for paths in zip(*pairs[i:i + batch]))
+        weights = model.clip.visual.forward_pair(b, a, explain=True)[2].float().cpu()
+        out += [plots.pair_maps(w, grid) for w in weights]
+    return out
+
+
+def maps_on_change(maps, items, root):
+    """On a synthetic set: % of change pairs whose map's strongest patch overlaps the changed object (on the image
+    that shows it: after for "add", else before), and the % a patch drawn at random would give."""
+    hits, chance = [], []
+    for m, it in zip(maps, items):
+        region = synth.changed_region(root, it.id)
+        side = "after" if region["before"] is None else "before"
+        (x0, y0, x1, y1), g = region[side], m[side].shape[0]
+        on = lambda r, c: c / g < x1 and (c + 1) / g > x0 and r / g < y1 and (r + 1) / g > y0
+        hits.append(on(*divmod(int(m[side].argmax()), g)))
+        chance.append(sum(on(r, c) for r in range(g) for c in range(g)) / g ** 2)
+    return 100 * sum(hits) / len(hits), 100 * sum(chance) / len(chance)
+
+
+def draw_gallery(path, items, preds, model=None, size=None, device="cpu", n=8):
+    """Test pairs, one per row: before | after | (their heat maps, when the encoder has inter blocks) | the
+    generated and the first reference caption."""
     picks = items[:: max(1, len(items) // n)][:n]
-    text_w, rows = 440, []
-    for it in picks:
-        ims = [to_rgb(open_image(p)) for p in (it.before, it.after)]
-        ims = [im.resize((max(1, round(im.width * height / im.height)), height)) for im in ims]
-        row = Image.new("RGB", (sum(im.width for im in ims) + 8 + text_w, height + 8), "white")
-        x = 0
-        for im in ims:
-            row.paste(im, (x, 4))
-            x += im.width + 4
-        lines = [f"[{it.change_type or it.id}]"]
-        lines += textwrap.wrap(f"generated: {preds[it.id]}", 70) + textwrap.wrap(f"reference: {it.captions[0]}", 70)
-        ImageDraw.Draw(row).multiline_text((x + 6, 6), "\n".join(lines), fill="black", spacing=3)
-        rows.append(row)
-    sheet = Image.new("RGB", (max(r.width for r in rows), sum(r.height for r in rows)), "white")
-    y = 0
-    for r in rows:
-        sheet.paste(r, (0, y))
-        y += r.height
-    sheet.save(path)
+    maps = [None] * len(picks)
+    if model is not None and model.clip.cfg.n_inter > 0:
+        maps = encoder_maps(model, [(it.before, it.after) for it in picks], size, device)
+    rows = [{"before": to_rgb(open_image(it.before)), "after": to_rgb(open_image(it.after)), "maps": m,
+             "lines": [f"[{it.change_type or it.id}]", f"generated: {preds[it.id]}", f"reference: {it.captions[0]}"]}
+            for it, m in zip(picks, maps)]
+    plots.gallery(path, rows)
     print(f"gallery of {len(rows)} test pairs -> {path}")
 
 
@@ -331,9 +349,13 @@ def parse_args(argv=None):
     # your own two images
     p.add_argument("--before", default=None, help="caption this image pair (needs a captioner --ckpt)")
     p.add_argument("--after", default=None, help="the 'after' image of --before")
+    p.add_argument("--explain", default=None, help="with --before/--after: also draw the caption, the two images "
+                                                   "and where the encoder looked into this PNG")
     args = p.parse_args(argv)
     if bool(args.before) != bool(args.after):
         p.error("--before and --after go together")
+    if args.explain and not args.before:
+        p.error("--explain draws one pair: give --before and --after too")
     assert args.beam >= 1 and args.max_len >= 2 and args.patience >= 1
     return args
 
@@ -363,7 +385,15 @@ def caption_images(args):
     model, vocab = build(args.ckpt, device, extra=extra)
     size = model.clip.cfg.image_resolution  # any size and mode: squashed to the encoder's input, RGB
     before, after = (load_image(p, size)[None].to(device) for p in (args.before, args.after))  # normalized
-    print(to_text(model.caption(args.beam, before=before, after=after)[0].tolist(), vocab))
+    text = to_text(model.caption(args.beam, before=before, after=after)[0].tolist(), vocab)
+    print(text)
+    if args.explain:
+        if model.clip.cfg.n_inter == 0:
+            raise SystemExit("--explain draws the last inter block's attention: this encoder (12/0) has none")
+        maps = encoder_maps(model, [(args.before, args.after)], size, device)[0]
+        plots.explain(args.explain, to_rgb(open_image(args.before)), to_rgb(open_image(args.after)), text, maps)
+        print(f"caption, images and attention maps -> {args.explain}")
+    return text
 
 
 def data_source(args, extra, ctx):
@@ -397,11 +427,19 @@ def test_and_report(model, test_loader, train_items, test_items, vocab, args, ct
     t0 = time.time()
     preds = predict(model, test_loader, test_items, vocab, ctx, args.beam)
     scores, by_type = score(test_items, preds, by_type=name == "clevr")
+    seconds = time.time() - t0
     baseline = constant_baseline(train_items, test_items, args.baseline_candidates)
     # on the synthetic set the renderer's scene records say what really changed: read each caption back
     scenes = synth.read_scenes(root) if name == "clevr" else None
     judged = synth.report(preds, scenes) if scenes else None
+    size, enc = model.clip.cfg.image_resolution, model.clip.cfg
+    attention = None
+    if judged and enc.n_inter > 0 and ctx.main:  # and does the encoder look at the change?
+        changes = [it for it in test_items if not it.id.endswith("_n")]
+        maps = encoder_maps(model, [(it.before, it.after) for it in changes], size, ctx.device)
+        attention = dict(zip(("map on the change %", "random patch %"), maps_on_change(maps, changes, root)))
     results = {"scores": scores, "scores_by_type": by_type, "baseline": baseline, "synthetic": judged,
+               "attention": attention,
                "predictions": [{"id": it.id, "before": it.before, "after": it.after, "caption": preds[it.id],
                                 "references": it.captions} for it in test_items]}
     if ctx.main:
@@ -410,7 +448,7 @@ def test_and_report(model, test_loader, train_items, test_items, vocab, args, ct
         os.replace(args.results + ".tmp", args.results)
         types = " ".join(f"{t} {v:.1f}" for t, v in by_type.items())
         log(ctx, f"test ({len(test_items)} pairs, {'beam ' + str(args.beam) if args.beam > 1 else 'greedy'}, "
-                 f"{time.time() - t0:.0f}s): {summary(scores)}" + (f" | CIDEr-D by type: {types}" if types else ""))
+                 f"{seconds:.0f}s): {summary(scores)}" + (f" | CIDEr-D by type: {types}" if types else ""))
         log(ctx, f"constant-caption baseline {baseline['caption']!r}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} "
                  f"(model / baseline = {scores['CIDEr-D'] / max(baseline['scores']['CIDEr-D'], 1e-9):.1f}x) "
                  f"-> {args.results}")
@@ -419,8 +457,12 @@ def test_and_report(model, test_loader, train_items, test_items, vocab, args, ct
                      f"change pairs get a change caption, {judged['right type %']:.0f}% the right change type, "
                      f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}%"
                      f" of {judged['distractor pairs']} distractors get \"no change\"")
+        if attention:
+            log(ctx, f"attention: the strongest patch of the last inter block's [CLS] map falls on the changed object "
+                     f"in {attention['map on the change %']:.0f}% of change pairs (a random patch: "
+                     f"{attention['random patch %']:.0f}%)")
         if args.gallery:
-            draw_gallery(args.gallery, test_items, preds, args.gallery_n)
+            draw_gallery(args.gallery, test_items, preds, model, size, ctx.device, args.gallery_n)
     return results
 
 
@@ -542,6 +584,8 @@ def train(args, extra):
                 torch.distributed.broadcast(shared, 0)
                 val["CIDEr-D"] = shared.item()
             history.append({"epoch": epoch + 1, "loss": loss, **{f"val {k}": v for k, v in val.items()}})
+            if ctx.main:
+                plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, "val CIDEr-D")
             if val["CIDEr-D"] > best:
                 best, best_epoch, bad = val["CIDEr-D"], epoch + 1, 0
                 if ctx.main:

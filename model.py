@@ -55,6 +55,15 @@ def attention(q, k, v, causal=False):
     return att.softmax(dim=-1) @ v
 
 
+def attention_weights(attn, x):
+    """The weights softmax(Q K^T / sqrt(head size)) that `attn` (a MultiheadAttention, no causal mask) applies to
+    x (B, T, width): (B, heads, T, T), each row summing to 1. For pictures; training never calls it."""
+    B, T, C = x.shape
+    q, k, _ = F.linear(x, attn.in_proj_weight, attn.in_proj_bias).split(C, dim=2)
+    q, k = (t.view(B, T, attn.heads, C // attn.heads).transpose(1, 2) for t in (q, k))
+    return ((q @ k.transpose(-2, -1)) / math.sqrt(C // attn.heads)).float().softmax(dim=-1)
+
+
 class MultiheadAttention(nn.Module):
     """Batch-first self-attention with nn.MultiheadAttention's parameter names, so OpenAI's weights load."""
 
@@ -148,8 +157,10 @@ class VisionTransformer(nn.Module):
         x = self.transformer(self.stem(x))
         return self.ln_post(x[:, 0]) @ self.proj
 
-    def forward_pair(self, before, after):
-        """(B, 3, H, W) x2 -> tokens (B, 2(n+1), output_dim), pair vector (B, output_dim)."""
+    def forward_pair(self, before, after, explain=False):
+        """(B, 3, H, W) x2 -> tokens (B, 2(n+1), output_dim), pair vector (B, output_dim); with explain=True also
+        the last block's attention weights (B, heads, 2(n+1), 2(n+1)), taken with the plain softmax (attention_
+        weights) only then: the usual path keeps scaled_dot_product_attention."""
         B = before.shape[0]
         x = self.stem(torch.cat([before, after]))  # both images in one batch: (2B, n+1, width)
         blocks = self.transformer.resblocks
@@ -162,9 +173,13 @@ class VisionTransformer(nn.Module):
             e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
             x = self.ln_mid(x + e + self.joint_positional_embedding)  # eq. (4), ln_mid as in the authors' code
             for block in blocks[n_intra:]:  # inter blocks: full attention over both images
+                weights = attention_weights(block.attn, block.ln_1(x)) if explain else None
                 x = block(x)
         tokens = self.ln_post(x) @ self.proj  # all 2(n+1) tokens go to the captioner: (B, 2(n+1), output_dim)
         v = (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2  # eq. (5): mean of the two [CLS] tokens
+        if explain:
+            assert self.n_inter > 0, "the attention maps are the last inter block's: a 12/0 encoder has none"
+            return tokens, v, weights
         return tokens, v
 
 

@@ -23,7 +23,7 @@ from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw
+from PIL import Image
 
 SYNTH_ROOT = "data/clevr_synth"
 IMAGE_SIZE = (180, 120)  # W, H on disk: the small model squashes it to 96 x 96, and 240 x 160 looked the same there
@@ -350,11 +350,11 @@ def captions(rng, kind, before, after, k, n=6):
 # the set on disk
 
 
-def _make_triple(i, out, seed, size, far_change=False, change_jitter=0.3):
-    """Scene i -> default, semantic-change and non-semantic images on disk; returns its type, change captions,
-    no-change captions and scene record (the objects before and after, the changed one's index).
-    The distractor moves the camera and the light by 0.5-1 (in jitter units); the change image moves the camera by
-    0-0.3 only, or, with far_change, as much as the distractor, so only the objects tell the two apart."""
+def _scene(i, seed, far_change=False, change_jitter=0.3):
+    """Scene i's random draws, in order -> (its random stream, change type, objects before and after, the changed
+    object's index, the three views {image name: (objects, camera jitter, light jitter)}). The distractor moves the
+    camera and the light by 0.5-1 (in jitter units); the change image moves the camera by 0-0.3 only, or, with
+    far_change, as much as the distractor, so only the objects tell the two apart."""
     rng = random.Random(f"clevr-synth-{seed}-{i}")  # one stream per scene: any worker split gives the same set
     kind = rng.choice(CHANGES)
     before, after, k = make_scene(rng, kind)
@@ -363,10 +363,38 @@ def _make_triple(i, out, seed, size, far_change=False, change_jitter=0.3):
     changed = (after, shift(jc, 0.5, 1), shift(jl, 0.5, 1)) if far_change else (after, shift(jc, 0, change_jitter), jl)
     views = {"images/CLEVR_default": (before, jc, jl), "sc_images/CLEVR_semantic": changed,
              "nsc_images/CLEVR_nonsemantic": (before, shift(jc, 0.5, 1), shift(jl, 0.5, 1))}
+    return rng, kind, before, after, k, views
+
+
+def _make_triple(i, out, seed, size, far_change=False, change_jitter=0.3):
+    """Scene i -> default, semantic-change and non-semantic images on disk; returns its type, change captions,
+    no-change captions and scene record (the objects before and after, the changed one's index)."""
+    rng, kind, before, after, k, views = _scene(i, seed, far_change, change_jitter)
     for name, (objs, j1, j2) in views.items():
         Image.fromarray(render(objs, camera(j1), light(j2), *size)).save(f"{out}/{name}_{i:06d}.png", compress_level=1)
     scene = {"type": kind, "before": before, "after": after, "changed": k}
     return kind, captions(rng, kind, before, after, k), rng.sample(NO_CHANGE, 6), scene
+
+
+def changed_region(root, scene_id):
+    """Where the changed object is drawn in a change pair of a set `make` wrote: {"before": box, "after": box},
+    each box (left, top, right, bottom) as fractions of the image's width and height (the object's bounding disc),
+    or None where it is absent (before an "add", after a "drop")."""
+    meta = json.loads((Path(root) / "synth.json").read_text())
+    _, kind, before, after, k, views = _scene(int(scene_id), meta["seed"], bool(meta.get("far_change")),
+                                              meta.get("change_jitter", 0.3))
+    w, h = meta["size"]
+    out = {}
+    for side, name, present in (("before", "images/CLEVR_default", kind != "add"),
+                                ("after", "sc_images/CLEVR_semantic", kind != "drop")):
+        objs, jc, _ = views[name]
+        if not present:
+            out[side] = None
+            continue
+        c, r = geometry(objs[k])
+        u, v, s = project(camera(jc), c, w, h)
+        out[side] = ((u - r * s) / w, (v - r * s) / h, (u + r * s) / w, (v + r * s) / h)
+    return out
 
 
 def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None, far_change=False,
@@ -507,34 +535,6 @@ def read_scenes(root):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-# -----------------------------------------------------------------------------
-# looking at a set
-
-
-def contact_sheet(root, out, n=8, size=0, split="test", seed=0):
-    """One row per pair of a CLEVR-Change(-style) set: before | after | distractor | change type and captions.
-    size > 0 first squashes each image to size x size, as the model sees it (shown 2x, nearest)."""
-    root = Path(root)
-    ids = json.loads((root / "splits.json").read_text())[split]
-    captions_of = json.loads((root / "change_captions.json").read_text())
-    types = {int(f[:6]): t for t, fs in json.loads((root / "type_mapping.json").read_text()).items() for f in fs}
-    ids = sorted(random.Random(seed).sample(ids, min(n, len(ids))), key=lambda i: types.get(i, ""))
-    files = lambda i: [root / d / f"CLEVR_{name}_{i:06d}.png" for d, name in
-                       (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic"))]
-    shown = lambda p: (Image.open(p).convert("RGB").resize((size, size), Image.BICUBIC).resize((2 * size, 2 * size),
-                       Image.NEAREST) if size else Image.open(p).convert("RGB"))
-    w, h = shown(files(ids[0])[0]).size
-    sheet = Image.new("RGB", (3 * w + 560, len(ids) * h), "white")
-    draw = ImageDraw.Draw(sheet)
-    for r, i in enumerate(ids):
-        for c, p in enumerate(files(i)):
-            sheet.paste(shown(p), (c * w, r * h))
-        lines = captions_of[f"CLEVR_default_{i:06d}.png"][:4]
-        draw.text((3 * w + 6, r * h + 4), f"{i:06d} {types.get(i)}\n" + "\n".join(lines), fill="black")
-    sheet.save(out)
-    print(f"{out}: {len(ids)} pairs from {root} ({split}): before | after | non-semantic distractor")
-
-
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmd = p.add_subparsers(dest="cmd", required=True)
@@ -560,5 +560,6 @@ if __name__ == "__main__":
     args = p.parse_args()
     if args.cmd == "make":
         make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change, args.change_jitter)
-    else:
-        contact_sheet(args.root, args.out, args.n, args.size, args.split, args.seed)
+    else:  # drawn by the pictures module, from the files `make` wrote
+        import plots
+        plots.contact_sheet(args.root, args.out, args.n, args.size, args.split, args.seed)

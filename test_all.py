@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from PIL import Image
 
 import adapt
@@ -33,6 +34,7 @@ import data
 import metrics
 import model
 import model as M
+import plots
 import synth
 import train_utils
 from clip_load import decode, load_clip, load_image, preprocess, tokenize
@@ -1111,6 +1113,67 @@ def test_meteor_fallbacks_say_so_and_stay_near(monkeypatch, fresh_meteor_sources
 # adapt.py: loss, retrieval metrics, training, resume, 2-process DDP
 
 
+def test_attention_weights_are_the_sdpa_paths():
+    """The weights drawn as heat maps are softmax(Q K^T / sqrt(d)) of the very inputs the SDPA path attends with:
+    applied to V they give its output (several heads, a non-square pair of token counts)."""
+    torch.manual_seed(0)
+    attn = model.MultiheadAttention(96, 3)
+    x = torch.randn(2, 20, 96)
+    w = model.attention_weights(attn, x)
+    assert w.shape == (2, 3, 20, 20) and torch.allclose(w.sum(-1), torch.ones(2, 3, 20))
+    q, k, v = (t.view(2, 20, 3, 32).transpose(1, 2) for t in F.linear(x, attn.in_proj_weight,
+                                                                        attn.in_proj_bias).split(96, dim=2))
+    torch.testing.assert_close(w @ v, F.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    cfg = M.CLIPConfig(embed_dim=32, image_resolution=48, vision_layers=3, vision_width=128, vision_patch_size=16,
+                       context_length=8, transformer_width=64, transformer_heads=1, transformer_layers=1, n_inter=1)
+    clip = M.CLIP(cfg).eval()
+    b, a = torch.randn(2, 3, 48, 48), torch.randn(2, 3, 48, 48)
+    tokens, vec, weights = clip.visual.forward_pair(b, a, explain=True)
+    assert weights.shape == (2, 2, 20, 20) and torch.equal(tokens, clip.visual.forward_pair(b, a)[0])
+
+
+def test_pair_maps_and_pictures(tmp_path):
+    g, heads = 3, 2
+    T = 2 * (g * g + 1)
+    w = np.full((heads, T, T), 1e-3)
+    w[:, 0, g * g + 2 + 5] = w[:, g * g + 1, g * g + 2 + 5] = 1.0  # both [CLS] look at the after image's patch 5
+    w /= w.sum(-1, keepdims=True)
+    maps = plots.pair_maps(w, g)
+    assert maps["after"].shape == (g, g) and divmod(int(maps["after"].argmax()), g) == divmod(5, g) == (1, 2)
+    assert all(abs(m.sum() - 1) < 1e-9 for m in maps.values())  # a distribution over each image's patches
+    assert np.allclose(maps["before"], 1 / (g * g))  # uniform where they do not look
+    before, after = Image.new("RGB", (180, 120), (90, 90, 90)), Image.new("RGB", (180, 120), (200, 90, 90))
+    hot = np.asarray(plots.overlay(after, maps["after"]))
+    assert hot.shape == (120, 180, 3) and hot[60, 150].sum() > hot[10, 10].sum()  # bright where the map is
+    assert plots.explain(tmp_path / "e.png", before, after, "a cube moved", maps).size == (2 * 288 + 12, 2 * 192 +
+                                                                                            12 + 2 * 14 + 10 + 14)
+    plots.gallery(tmp_path / "g.png", [{"before": before, "after": after, "maps": maps, "lines": ["x"]}] * 2)
+    assert Image.open(tmp_path / "g.png").size == (4 * (192 + 4) + 440, 2 * 136)
+    history = [{"epoch": e, "loss": 3 / e, "val CIDEr-D": 10 * e} for e in range(1, 6)]
+    assert plots.curves(tmp_path / "c.png", history, "val CIDEr-D").size == (1280, 240)
+    assert Image.open(tmp_path / "c.png").getbbox() is not None
+
+
+def test_maps_on_the_change(synth_set):
+    """A map whose strongest patch holds the changed object counts; the chance figure is the share of patches it
+    covers."""
+    items = [it for it in data.load_items("clevr", synth_set, "train", "total") if not it.id.endswith("_n")]
+    g, maps = 6, []
+    for it in items:
+        region = synth.changed_region(synth_set, it.id)
+        side = "after" if region["before"] is None else "before"
+        x0, y0, x1, y1 = region[side]
+        m = {s: np.zeros((g, g)) for s in ("before", "after")}
+        m[side][int((y0 + y1) / 2 * g), int((x0 + x1) / 2 * g)] = 1.0
+        maps.append(m)
+    on, chance = caption.maps_on_change(maps, items, synth_set)
+    assert on == 100 and 0 < chance < 50
+    for m in maps:
+        for side in m:
+            m[side] = np.roll(m[side], (3, 3), axis=(0, 1))  # half a grid away
+    assert caption.maps_on_change(maps, items, synth_set)[0] < 50
+
+
 def test_training_rule_in_plain_sight():
     """adapt.py's paper rule, printed as a table: the authors' frozen input embeddings, CLIP at 1e-7, the new pair
     parameters at 1e-4; freeze() alone changes requires_grad (param_groups only groups)."""
@@ -1252,6 +1315,7 @@ def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch):
     base = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2"]
     adapt.main(base + ["--out", str(tmp_path / "a.pt")])
     full = torch.load(tmp_path / "a.last.pt", weights_only=False)
+    assert Image.open(tmp_path / "a.curves.png").size == (1280, 240)  # the training curves, after every epoch
 
     real_epoch = ctrl_c_in_second_epoch(monkeypatch, adapt)
     with pytest.raises(SystemExit) as stop:
@@ -1636,6 +1700,12 @@ def test_two_image_cli(trained, capsys, tmp_path):
     out = caption.main(["--ckpt", str(tmp / "captioner.pt"), "--results", str(tmp_path / "r.json"), "--beam", "2",
                         "--gallery", str(tmp_path / "g.png"), "--workers", "0"])
     assert out["scores"]["CIDEr-D"] > 0 and Image.open(tmp_path / "g.png").size[1] > 100
+    # --explain: the caption, the two images and their heat maps in one PNG (two rows of 192 px images)
+    caption.main(["--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
+                  "--after", str(REAL / "CLEVR_new_000000_del.png"), "--explain", str(tmp_path / "why.png")])
+    w, h = Image.open(tmp_path / "why.png").size
+    assert h > 2 * 192 and w > 2 * 192 and CHANGES[0][1] in capsys.readouterr().out
+    assert Image.open(tmp / "captioner.curves.png").size == (1280, 240)  # written after every epoch
     with pytest.raises(SystemExit, match="trained captioner"):
         caption.main(["--ckpt", str(tmp / "adapted.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
                       "--after", str(REAL / "CLEVR_new_000000_del.png")])
@@ -1665,6 +1735,7 @@ def test_synthetic_run_reads_its_captions_back(adapt_synth, tmp_path, capsys):
     results = run(tmp_path, epochs=1)
     preds = {p["id"]: p["caption"] for p in results["predictions"]}
     assert results["synthetic"] == synth.report(preds, synth.read_scenes(adapt_synth))
+    assert 0 <= results["attention"]["map on the change %"] <= 100 and 0 < results["attention"]["random patch %"] < 100
     assert results["synthetic"]["change pairs"] == results["synthetic"]["distractor pairs"] == len(preds) // 2
     assert "read back against the scenes" in capsys.readouterr().out
     assert json.loads((tmp_path / "captions.json").read_text())["synthetic"] == results["synthetic"]
