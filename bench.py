@@ -545,8 +545,8 @@ def loop_rate(loader, step, device, batches, warmup=1):
 
 def bench_e2e(args):
     """Pairs/s of the whole adaptation loop, data included, on a synthetic set at CLEVR-Change's 480x320: ours
-    (images decoded once over all cores into the disk cache, uint8 batches, normalized on the GPU, bf16 autocast) and the
-    authors' (PNG streamed through 4 workers, normalized there, pure fp16), with the model step of each; the
+    (images decoded once over all cores into the disk cache, uint8 batches, normalized on the GPU, bf16 autocast)
+    and the authors' (PNG streamed through 4 workers, normalized there, pure fp16), with the model step of each; the
     loaders alone; and the projected wall time of the paper's two stages on the real CLEVR-Change."""
     import data
     import synth
