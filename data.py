@@ -377,13 +377,8 @@ class _Pairs(torch.utils.data.Dataset):
     host-to-GPU copy. Each dataset says what one sample is in `parts(key)`: (its image paths, its other fields).
     A DataLoader asks for whole batches (`__getitems__`): from a cache, one sorted read per image column."""
 
-    def __init__(self, items, size=224, context_length=32, cache=None, captions=True):
+    def __init__(self, items, size=224, cache=None):
         self.items, self.size, self.cache = items, size, cache
-        if captions:  # all captions tokenized once; rows[i] = token rows of item i's non-empty captions
-            texts = [c for it in items for c in it.captions]
-            self.tokens = tokenize(texts, context_length, truncate=True)  # (all captions, context_length)
-            starts = np.cumsum([0] + [len(it.captions) for it in items])
-            self.rows = [[r for r in range(starts[i], starts[i + 1]) if texts[r].strip()] for i in range(len(items))]
 
     def image(self, path):
         if self.cache is not None:
@@ -425,8 +420,11 @@ class CaptionDataset(_Pairs):
     sample) by sample_rng; `set_epoch(loader, e)` sets the epoch."""
 
     def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None, seed=0):
-        super().__init__(items, size, context_length, cache)
-        self.samples = [(i, r) for i, rows in enumerate(self.rows) for r in rows]  # (item index, token row)
+        super().__init__(items, size, cache)
+        # every caption tokenized once (load_items has dropped the empty ones); a sample = (item index, token row)
+        self.tokens = tokenize([c for it in items for c in it.captions], context_length, truncate=True)
+        owners = [i for i, it in enumerate(items) for _ in it.captions]
+        self.samples = list(zip(owners, range(len(owners))))
         self.swap_prob, self.seed, self.epoch = swap_prob, seed, 0
 
     def __len__(self):
@@ -443,7 +441,7 @@ class ImageDataset(_Pairs):
     """Images only -> (before, after, item_index); references stay in items[i].captions."""
 
     def __init__(self, items, size=224, cache=None):
-        super().__init__(items, size, cache=cache, captions=False)
+        super().__init__(items, size, cache)
 
     def __len__(self):
         return len(self.items)

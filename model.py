@@ -173,7 +173,8 @@ class VisionTransformer(nn.Module):
             e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
             x = self.ln_mid(x + e + self.joint_positional_embedding)  # eq. (4), ln_mid as in the authors' code
             for block in blocks[n_intra:]:  # inter blocks: full attention over both images
-                weights = attention_weights(block.attn, block.ln_1(x)) if explain else None
+                if explain and block is blocks[-1]:  # the maps are the last block's
+                    weights = attention_weights(block.attn, block.ln_1(x))
                 x = block(x)
         tokens = self.ln_post(x) @ self.proj  # all 2(n+1) tokens go to the captioner: (B, 2(n+1), output_dim)
         v = (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2  # eq. (5): mean of the two [CLS] tokens

@@ -58,7 +58,7 @@ def _fit(image, height):
     return image.convert("RGB").resize((max(1, round(image.width * height / image.height)), height), Image.BICUBIC)
 
 
-def _text_block(lines, width, chars=70):
+def _text_block(lines, chars=70):
     return [w for line in lines for w in (textwrap.wrap(line, chars) or [""])]
 
 
@@ -68,7 +68,7 @@ def explain(path, before, after, caption, maps, height=192):
     heats = [overlay(im, maps[k]) for im, k in zip(ims, ("before", "after"))]
     w = ims[0].width + ims[1].width + 12
     lines = _text_block([f"caption: {caption}", "below: where the [CLS] tokens of the last inter block look "
-                         "(attention, mean over heads; bright = more)"], w, max(40, w // 7))
+                         "(attention, mean over heads; bright = more)"], max(40, w // 7))
     top = 14 * len(lines) + 10
     sheet = Image.new("RGB", (w, top + 2 * height + 12), "white")
     draw = ImageDraw.Draw(sheet)
@@ -95,8 +95,8 @@ def gallery(path, rows, height=128, text_w=440):
         for im in ims:
             row.paste(im, (x, 4))
             x += im.width + 4
-        ImageDraw.Draw(row).multiline_text((x + 6, 6), "\n".join(_text_block(r["lines"], text_w)), fill="black",
-                                           spacing=3)
+        text = "\n".join(_text_block(r["lines"], text_w // 7))
+        ImageDraw.Draw(row).multiline_text((x + 6, 6), text, fill="black", spacing=3)
         out.append(row)
     sheet = Image.new("RGB", (max(r.width for r in out), sum(r.height for r in out)), "white")
     y = 0

@@ -10,7 +10,9 @@ one object changes (colour, material, position, added, dropped) in the "semantic
 distractor shows the same scene from a moved camera under a moved light. Captions follow CLEVR-Change's style.
 The renderer knows every change, so `scenes.json` records the objects before and after, and `judge` parses a
 generated caption back with the same vocabulary and templates: did it say "no change", the right change type,
-the right object? (`caption.py` reports these on a synthetic set.) Nothing here imports the rest of clip4idc.
+the right object? (`caption.py` reports these on a synthetic set, and where the changed object is drawn,
+`changed_region`, to check the attention maps.) Nothing here imports the rest of clip4idc, except that the
+`sheet` command has `plots.py` draw the contact sheet.
 """
 import argparse
 import json

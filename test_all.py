@@ -591,7 +591,8 @@ def test_datasets(synth_set):
     before, after, tokens, i = ds[7]
     assert before.shape == after.shape == (3, 32, 32) and before.dtype == torch.uint8  # normalized on the device
     assert tokens.shape == (32,) and tokens[0] == 49406 and (i, 7) == (ds.samples[7][0], 7)
-    assert torch.equal(tokens, tokenize(items[i].captions[ds.samples[7][1] - ds.rows[i][0]], 32)[0])
+    first = [k for k, (owner, _) in enumerate(ds.samples) if owner == i][0]  # the item's first caption's sample
+    assert torch.equal(tokens, tokenize(items[i].captions[7 - first], 32)[0])
     assert torch.equal(clip_load.normalize(before), load_image(items[i].before, 32))  # what the model sees
     swapped = data.CaptionDataset(items, size=32, swap_prob=1.0)[7][0]
     assert torch.equal(clip_load.normalize(swapped), load_image(items[i].alt_before, 32))
@@ -663,14 +664,18 @@ def test_levir_cc_layout(tmp_path):
         data.load_items("levir", root, "train")
 
 
-def test_empty_captions_are_not_trained_on(synth_set):
-    it = data.load_items("clevr", synth_set, "val", "semantic")[0]
-    items = [it._replace(captions=["", "the red cube moved", " "]), it._replace(captions=[""])]
-    assert len(data.CaptionDataset(items, 16)) == 1 and data.CaptionDataset(items, 16)[0][3] == 0
-    assert len(data.ImageDataset(items, 16)) == 2
-    # from the loaders, empty strings are gone and a pair with none is left out, counted (Spot-the-Diff's case)
-    kept = data._nonempty_captions(items + [it], "spot", "train")
-    assert [k.captions for k in kept] == [["the red cube moved"], it.captions]
+def test_empty_captions_are_not_trained_on(synth_set, tmp_path, capsys):
+    # Spot-the-Diff's case through its loader: empty strings are gone and a pair with none is left out, counted
+    spot = tmp_path / "spot"
+    (spot / "annotations").mkdir(parents=True)
+    (spot / "annotations" / "train.json").write_text(json.dumps([
+        {"img_id": 1, "sentences": ["", "the red car moved", " "]}, {"img_id": 2, "sentences": [""]},
+        {"img_id": 3, "sentences": ["a man left"]}]))
+    placeholders([spot / "resized_images" / f"{i}{s}.png" for i in (1, 2, 3) for s in ("", "_2")])
+    items = data.load_items("spot", spot, "train")
+    assert [(it.id, it.captions) for it in items] == [("1", ["the red car moved"]), ("3", ["a man left"])]
+    assert "3 empty caption(s) ignored; 1 pair(s) with no caption left out" in capsys.readouterr().out
+    assert [s for s in data.CaptionDataset(items, 16).samples] == [(0, 0), (1, 1)]
 
 
 def test_cache_build_stops_on_a_truncated_image(synth_set, tmp_path):
@@ -1151,7 +1156,11 @@ def test_pair_maps_and_pictures(tmp_path):
     assert Image.open(tmp_path / "g.png").size == (4 * (192 + 4) + 440, 2 * 136)
     history = [{"epoch": e, "loss": 3 / e, "val CIDEr-D": 10 * e} for e in range(1, 6)]
     assert plots.curves(tmp_path / "c.png", history, "val CIDEr-D").size == (1280, 240)
-    assert Image.open(tmp_path / "c.png").getbbox() is not None
+    px = np.asarray(Image.open(tmp_path / "c.png").convert("RGB"))
+    line = (px == (31, 119, 180)).all(-1)  # the curves' colour, in both panels
+    assert line[:, :640].sum() > 100 and line[:, 640:].sum() > 100
+    best = np.argwhere((px == (214, 39, 40)).all(-1))  # the best point of each panel, marked in red
+    assert best[best[:, 1] < 640, 1].min() > 500 and best[best[:, 1] >= 640, 1].min() > 1100  # epoch 5 in both
 
 
 def test_maps_on_the_change(synth_set):
