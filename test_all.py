@@ -35,6 +35,7 @@ import metrics
 import model
 import model as M
 import plots
+import probe
 import synth
 import train_utils
 from clip_load import decode, load_clip, load_image, preprocess, tokenize
@@ -1390,6 +1391,53 @@ def test_two_processes_equal_one_on_the_global_batch(tmp_path):
     assert torch.allclose(got["loss"], loss, atol=1e-6)
     for k, p in model.named_parameters():
         assert torch.allclose(got["grads"][k], p.grad, atol=1e-6, rtol=1e-4), k
+
+
+# --- probe.py: what an encoder knows about the change (a diagnosis on synthetic sets)
+
+
+def test_probe_answers_are_the_changed_object(adapt_synth):
+    items = data.load_items("clevr", adapt_synth, "train", "semantic")
+    scenes = synth.read_scenes(adapt_synth)
+    y = probe.answers(items, scenes)
+    assert y.shape == (len(items), 5)
+    for it, row in zip(items, y.tolist()):
+        s = scenes[it.id]
+        said = {k: classes[i] for (k, classes), i in zip(probe.ANSWERS.items(), row)}
+        assert said["type"] == s["type"] == it.change_type
+        # the object before the change, except for "add" (it exists only after): the referring captions' object
+        o = s["after"][s["changed"]] if s["type"] == "add" else s["before"][s["changed"]]
+        assert all(said[k] == o[k] for k in ("color", "shape", "material", "size"))
+
+
+def test_linear_probe_reads_what_the_features_hold():
+    g = torch.Generator().manual_seed(0)
+    n = 300
+    y = torch.stack([torch.randint(len(c), (n,), generator=g) for c in probe.ANSWERS.values()], 1)
+    onehot = torch.cat([F.one_hot(y[:, j], len(c)).float() for j, c in enumerate(probe.ANSWERS.values())], 1)
+    spread = lambda h: h @ torch.randn(h.shape[1], 256, generator=g) + 0.5 * torch.randn(n, 256, generator=g)
+    x = spread(onehot)  # every answer, spread over many noisy features as in an encoder's tokens
+    train, test = probe.linear_probe(x[:200], y[:200], x[200:], y[200:])
+    assert min(test) > 0.95 and min(train) == 1.0
+    # features that hold only the colour: the colour is read, the rest stays near its most frequent class
+    colour = spread(F.one_hot(y[:, 1], 8).float())
+    _, test = probe.linear_probe(colour[:200], y[:200], colour[200:], y[200:])
+    assert test[1] > 0.95
+    for j in (0, 2, 3, 4):
+        assert test[j] < probe.majority(y[200:, j]) + 0.15
+
+
+def test_probe_commands_run_on_a_synthetic_set(adapt_synth, tmp_path, capsys):
+    hist = probe.main(["supervised", "--data-root", str(adapt_synth), "--epochs", "2", "--batch-size", "8"])
+    assert len(hist) == 2 and all(len(h) == 5 and all(0 <= a <= 1 for a in h) for h in hist)
+    assert "epoch 2/2" in capsys.readouterr().out
+    tiny_encoder(tmp_path / "adapted.pt", adapt_synth)
+    test = probe.main(["linear", "--ckpt", str(tmp_path / "adapted.pt"), "--data-root", str(adapt_synth)])
+    assert len(test) == 5 and "test:  type" in capsys.readouterr().out
+    real = tmp_path / "real"  # no scenes.json: a clear error, not a KeyError
+    shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("scenes.json"))
+    with pytest.raises(SystemExit, match="scenes.json"):
+        probe.main(["supervised", "--data-root", str(real), "--epochs", "1"])
 
 
 # -------------------------------------------------------------------------------------------------------------
