@@ -56,13 +56,15 @@ def majority(y):
 
 
 def report(title, acc, y):
-    print(title + "  ".join(f"{k} {a:.0%} (chance {majority(y[:, j]):.0%})" for j, (k, a) in enumerate(zip(ANSWERS, acc))))
+    print(title + "  ".join(f"{k} {a:.0%} (chance {majority(y[:, j]):.0%})"
+                            for j, (k, a) in enumerate(zip(ANSWERS, acc))))
 
 
 @torch.no_grad()
-def tokens(clip, before, after, batch=128):
-    return torch.cat([clip.encode_pair(before[i:i + batch], after[i:i + batch])[0].flatten(1)
-                      for i in range(0, len(before), batch)])
+def encode(clip, before, after, batch=128):
+    """encode_pair over all pairs in batches -> tokens (N, 2(n+1), D) and pair vectors v (N, D)."""
+    parts = [clip.encode_pair(before[i:i + batch], after[i:i + batch]) for i in range(0, len(before), batch)]
+    return torch.cat([t for t, _ in parts]), torch.cat([v for _, v in parts])
 
 
 def linear_probe(x, y, x_test, y_test, steps=300, lr=1e-3, weight_decay=1e-3):
@@ -84,7 +86,7 @@ def linear_probe(x, y, x_test, y_test, steps=300, lr=1e-3, weight_decay=1e-3):
 
 
 def supervised(train, test, args):
-    """Train adapt.py's small encoder from scratch on the answers; test accuracies after each epoch."""
+    """Train adapt.py's small encoder from scratch on the answers -> per epoch (mean train loss, test accuracies)."""
     small = argparse.Namespace(**{**adapt.PRESETS["small"], "n_inter": args.n_inter})
     clip = adapt.new_model(small)
     heads = torch.nn.ModuleList(torch.nn.Linear(small.embed_dim, len(c)) for c in ANSWERS.values())
@@ -97,7 +99,7 @@ def supervised(train, test, args):
     history, t0 = [], time.time()
     for epoch in range(args.epochs):
         clip.train()
-        order = torch.randperm(len(y))
+        order, total = torch.randperm(len(y)), 0.0
         for s in range(per_epoch):
             i = order[s * args.batch_size:(s + 1) * args.batch_size]
             v = clip.encode_pair(b[i], a[i])[1]  # the pair vector, eq. (5)
@@ -107,13 +109,14 @@ def supervised(train, test, args):
             torch.nn.utils.clip_grad_norm_(params, small.grad_clip)
             opt.step()
             sched.step()
+            total += loss.item()
         clip.eval()
+        v = encode(clip, bt, at)[1]
         with torch.no_grad():
-            v = torch.cat([clip.encode_pair(bt[k:k + 128], at[k:k + 128])[1] for k in range(0, len(yt), 128)])
             acc = [(h(v).argmax(1) == yt[:, j]).float().mean().item() for j, h in enumerate(heads)]
-        history.append(acc)
-        report(f"epoch {epoch + 1}/{args.epochs} | train loss {loss.item():.3f} | {time.time() - t0:.0f}s | test: ",
-               acc, yt)
+        history.append((total / per_epoch, acc))
+        report(f"epoch {epoch + 1}/{args.epochs} | train loss {total / per_epoch:.3f} | {time.time() - t0:.0f}s"
+               " | test: ", acc, yt)
     return history
 
 
@@ -137,7 +140,7 @@ def main(argv=None):
         clip = clip_load.load_clip(args.ckpt)
         size = clip.cfg.image_resolution
         (b, a, y), (bt, at, yt) = split(args.data_root, "train", size), split(args.data_root, "test", size)
-        train, test = linear_probe(tokens(clip, b, a), y, tokens(clip, bt, at), yt)
+        train, test = linear_probe(encode(clip, b, a)[0].flatten(1), y, encode(clip, bt, at)[0].flatten(1), yt)
         report("train: ", train, y)
         report("test:  ", test, yt)
         return test
