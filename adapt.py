@@ -11,7 +11,10 @@ test is evaluated once, at the end, with the chosen weights.
 
 Presets (printed in a banner, every value overridable by its flag):
 - paper: OpenAI's ViT-B/32 found (~/.cache/clip/ViT-B-32.pt or --clip PATH) -> the authors' settings.
-- small: no CLIP weights -> a small CLIP-shaped model trained from scratch, minutes on a CPU.
+- scratch: no CLIP weights found -> a small CLIP-shaped model trained from nothing, minutes on a CPU.
+- mini (`--preset mini`, or `--clip mini-synth`): the small CLIP that pretrain.py pretrained on synthetic scenes
+  (shipped in assets/), adapted with the authors' policy scaled down. Not the default yet: its captioner does worse
+  than the from-scratch one's (RESULTS.md "CLIP in miniature").
 """
 import argparse
 import math
@@ -26,25 +29,32 @@ import clip_load
 import data
 import model as M
 import plots
-from train_utils import (Progress, freeze, gather, interrupted, last_path, load_resume, log, make_optimizer,
-                         param_groups, policy_table, rng_state, save_atomic, seed_ranks, set_rng_state, setup,
-                         train_epoch, warmup_cosine, where)
+from train_utils import (Progress, freeze, gather, interrupted, last_path, log, make_optimizer, param_groups,
+                         policy_table, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, warmup_cosine,
+                         where)
 
 # -----------------------------------------------------------------------------
-# presets: the authors' settings, and a small from-scratch model that learns on a CPU in minutes
+# presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
 
 PRESETS = {
     "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, context_length=32, batch_size=128, epochs=12,
                   lr_new=1e-4, lr_clip=1e-7, weight_decay=0.2, warmup=0.1, grad_clip=1.0, workers=8,
                   eval_batch_size=256),
-    # small: ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6 patch grid (ViT-B/32: 7x7;
+    # mini: the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px, a 6x6 patch grid), 4 intra + 2 inter
+    # blocks (the paper's last quarter of 12 is 3; of 6, 2); the authors' policy scaled down: CLIP's input
+    # embeddings frozen, the new pair parameters at a high rate, CLIP's weights at a low one. One epoch: 2 min on
+    # a CPU. CLIP at 3e-4, or 3 epochs, did no better on val (RESULTS.md "CLIP in miniature")
+    "mini": dict(clip="mini-synth", n_inter=2, image_size=96, context_length=32, batch_size=32, epochs=1,
+                 lr_new=1e-3, lr_clip=1e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
+                 eval_batch_size=256),
+    # scratch: ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6 patch grid (ViT-B/32: 7x7;
     # an 8x8 grid costs 1.8x per step); from scratch, so no frozen parts and one lr (1e-3 collapses all pairs
     # onto one vector; 3e-4 learns), batch 32 for more steps in the CPU budget. 2 epochs with a 2-layer, 64-wide
     # text tower lost 10 val CIDEr-D downstream (85.6 vs 95.5): RESULTS.md "Quickstart trade-offs"
-    "small": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=3,
-                  lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
-                  eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
-                  text_layers=3, embed_dim=128),
+    "scratch": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=3,
+                    lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
+                    eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
+                    text_layers=3, embed_dim=128),
 }
 NEW_PARAMS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding", "visual.ln_mid.")
 # the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
@@ -70,14 +80,18 @@ def get_args(argv=None):
                    help="decode every image once into a uint8 file (--cache-dir), reused by later runs, and train "
                         "from it; default: when the disk has room for it")
     # model
-    p.add_argument("--preset", default="auto", choices=["auto", "paper", "small"],
-                   help="auto: paper when CLIP weights are found, else small")
-    p.add_argument("--clip", default=None, help="CLIP weights: a path, or ViT-B/32 (downloaded) (preset)")
+    p.add_argument("--preset", default="auto", choices=["auto", "paper", "mini", "scratch"],
+                   help="auto: paper when OpenAI's weights are found (or --clip names a file), mini for --clip "
+                        "mini-synth, else scratch (a small model from nothing); mini: the shipped pretrained small "
+                        "CLIP")
+    p.add_argument("--clip", default=None, help="CLIP weights: a path, ViT-B/32 (downloaded) or mini-synth "
+                                                "(shipped) (preset)")
     p.add_argument("--n-inter", type=int, default=None, help="inter blocks; N_intra = layers - n_inter (preset)")
-    p.add_argument("--image-size", type=int, default=None, help="input size, small preset (paper: 224)")
+    p.add_argument("--image-size", type=int, default=None, help="input size, scratch preset (a CLIP file sets its "
+                                                                "own)")
     p.add_argument("--context-length", type=int, default=None, help="caption tokens incl. start/end (preset)")
     for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
-        p.add_argument(f"--{name}", type=int, default=None, help=f"small preset model size: {name}")
+        p.add_argument(f"--{name}", type=int, default=None, help=f"scratch preset model size: {name}")
     # optimization
     p.add_argument("--epochs", type=int, default=None, help="training epochs (preset)")
     p.add_argument("--batch-size", type=int, default=None, help="global batch: pairs per step over all processes")
@@ -97,8 +111,9 @@ def get_args(argv=None):
     p.add_argument("--eval-batch-size", type=int, default=None, help="pairs per batch when encoding for eval")
     p.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
     args = p.parse_args(argv)
-    found = args.clip is not None or (clip_load.CACHE / "ViT-B-32.pt").is_file()
-    args.preset = ("paper" if found else "small") if args.preset == "auto" else args.preset
+    if args.preset == "auto":
+        found = args.clip not in (None, "mini-synth") or (clip_load.CACHE / "ViT-B-32.pt").is_file()
+        args.preset = "paper" if found else "mini" if args.clip == "mini-synth" else "scratch"
     for k, v in PRESETS[args.preset].items():  # a flag given on the command line wins over the preset
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -251,9 +266,14 @@ def main(argv=None):
     if args.data != "clevr":
         args.swap_prob = 0.0  # only CLEVR-Change has distractor images to swap in
     log(ctx, f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
-    if args.preset == "small":
-        log(ctx, "   no CLIP weights given or found: training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo). "
-                 "For the paper's results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip (README 'Weights').")
+    if args.preset == "mini":
+        log(ctx, "   adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that ships in assets/ (pretrain.py; a CPU "
+                 "demo of the method). For the paper's results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass "
+                 "--clip (README 'Weights').")
+    if args.preset == "scratch":
+        log(ctx, "   no CLIP weights given or found: training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo; "
+                 "--preset mini adapts the small CLIP pretrained on synthetic scenes instead). For the paper's "
+                 "results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip (README 'Weights').")
     log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
 
     # the model first: a CLIP file decides the input size (the preset's 224 is ViT-B/32's)
@@ -292,11 +312,7 @@ def main(argv=None):
 
     start, step, best, history = 0, 0, -1.0, []
     if args.resume:
-        state = load_resume(args.out)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
+        state = restore(args.out, model, optimizer, scheduler)
         start, step, best, history = state["epoch"], state["step"], state["best"], state["history"]
         log(ctx, f"   resumed from {last_path(args.out)} after epoch {start} (best val R@mean {best:.2f})")
     net = PairText(model)

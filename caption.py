@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import metrics
 import plots
 import synth
-from clip_load import MODELS, load_clip, load_image, normalize, open_image, resolve, to_rgb
+from clip_load import MODELS, SHIPPED, load_clip, load_image, normalize, open_image, resolve, to_rgb
 from data import (BadImage, EpochSampler, ImageDataset, exit_message, load_items, make_loader, open_cache,
                   resolve_root, sample_rng, set_epoch)
 from model import PAIR_KEYS, Captioner, CaptionerConfig
@@ -36,10 +36,10 @@ from train_utils import (Progress, fmt_time, freeze, interrupted, last_path, loa
                          train_epoch, unwrap, warmup_cosine, where)
 
 PRESETS = {
-    # CPU, adapt.py's small encoder, frozen (its tokens computed once per pair): a decoder that reads the 2(n+1)
-    # memory tokens directly (a captioner encoder layer over them cost 3x per step; the pair encoder's inter
-    # blocks already mix the two images). Fine-tuning the small encoder at 3e-4 collapsed to "no change" on every
-    # pair (val CIDEr-D 62.9). RESULTS.md "Quickstart trade-offs"
+    # CPU, adapt.py's small encoders (mini, scratch), frozen (its tokens computed once per pair): a decoder that
+    # reads the 2(n+1) memory tokens directly (a captioner encoder layer over them cost 3x per step; the pair
+    # encoder's inter blocks already mix the two images). Fine-tuning the from-scratch encoder at 3e-4 collapsed
+    # to "no change" on every pair (val CIDEr-D 62.9). RESULTS.md "Quickstart trade-offs"
     "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                   freeze_encoder=True, epochs=20),
     # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
@@ -361,8 +361,9 @@ def parse_args(argv=None):
 
 
 def apply_preset(args, extra):
-    """auto: small for adapt.py's small from-scratch encoder, paper for a ViT-B/32 (OpenAI's, adapted or raw)."""
-    small = extra.get("config", {}).get("vision_width", 768) < 768
+    """auto: small for adapt.py's small encoders (the shipped mini CLIP, adapted or raw, and the from-scratch one),
+    paper for a ViT-B/32 (OpenAI's, adapted or raw)."""
+    small = args.ckpt in SHIPPED or extra.get("config", {}).get("vision_width", 768) < 768  # raw mini: no config
     name = args.preset if args.preset != "auto" else ("small" if small else "paper")
     for k, v in PRESETS[name].items():
         if getattr(args, k) is None:
@@ -629,9 +630,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.before:
         return caption_images(args)
-    if not os.path.exists(args.ckpt) and args.ckpt not in MODELS:
+    if not os.path.exists(args.ckpt) and args.ckpt not in MODELS and args.ckpt not in SHIPPED:
         raise SystemExit(f"--ckpt {args.ckpt}: no such file. Run `python adapt.py` first (it writes adapted.pt), "
-                         f"or pass a CLIP file / 'ViT-B/32' for the no-adaptation ablation")
+                         f"or pass a CLIP file / 'ViT-B/32' / 'mini-synth' for the no-adaptation ablation")
     extra = read_extra(args.ckpt)
     if extra.get("stage") == "caption":
         return evaluate_captioner(args, extra)

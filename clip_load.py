@@ -37,6 +37,10 @@ MODELS = {  # the sha256 is the URL's path component, as OpenAI publishes it
                 "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
 }
 CACHE = Path(os.environ.get("CLIP_CACHE", Path.home() / ".cache" / "clip"))
+# weights that ship with clip4idc: the small CLIP that pretrain.py pretrained on synthetic scenes (README gives the
+# command that made it). Loaded by name through the same code as OpenAI's file, and checked the same way
+ASSETS = Path(__file__).resolve().parent / "assets"
+SHIPPED = {"mini-synth": ("clip_mini_synth.pt", "8e720eb27c6fed66c9eca61e32aae56236b683283d84bd787ad185b7cf271f79")}
 NON_PARAMETERS = ("input_resolution", "context_length", "vocab_size")  # scalars in OpenAI's state dict
 
 
@@ -49,12 +53,24 @@ def sha256(path, chunk=1 << 20):
 
 
 def resolve(name_or_path):
-    """A released model name -> its cached file (downloaded if absent); anything else is a path."""
+    """A released model name -> its cached file (downloaded if absent); a shipped one's name -> its file in
+    assets/ (SHA256 checked); anything else is a path."""
+    if name_or_path in SHIPPED:
+        file, expected = SHIPPED[name_or_path]
+        path = ASSETS / file
+        if not path.is_file():
+            raise SystemExit(f"{path} is missing: restore it with `git checkout -- {Path('assets') / file}`, or make "
+                             f"it again with pretrain.py (README 'The pretrained mini CLIP')")
+        if (got := sha256(path)) != expected:
+            raise SystemExit(f"{path} has SHA256 {got}, expected {expected}: the file is corrupt or was changed. "
+                             f"Restore it with `git checkout -- {Path('assets') / file}` (or, after pretraining "
+                             f"anew, put the new SHA256 in clip_load.SHIPPED)")
+        return path
     if name_or_path not in MODELS:
         path = Path(name_or_path).expanduser()
         if not path.is_file():
-            raise SystemExit(f"CLIP weights: no file at {path}. Give a path to a checkpoint or one of "
-                             f"{list(MODELS)} (downloaded to {CACHE}); see README 'Weights'.")
+            raise SystemExit(f"CLIP weights: no file at {path}. Give a path to a checkpoint, one of {list(MODELS)} "
+                             f"(downloaded to {CACHE}) or the shipped {list(SHIPPED)}; see README 'Weights'.")
         return path
     url = MODELS[name_or_path]
     expected = url.split("/")[-2]

@@ -56,14 +56,19 @@ def resolve_root(name, root=None, synth_pairs=3000, synth_size=synth.IMAGE_SIZE,
         raise SystemExit(f"unknown dataset {name!r}: expected one of {list(ROOTS)}")
     if root is not None or name != "clevr" or Path(ROOTS[name]).exists():
         return Path(root or ROOTS[name])
-    out = Path(synth.SYNTH_ROOT)
-    want = {"pairs": synth_pairs, "size": list(synth_size), "seed": seed, "version": synth.VERSION}
-    print(f"*** no CLEVR-Change at {ROOTS[name]}: using the SYNTHETIC CLEVR-Change-style set at {out} "
+    print(f"*** no CLEVR-Change at {ROOTS[name]}: using the SYNTHETIC CLEVR-Change-style set at {synth.SYNTH_ROOT} "
           f"({synth_pairs} pairs; numbers are not comparable to the paper). For the real dataset, put it at "
           f"{ROOTS[name]} or pass --data-root: README 'Data'. ***")
+    return resolve_synth(synth.SYNTH_ROOT, synth_pairs, seed, synth_size, workers)
+
+
+def resolve_synth(out, pairs, seed, size=synth.IMAGE_SIZE, workers=None):
+    """A synthetic set at `out`, rendered unless its synth.json says it was made with these arguments."""
+    out = Path(out)
+    want = {"pairs": pairs, "size": list(size), "seed": seed, "version": synth.VERSION}
     meta = out / "synth.json"
     if not meta.is_file() or json.loads(meta.read_text()) != want:
-        synth.make_synth(out, synth_pairs, seed, synth_size, workers)
+        synth.make_synth(out, pairs, seed, size, workers)
     return out
 
 

@@ -2,15 +2,19 @@
 
     python probe.py linear --ckpt adapted.pt      # linear probes on the frozen encoder's output tokens
     python probe.py supervised --epochs 8         # a bound: the small encoder trained on the answers themselves
+    python probe.py supervised --fusion early     # reference: both images stacked as 6 channels (not CLIP4IDC)
 
 The renderer records every scene (synth.read_scenes), so each change pair has five answers: the change type and
 the changed object's colour, shape, material and size (the object as the reference captions name it: the added
 one for "add", else the one before the change). A caption can only name the right object if the encoder's tokens
 hold these. `linear` fits one linear classifier per answer on the frozen tokens of the training change pairs and
 scores it on the test change pairs. `supervised` asks how much of it the small encoder can learn at all in a
-CPU budget: the same from-scratch model as adapt.py's small preset, its pair vector v (eq. 5) fed to five linear
+CPU budget: the same from-scratch model as adapt.py's scratch preset, its pair vector v (eq. 5) fed to five linear
 heads, trained on the answers directly (cross-entropy, the CLIP4IDC losses replaced by the labels they stand for).
-Both print test accuracy next to the most frequent class's. Diagnoses only: no stage uses them.
+`--fusion early` is the reference of what the data allows: the same ViT with both images stacked as 6 input
+channels before the patch embedding, so every patch sees before and after at once (not CLIP4IDC, which encodes
+each image alone first). Both print test accuracy next to the most frequent class's. Diagnoses only: no stage
+uses them.
 """
 import argparse
 import time
@@ -85,10 +89,18 @@ def linear_probe(x, y, x_test, y_test, steps=300, lr=1e-3, weight_decay=1e-3):
     return train, test
 
 
+def pair_vector(clip, before, after, early):
+    """CLIP4IDC's pair vector v (eq. 5), or with early fusion the [CLS] feature of the 6-channel stack."""
+    return clip.visual(torch.cat([before, after], dim=1)) if early else clip.encode_pair(before, after)[1]
+
+
 def supervised(train, test, args):
     """Train adapt.py's small encoder from scratch on the answers -> per epoch (mean train loss, test accuracies)."""
-    small = argparse.Namespace(**{**adapt.PRESETS["small"], "n_inter": args.n_inter})
+    early = args.fusion == "early"
+    small = argparse.Namespace(**{**adapt.PRESETS["scratch"], "n_inter": 0 if early else args.n_inter})
     clip = adapt.new_model(small)
+    if early:  # the patch embedding takes both images' channels
+        clip.visual.conv1 = torch.nn.Conv2d(6, small.vision_width, small.patch_size, small.patch_size, bias=False)
     heads = torch.nn.ModuleList(torch.nn.Linear(small.embed_dim, len(c)) for c in ANSWERS.values())
     named = [(f"visual.{n}", p) for n, p in clip.visual.named_parameters()] + list(heads.named_parameters())
     params = [p for _, p in named]
@@ -102,7 +114,7 @@ def supervised(train, test, args):
         order, total = torch.randperm(len(y)), 0.0
         for s in range(per_epoch):
             i = order[s * args.batch_size:(s + 1) * args.batch_size]
-            v = clip.encode_pair(b[i], a[i])[1]  # the pair vector, eq. (5)
+            v = pair_vector(clip, b[i], a[i], early)
             loss = sum(F.cross_entropy(h(v), y[i, j]) for j, h in enumerate(heads))
             opt.zero_grad()
             loss.backward()
@@ -111,8 +123,8 @@ def supervised(train, test, args):
             sched.step()
             total += loss.item()
         clip.eval()
-        v = encode(clip, bt, at)[1]
         with torch.no_grad():
+            v = torch.cat([pair_vector(clip, bt[i:i + 128], at[i:i + 128], early) for i in range(0, len(bt), 128)])
             acc = [(h(v).argmax(1) == yt[:, j]).float().mean().item() for j, h in enumerate(heads)]
         history.append((total / per_epoch, acc))
         report(f"epoch {epoch + 1}/{args.epochs} | train loss {total / per_epoch:.3f} | {time.time() - t0:.0f}s"
@@ -131,6 +143,8 @@ def main(argv=None):
     sup.add_argument("--batch-size", type=int, default=32, help="pairs per step")
     sup.add_argument("--lr", type=float, default=3e-4, help="peak lr (warmup, then cosine, as adapt.py)")
     sup.add_argument("--n-inter", type=int, default=3, help="inter blocks of the 12")
+    sup.add_argument("--fusion", default="late", choices=["late", "early"],
+                     help="late: CLIP4IDC's pair encoder; early: both images stacked as 6 channels (a reference)")
     for c in (lin, sup):
         c.add_argument("--seed", type=int, default=0, help="random seed")
         c.add_argument("--data-root", default=synth.SYNTH_ROOT, help="a set made by synth.py")
@@ -144,7 +158,7 @@ def main(argv=None):
         report("train: ", train, y)
         report("test:  ", test, yt)
         return test
-    size = adapt.PRESETS["small"]["image_size"]
+    size = adapt.PRESETS["scratch"]["image_size"]
     return supervised(split(args.data_root, "train", size), split(args.data_root, "test", size), args)
 
 

@@ -349,6 +349,67 @@ def captions(rng, kind, before, after, k, n=6):
 
 
 # -----------------------------------------------------------------------------
+# scene descriptions for CLIP pretraining in miniature (pretrain.py): every visible object, and hard negatives
+
+FRAMES = ["{objs}", "there is {objs}", "a scene with {objs}", "the scene shows {objs}", "{objs} on the floor",
+          "we see {objs}", "{n} objects: {objs}"]
+NUMBERS = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven"}
+
+
+def description(objs, seed):
+    """Every object of a scene with its size, colour, material and shape, in an order and wording drawn from
+    `seed`: "there is a large red metal cube, a small gray rubber sphere and ...". Every random draw is one
+    `random()` call, a fixed number per object, so the same seed on a scene that differs in one attribute (a hard
+    negative) gives the same sentence but for that word."""
+    r = random.Random(seed)
+    frame, order = FRAMES[int(r.random() * len(FRAMES))], sorted(range(len(objs)), key=lambda _: r.random())
+    pick = lambda word: SAY.get(word, (word,))[int(r.random() * len(SAY.get(word, (word,))))]
+    phrases = []
+    for k in order:
+        words = [pick(objs[k][a]) for a in ATTRS]
+        article = "an" if words[0][0] in "aeiou" else "a"
+        phrases.append(f"{article} {' '.join(words)}")
+    objs_text = ", ".join(phrases[:-1]) + " and " + phrases[-1] if len(phrases) > 1 else phrases[0]
+    return frame.format(objs=objs_text, n=NUMBERS.get(len(objs), len(objs)))
+
+
+VALUES = {"size": tuple(SIZES), "color": tuple(COLORS), "material": MATERIALS, "shape": SHAPES}
+
+
+def hard_negative(rng, objs):
+    """The scene with one attribute of one object changed ("the red cube" -> "the blue cube"), or with one
+    attribute swapped between two objects that differ in it (binding: which object is red?), as NegCLIP's hard
+    negatives. Never the same set of objects as the scene itself."""
+    key = lambda os: sorted(tuple(o[a] for a in ATTRS) for o in os)
+    while True:
+        out, a = [dict(o) for o in objs], rng.choice(ATTRS)
+        i = rng.randrange(len(out))
+        others = [j for j in range(len(out)) if out[j][a] != out[i][a]]
+        if others and rng.random() < 0.5:  # swap between two objects
+            j = rng.choice(others)
+            out[i][a], out[j][a] = out[j][a], out[i][a]
+        else:
+            out[i][a] = rng.choice([v for v in VALUES[a] if v != out[i][a]])
+        if key(out) != key(objs):
+            return out
+
+
+def views(i, seed, far_change=False, change_jitter=0.3):
+    """Scene i of a set `make` wrote: each image's objects as a viewer sees them, {image name: [(object, (u, v))]}
+    with (u, v) the object's centre as fractions of the image's width and height, or None for an image in which
+    an object is cut by the frame or hidden (its description would name what cannot be seen)."""
+    out = {}
+    for name, (objs, jc, _) in _scene(i, seed, far_change, change_jitter)[5].items():
+        cam = camera(jc)
+        seen = visibility(objs, cam)
+        if min(seen.values()) < 0.4 or not all(_in_frame(o, cam) for o in objs):
+            out[name] = None
+            continue
+        out[name] = [(o, tuple(float(t) for t in project(cam, geometry(o)[0], 1.0, 1.0)[:2])) for o in objs]
+    return out
+
+
+# -----------------------------------------------------------------------------
 # the set on disk
 
 

@@ -35,6 +35,7 @@ import metrics
 import model
 import model as M
 import plots
+import pretrain
 import probe
 import synth
 import train_utils
@@ -1202,7 +1203,7 @@ def test_training_rule_in_plain_sight():
     assert sum(int(r[-1].replace(",", "")) for r in rows.values()) == sum(p.numel() for p in m.parameters())
 
 
-TINY_ADAPT = ["--preset", "small", "--image-size", "32", "--patch-size", "16", "--vision-width", "32",
+TINY_ADAPT = ["--preset", "scratch", "--image-size", "32", "--patch-size", "16", "--vision-width", "32",
               "--vision-layers", "2", "--n-inter", "1", "--text-width", "32", "--text-layers", "1",
               "--embed-dim", "16", "--batch-size", "8", "--eval-batch-size", "16", "--log-every", "1"]
 
@@ -1433,6 +1434,9 @@ def test_probe_commands_run_on_a_synthetic_set(adapt_synth, tmp_path, capsys):
     assert len(hist) == 20 and all(len(acc) == 5 and all(0 <= a <= 1 for a in acc) for _, acc in hist)
     assert hist[-1][0] < 0.7 * hist[0][0]  # it trains: 21 pairs' answers are learnt by heart
     assert "epoch 20/20" in capsys.readouterr().out
+    early = probe.main(["supervised", "--fusion", "early", "--data-root", str(adapt_synth), "--epochs", "20",
+                        "--batch-size", "4", "--lr", "1e-3"])  # the 6-channel reference trains too
+    assert early[-1][0] < 0.7 * early[0][0]
     tiny_encoder(tmp_path / "adapted.pt", adapt_synth)
     test = probe.main(["linear", "--ckpt", str(tmp_path / "adapted.pt"), "--data-root", str(adapt_synth)])
     assert len(test) == 5 and "test:  type" in capsys.readouterr().out
@@ -1440,6 +1444,97 @@ def test_probe_commands_run_on_a_synthetic_set(adapt_synth, tmp_path, capsys):
     shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("scenes.json"))
     with pytest.raises(SystemExit, match="scenes.json"):
         probe.main(["supervised", "--data-root", str(real), "--epochs", "1"])
+
+
+# -------------------------------------------------------------------------------------------------------------
+# pretrain.py: CLIP in miniature (descriptions, hard negatives, the run) and the small CLIP shipped in assets/
+
+
+def object_words(text):
+    """The objects a description names, as sorted attribute tuples (read back with synth's own parser)."""
+    found = re.findall(r"\ban? ((?:\w+ ){3}\w+)(?=,| and|$| on)", text)
+    return sorted(tuple(synth._attributes(p)[a] for a in synth.ATTRS) for p in found)
+
+
+def test_descriptions_name_every_object_and_negatives_differ_in_one_attribute():
+    rng, kinds = random.Random(0), set()
+    for i in range(12):
+        for objs in synth.views(i, 3).values():
+            if objs is None:
+                continue
+            objs = [o for o, _ in objs]
+            seed = rng.randrange(1000)
+            text = synth.description(objs, seed)
+            assert object_words(text) == sorted(tuple(o[a] for a in synth.ATTRS) for o in objs), text
+            neg = synth.hard_negative(rng, objs)
+            changed = [(k, a) for k, (o, n) in enumerate(zip(objs, neg)) for a in synth.ATTRS if o[a] != n[a]]
+            assert len(changed) in (1, 2) and len({a for _, a in changed}) == 1  # one attribute: changed or swapped
+            if len(changed) == 2:  # a swap keeps the scene's values, bound to other objects
+                (i1, a), (i2, _) = changed
+                assert (neg[i1][a], neg[i2][a]) == (objs[i2][a], objs[i1][a])
+            kinds.add(len(changed))
+            assert object_words(synth.description(neg, seed)) != object_words(text)
+            words, neg_words = text.split(), synth.description(neg, seed).split()  # worded alike but that
+            assert len(words) == len(neg_words) and 1 <= sum(a != b for a, b in zip(words, neg_words)) <= 2
+    assert kinds == {1, 2}
+
+
+TINY_PRETRAIN = ["--scenes", "30", "--image-size", "32", "--patch-size", "16", "--vision-width", "64",
+                 "--vision-layers", "2", "--text-width", "64", "--text-layers", "1", "--embed-dim", "32",
+                 "--batch-size", "16", "--samples", "960", "--eval-every", "20", "--eval-images", "20", "--lr", "2e-3",
+                 "--workers", "1", "--log-every", "5"]
+
+
+def test_pretrain_lowers_its_loss_and_resumes_exactly(tmp_path, capsys):
+    args = TINY_PRETRAIN + ["--root", str(tmp_path / "scenes")]
+    full = pretrain.main(args + ["--out", str(tmp_path / "full.pt"), "--eval-every", "30"])
+    assert len(full) == 2 and full[-1]["loss"] < 0.9 * full[0]["loss"], [h["loss"] for h in full]
+    assert 0 <= full[-1]["hard-negative R@1"] <= 100 and all(f"probe {a}" in full[-1] for a in synth.ATTRS)
+    # stopped by --time-limit after its first evaluation (step 20, inside the run above's first 30 steps), then
+    # resumed: the same weights as the run that never stopped
+    part = pretrain.main(args + ["--out", str(tmp_path / "cut.pt"), "--time-limit", "0"])
+    assert len(part) == 1 and "continue with --resume" in capsys.readouterr().out
+    pretrain.main(args + ["--out", str(tmp_path / "cut.pt"), "--resume"])
+    a, b = (torch.load(tmp_path / f, weights_only=False)["model"] for f in ("full.pt", "cut.pt"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the shipped form: fp16, OpenAI's keys and no pair parameters, read by the loader of OpenAI's file
+    pretrain.main(args + ["--out", str(tmp_path / "full.pt"), "--export", str(tmp_path / "ship.pt")])
+    sd, _ = clip_load.read_state_dict(tmp_path / "ship.pt")
+    assert all(v.dtype == torch.float16 for v in sd.values()) and not any(k in sd for k in M.PAIR_KEYS)
+    loaded = clip_load.load_clip(tmp_path / "ship.pt", n_inter=1)
+    assert_close(loaded.state_dict()["visual.proj"], a["visual.proj"].half().float(), atol=0)
+
+
+def test_shipped_mini_clip_sees_objects(tmp_path):
+    path = clip_load.resolve("mini-synth")  # its SHA256 checked
+    assert path.stat().st_size <= 10 * 2 ** 20
+    clip = clip_load.load_clip("mini-synth")
+    assert clip.cfg.vision_width == 128 and clip.visual.conv1.weight.dtype == torch.float32
+    # scenes it never saw (another seed than its own): each image against every scene's description (chance 1/n)
+    synth.make_synth(tmp_path, 24, seed=99, workers=1)
+    images, texts = [], []
+    for i in range(24):
+        if (objs := synth.views(i, 99)["images/CLEVR_default"]) is not None:
+            images.append(load_image(tmp_path / f"images/CLEVR_default_{i:06d}.png", clip.cfg.image_resolution))
+            texts.append(synth.description([o for o, _ in objs], i))
+    with torch.no_grad():
+        img = F.normalize(clip.encode_image(torch.stack(images)), dim=-1)
+        txt = F.normalize(clip.encode_text(tokenize(texts, clip.cfg.context_length)), dim=-1)
+    right = ((img @ txt.t()).argmax(1) == torch.arange(len(texts))).float().mean().item()
+    assert len(texts) >= 16 and right >= 0.5, f"image -> description R@1 {right:.0%} among {len(texts)}"
+
+
+def test_a_corrupt_or_missing_shipped_file_is_a_clear_error(tmp_path, monkeypatch):
+    file, _ = clip_load.SHIPPED["mini-synth"]
+    damaged = bytearray((clip_load.ASSETS / file).read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (tmp_path / file).write_bytes(damaged)
+    monkeypatch.setattr(clip_load, "ASSETS", tmp_path)
+    with pytest.raises(SystemExit, match=f"{re.escape(str(tmp_path / file))} has SHA256 .*git checkout"):
+        clip_load.load_clip("mini-synth")
+    (tmp_path / file).unlink()
+    with pytest.raises(SystemExit, match=f"{re.escape(str(tmp_path / file))} is missing"):
+        adapt.main(["--data-root", str(tmp_path), "--epochs", "1", "--preset", "mini"])
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -1474,7 +1569,8 @@ def max_change(a, b, keys):
 def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypatch, capsys):
     # adaptation: the paper preset chosen because ViT-B-32.pt is in the cache; its input size follows the CLIP
     monkeypatch.setattr(clip_load, "CACHE", tmp_path)
-    assert adapt.get_args([]).preset == "small"  # nothing cached: the small preset
+    assert adapt.get_args([]).preset == "scratch"  # nothing cached: the small model from nothing
+    assert adapt.get_args(["--clip", "mini-synth"]).preset == "mini"
     as_cached_release(monkeypatch, openai_archive)
     assert adapt.get_args([]).preset == "paper"
     out = tmp_path / "adapted.pt"
@@ -1518,6 +1614,21 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     capsys.readouterr()
     caption.main(["--ckpt", str(cap), "--before", first[0]["before"], "--after", first[0]["after"]])
     assert capsys.readouterr().out.strip() == first[0]["caption"]
+
+
+def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(clip_load, "CACHE", tmp_path)  # no ViT-B-32.pt anywhere
+    out = tmp_path / "adapted.pt"
+    adapt.main(["--data-root", str(adapt_synth), "--out", str(out), "--preset", "mini"] + FAST)
+    log = capsys.readouterr().out
+    assert "preset 'mini'" in log and "PRETRAINED ON SYNTHETIC SCENES" in log and "clip=mini-synth" in log
+    start, adapted = clip_load.load_clip("mini-synth").state_dict(), torch.load(out, weights_only=False)
+    assert adapted["config"]["n_inter"] == 2 and adapted["data"]["image_size"] == 96
+    adapted = adapted["model"]
+    frozen = [k for k in start if k.startswith(adapt.FROZEN)]  # the authors' frozen input embeddings
+    assert len(frozen) == 7 and all(torch.equal(adapted[k], start[k]) for k in frozen)
+    trained = [k for k in start if not k.startswith(adapt.FROZEN + M.PAIR_KEYS) and k != "logit_scale"]
+    assert all(not torch.equal(adapted[k], start[k]) for k in trained)  # CLIP's other weights learn, slowly
 
 
 def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):

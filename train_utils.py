@@ -262,6 +262,17 @@ def load_resume(out, device="cpu"):
         raise SystemExit(f"--resume: cannot read {path} ({type(e).__name__}: {e}); start without --resume") from None
 
 
+def restore(out, model, optimizer, scheduler):
+    """--resume: the resumable state of the run writing `out` put back into the model, optimizer, scheduler and the
+    random streams -> that state (the stage reads its own counters from it)."""
+    state = load_resume(out)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return state
+
+
 def interrupted(ctx, out):
     log(ctx, f"\ninterrupted: the last finished epoch is saved in {last_path(out)}; continue with --resume")
     sys.exit(130)

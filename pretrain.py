@@ -1,0 +1,373 @@
+"""Stage 0 in miniature: pretrain a small CLIP on single synthetic scenes, image <-> description.
+
+    python pretrain.py                                     # render data/clevr_pretrain once, train, evaluate
+    python pretrain.py --resume                            # continue a killed run exactly (mid-epoch too)
+    python pretrain.py --eval-only --ckpt assets/clip_mini_synth.pt   # held-out figures of a checkpoint
+    python pretrain.py --export assets/clip_mini_synth.pt  # the run's latest weights as the shipped file
+
+CLIP4IDC adapts a CLIP that already sees objects: OpenAI pretrained ViT-B/32 on 400M image-text pairs, and the
+adaptation (adapt.py) moves its weights at 1e-7. The quickstart has no such CLIP, so this file makes one in
+miniature: both towers of model.py's CLIP (OpenAI's parameter names, so it loads through the same clip_load path
+as ViT-B-32.pt), trained with CLIP's symmetric contrastive loss on single images of synthetic scenes (synth.py,
+rendered with another seed than the quickstart's set: none of its scenes are seen here) and descriptions that
+name every object with its size, colour, material and shape.
+
+A random batch of scenes is told apart by its colours alone, and a contrastive model then learns a bag of words
+that does not know which object is red. So each image also meets hard negatives (NegCLIP, Yuksekgonul et al.
+2023): its own description with one attribute of one object changed, or swapped between two objects, worded the
+same (synth.hard_negative). Held-out figures, printed at every evaluation: image -> description R@1 among its
+hard negatives, retrieval among all held-out descriptions, and a linear probe of each object attribute read from
+the patch token under the object (what the pair encoder's inter blocks and the captioner get to see).
+"""
+import argparse
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict
+from multiprocessing import Pool
+
+import torch
+import torch.nn.functional as F
+
+import clip_load
+import data
+import model as M
+import synth
+from train_utils import (Progress, fmt_time, last_path, log, make_optimizer, param_groups, restore, rng_state,
+                         save_atomic, setup, train_epoch, warmup_cosine, where)
+
+ROOT = "data/clevr_pretrain"
+# the text tower is 64 wide: its token embedding (49,408 BPE ids x width) is most of the file, 6.3 MB in fp16
+DEFAULTS = dict(scenes=12000, image_size=96, patch_size=16, vision_width=128, vision_layers=6, text_width=64,
+                text_layers=4, embed_dim=128, context_length=77, batch_size=128, negatives=1, lr=5e-4,
+                weight_decay=0.1, warmup=0.02, samples=300_000, eval_every=150)
+PROBE_ATTRS = synth.ATTRS  # size, color, material, shape
+
+
+def get_args(argv=None):
+    fmt = type("Fmt", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
+    d = DEFAULTS
+    p.add_argument("--root", default=ROOT, help="the pretraining scenes (rendered there on first use)")
+    p.add_argument("--scenes", type=int, default=d["scenes"], help="scenes to render (3 images each)")
+    p.add_argument("--render-seed", type=int, default=1, help="the scenes' seed (the quickstart's set uses 0)")
+    sizes = {"image-size": "input size", "patch-size": "ViT patch size", "vision-width": "image tower width "
+             "(heads = width / 64)", "vision-layers": "image tower blocks", "text-width": "text tower width (heads = "
+             "width / 64)", "text-layers": "text tower blocks", "embed-dim": "joint embedding size", "context-length":
+             "text positions", "batch-size": "images per step", "negatives": "hard-negative descriptions per image"}
+    for name, what in sizes.items():
+        p.add_argument(f"--{name}", type=int, default=d[name.replace("-", "_")], help=what)
+    for name, what in (("lr", "peak learning rate (AdamW)"), ("weight-decay", "AdamW weight decay (matrices)"),
+                       ("warmup", "fraction of the steps of linear warmup, then cosine")):
+        p.add_argument(f"--{name}", type=float, default=d[name.replace("-", "_")], help=what)
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
+    p.add_argument("--samples", type=int, default=d["samples"], help="training images seen in all (the schedule)")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"], help="steps between held-out evaluations "
+                                                                          "(each also writes the resumable state)")
+    p.add_argument("--eval-images", type=int, default=1000, help="held-out images evaluated")
+    p.add_argument("--out", default="pretrained.pt", help="the run's weights (fp32); resumable state in *.last.pt")
+    p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
+    p.add_argument("--time-limit", type=float, default=None, help="minutes: stop after the first evaluation past "
+                                                                  "this (the state is saved; --resume continues)")
+    p.add_argument("--eval-only", action="store_true", help="evaluate --ckpt on the held-out scenes and stop")
+    p.add_argument("--ckpt", default=None, help="with --eval-only: a CLIP checkpoint (default: --out)")
+    p.add_argument("--export", default=None, help="write --out's weights as the shipped fp16 file at this path "
+                                                  "and stop")
+    p.add_argument("--seed", type=int, default=0, help="random seed (initialization, order, wording)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"], help="auto: bf16 on CUDA")
+    p.add_argument("--workers", type=int, default=None, help="rendering/decoding processes (default: all cores)")
+    p.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
+    args = p.parse_args(argv)
+    for name in ("scenes", "batch_size", "samples", "eval_every", "eval_images"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.negatives < 0:
+        p.error(f"--negatives must be 0 or more, got {args.negatives}")
+    if args.image_size % args.patch_size:
+        p.error(f"--image-size {args.image_size} is not a multiple of --patch-size {args.patch_size}")
+    return args
+
+
+# -----------------------------------------------------------------------------
+# data: every image of the rendered scenes with the objects a viewer sees in it
+
+
+def scene_images(root, split, workers=None):
+    """[(image path, [(object, (u, v))])] of one split of a set synth.make wrote: the three images of each scene
+    (before, after the change, before from a moved camera), each with its own objects; an image where an object
+    is cut by the frame or hidden is left out (synth.views)."""
+    meta = json.loads((root / "synth.json").read_text())
+    ids = [int(i) for i in json.loads((root / "splits.json").read_text())[split]]
+    with Pool(workers or os.cpu_count()) as pool:
+        seen = pool.starmap(synth.views, [(i, meta["seed"], bool(meta.get("far_change")),
+                                           meta.get("change_jitter", 0.3)) for i in ids])
+    return [(str(root / f"{name}_{i:06d}.png"), objs)
+            for i, v in zip(ids, seen) for name, objs in v.items() if objs is not None]
+
+
+class Descriptions(torch.utils.data.Dataset):
+    """Image k -> (uint8 image [3, S, S], its description, `negatives` hard-negative descriptions). Wording and
+    negatives are drawn from (seed, epoch, k) (data.sample_rng), so a resumed run sees the same text."""
+
+    def __init__(self, images, cache, negatives, context_length, seed=0):
+        self.images, self.cache, self.negatives, self.context_length = images, cache, negatives, context_length
+        self.seed, self.epoch = seed, 0
+
+    def __len__(self):
+        return len(self.images)
+
+    def texts(self, k, epoch):
+        objs = [o for o, _ in self.images[k][1]]
+        wording = int(data.sample_rng(self.seed, epoch, k).integers(2 ** 31))
+        rng = random.Random(wording)
+        return [synth.description(objs, wording)] + [synth.description(synth.hard_negative(rng, objs), wording)
+                                                    for _ in range(self.negatives)]
+
+    def batch(self, keys, epoch):
+        """-> images (B, 3, S, S) uint8, token ids (B * (1 + negatives), L): the B descriptions first, then the
+        first negative of each image, then the second..."""
+        images = self.cache.batch([self.images[k][0] for k in keys])
+        texts = [self.texts(k, epoch) for k in keys]
+        ordered = [t[j] for j in range(1 + self.negatives) for t in texts]
+        return images, clip_load.tokenize(ordered, self.context_length, truncate=True)
+
+
+class Steps:
+    """The batches of global steps [start, stop): step s is batch s % per_epoch of epoch s // per_epoch, in an
+    order drawn from (seed, epoch). A function of the step alone, so a run resumes mid-epoch exactly."""
+
+    def __init__(self, dataset, batch_size, seed, start, stop):
+        self.ds, self.B, self.seed, self.start, self.stop = dataset, batch_size, seed, start, stop
+        self.per_epoch = len(dataset) // batch_size
+
+    def __len__(self):
+        return self.stop - self.start
+
+    def __iter__(self):
+        for s in range(self.start, self.stop):
+            epoch, b = divmod(s, self.per_epoch)
+            order = torch.randperm(len(self.ds), generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
+            yield self.ds.batch(order[b * self.B:(b + 1) * self.B].tolist(), epoch)
+
+
+# -----------------------------------------------------------------------------
+# the loss: CLIP's, with each image's hard negatives among its texts
+
+
+def clip_loss(img, txt, logit_scale):
+    """img (B, D), txt (B * (1 + K), D): row i of txt describes image i, rows B.. are hard negatives. Image -> text
+    cross entropy over all texts (the negatives compete with the other images' descriptions), text -> image over
+    the images for the B true descriptions; averaged, as CLIP's symmetric loss."""
+    B = img.shape[0]
+    img, txt = F.normalize(img.float(), dim=-1), F.normalize(txt.float(), dim=-1)
+    logits = logit_scale.float().clamp(max=math.log(100)).exp() * img @ txt.t()  # (B, B(1+K))
+    labels = torch.arange(B, device=img.device)
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits[:, :B].t(), labels)) / 2
+
+
+# -----------------------------------------------------------------------------
+# held-out evaluation
+
+
+def image_tokens(visual, x):
+    """Single images (B, 3, S, S) -> every output token after ln_post and proj (B, n+1, D): what the pair encoder's
+    tokens are made of."""
+    return visual.ln_post(visual.transformer(visual.stem(x))) @ visual.proj
+
+
+def object_features(model, images, cache, size, ctx, batch=256):
+    """The patch token under each object's centre: features (N_objects, D) and their attributes {attr: [N]}."""
+    grid = size // model.visual.conv1.kernel_size[0]
+    feats, attrs = [], {a: [] for a in PROBE_ATTRS}
+    for i in range(0, len(images), batch):
+        chunk = images[i:i + batch]
+        with torch.no_grad(), ctx.amp:
+            x = clip_load.normalize(cache.batch([p for p, _ in chunk]).to(ctx.device))
+            tok = image_tokens(model.visual, x).float().cpu()
+        for b, (_, objs) in enumerate(chunk):
+            for o, (u, v) in objs:
+                cell = 1 + min(grid - 1, int(v * grid)) * grid + min(grid - 1, int(u * grid))
+                feats.append(tok[b, cell])
+                for a in PROBE_ATTRS:
+                    attrs[a].append(o[a])
+    return torch.stack(feats), attrs
+
+
+def linear_probe(x_train, y_train, x_test, y_test, steps=300):
+    """A softmax classifier on standardized features (full-batch Adam, a little weight decay) -> test accuracy %."""
+    classes = sorted(set(y_train))
+    ytr = torch.tensor([classes.index(y) for y in y_train])
+    yte = torch.tensor([classes.index(y) if y in classes else -1 for y in y_test])
+    mu, sd = x_train.mean(0), x_train.std(0) + 1e-6
+    xtr, xte = (x_train - mu) / sd, (x_test - mu) / sd
+    with torch.enable_grad():
+        head = torch.nn.Linear(xtr.shape[1], len(classes))
+        opt = torch.optim.Adam(head.parameters(), lr=1e-2, weight_decay=1e-4)
+        for _ in range(steps):
+            opt.zero_grad()
+            F.cross_entropy(head(xtr), ytr).backward()
+            opt.step()
+    return 100 * (head(xte).argmax(1) == yte).float().mean().item()
+
+
+@torch.no_grad()
+def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
+    """Held-out figures: image -> description R@1 among the image's own description and `negatives` hard negatives
+    (chance 100 / (1 + negatives)), image <-> text R@1 among all held-out descriptions, and the linear probe of
+    each attribute (trained on objects of training images, tested on the held-out images' objects)."""
+    model.eval()
+    rng = random.Random(12345)  # the same texts at every evaluation
+    img, own, negs = [], [], []
+    for i in range(0, len(held_out), 256):
+        chunk = held_out[i:i + 256]
+        with ctx.amp:
+            x = clip_load.normalize(cache.batch([p for p, _ in chunk]).to(ctx.device))
+            img.append(F.normalize(model.encode_image(x).float(), dim=-1).cpu())
+        for _, objs in chunk:
+            objs = [o for o, _ in objs]
+            seed = rng.randrange(2 ** 31)
+            own.append(synth.description(objs, seed))
+            negs += [synth.description(synth.hard_negative(rng, objs), seed) for _ in range(negatives)]
+    txt = []
+    for texts in (own, negs):
+        feats = []
+        for i in range(0, len(texts), 512):
+            with ctx.amp:
+                ids = clip_load.tokenize(texts[i:i + 512], args.context_length, truncate=True).to(ctx.device)
+                feats.append(F.normalize(model.encode_text(ids).float(), dim=-1).cpu())
+        txt.append(torch.cat(feats))
+    img, (own_t, neg_t) = torch.cat(img), txt
+    N = len(img)
+    pos = (img * own_t).sum(-1)  # (N,)
+    neg = torch.einsum("nd,nkd->nk", img, neg_t.view(N, negatives, -1))
+    sim = img @ own_t.t()
+    out = {"hard-negative R@1": 100 * (pos > neg.max(1).values).float().mean().item(),
+           "image->text R@1": 100 * (sim.argmax(1) == torch.arange(N)).float().mean().item(),
+           "text->image R@1": 100 * (sim.argmax(0) == torch.arange(N)).float().mean().item()}
+    xtr, ytr = object_features(model, probe_train, cache, args.image_size, ctx)
+    xte, yte = object_features(model, held_out, cache, args.image_size, ctx)
+    for a in PROBE_ATTRS:
+        out[f"probe {a}"] = linear_probe(xtr, ytr[a], xte, yte[a])
+        out[f"chance {a}"] = 100 * max(yte[a].count(v) for v in set(yte[a])) / len(yte[a])
+    return out
+
+
+def fmt(m):
+    probes = " ".join(f"{a[:3]} {m[f'probe {a}']:.0f}" for a in PROBE_ATTRS)
+    return (f"hard-neg R@1 {m['hard-negative R@1']:.1f} | img->txt R@1 {m['image->text R@1']:.1f} txt->img "
+            f"{m['text->image R@1']:.1f} | probe % {probes}")
+
+
+# -----------------------------------------------------------------------------
+# the run
+
+
+def new_model(args):
+    return M.CLIP(M.CLIPConfig(embed_dim=args.embed_dim, image_resolution=args.image_size,
+                               vision_layers=args.vision_layers, vision_width=args.vision_width,
+                               vision_patch_size=args.patch_size, context_length=args.context_length,
+                               transformer_width=args.text_width, transformer_heads=max(1, args.text_width // 64),
+                               transformer_layers=args.text_layers,
+                               n_inter=args.vision_layers // 3))  # unused here; adapt.py's mini uses a third
+
+
+def lr_for(args):
+    """Everything trains at one rate, but CLIP4IDC's pair parameters: single images never use them, and the
+    shipped file leaves them out (as OpenAI's release has none)."""
+    return lambda name: None if name.startswith(M.PAIR_KEYS) else args.lr
+
+
+def shipped(state_dict):
+    """A CLIP state dict as the shipped file holds it: fp16 tensors, OpenAI's keys, no pair parameters."""
+    return {k: v.half() for k, v in state_dict.items() if not k.startswith(M.PAIR_KEYS)}
+
+
+def export(args):
+    ckpt = torch.load(args.out, map_location="cpu", weights_only=False)
+    meta = {k: ckpt[k] for k in ("args", "history") if k in ckpt}
+    save_atomic({"model": shipped(ckpt["model"]), "pretrain": meta}, args.export)
+    size = os.path.getsize(args.export) / 2 ** 20
+    print(f"{args.out} -> {args.export} ({size:.1f} MiB, fp16), SHA256 {clip_load.sha256(args.export)}")
+
+
+def main(argv=None):
+    args = get_args(argv)
+    if args.export:
+        return export(args)
+    ctx = setup(args.seed, args.device, args.amp)
+    root = data.resolve_synth(args.root, args.scenes, args.render_seed, workers=args.workers)
+    log(ctx, f"== pretrain.py: a small CLIP pretrained on single synthetic scenes, on {where(ctx)} ==")
+    log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
+    train = scene_images(root, "train", args.workers)
+    held_out = scene_images(root, "val", args.workers) + scene_images(root, "test", args.workers)
+    held_out = held_out[:args.eval_images]
+    probe_train = train[:2 * args.eval_images]
+    items = [data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(train + held_out)]
+    cache = data.open_cache(items, args.image_size, True, log=lambda m: log(ctx, m))
+    log(ctx, f"   {root}: {len(train)} training images, {len(held_out)} held out (other scenes)")
+
+    model = new_model(args).to(ctx.device)
+    if args.eval_only:
+        path = args.ckpt or args.out
+        model = clip_load.load_clip(path, ctx.device)
+        args.image_size, args.context_length = model.cfg.image_resolution, model.cfg.context_length
+        m = evaluate(model, held_out, probe_train, cache, args, ctx)
+        chance = " ".join(f"{a[:3]} {m[f'chance {a}']:.0f}" for a in PROBE_ATTRS)
+        log(ctx, f"{path}: {fmt(m)} | chance: hard-neg R@1 {100 / 9:.1f}, probe % {chance}")
+        return m
+
+    groups = param_groups(model.named_parameters(), lr_for(args), args.weight_decay)
+    for name, p in model.named_parameters():
+        p.requires_grad_(lr_for(args)(name) is not None)
+    optimizer = make_optimizer(groups, ctx.device)
+    total = max(1, args.samples // args.batch_size)
+    scheduler = warmup_cosine(optimizer, total, args.warmup)
+    ds = Descriptions(train, cache, args.negatives, args.context_length, args.seed)
+    n_params = sum(p.numel() for g in groups for p in g["params"])
+    log(ctx, f"   model: {n_params / 1e6:.2f}M parameters trained (vision {args.vision_layers}x{args.vision_width}, "
+             f"text {args.text_layers}x{args.text_width}); {total} steps of {args.batch_size} images, each with "
+             f"{args.negatives} hard negative(s): {total * args.batch_size / len(train):.1f} epochs")
+
+    step, history = 0, []
+    if args.resume:
+        state = restore(args.out, model, optimizer, scheduler)
+        step, history = state["step"], state["history"]
+        log(ctx, f"   resumed from {last_path(args.out)} at step {step}")
+
+    def loss_fn(batch):
+        images, ids = batch
+        ids = ids[:, :int(ids.argmax(-1).max()) + 1]  # up to the longest text's end token
+        images, ids = clip_load.normalize(images.to(ctx.device)), ids.to(ctx.device)
+        return clip_loss(model.encode_image(images), model.encode_text(ids), model.logit_scale), len(images)
+
+    rounds, t_start = math.ceil(total / args.eval_every), time.time()
+    while step < total:
+        r = step // args.eval_every
+        stop = min(total, (r + 1) * args.eval_every)
+        progress = Progress(r, rounds, step, total, args.log_every, unit="images")
+        loss = train_epoch(ctx, model, Steps(ds, args.batch_size, args.seed, step, stop), loss_fn, optimizer,
+                           scheduler, progress, args.grad_clip)
+        step = progress.step
+        m = evaluate(model, held_out, probe_train, cache, args, ctx)
+        history.append({"step": step, "samples": step * args.batch_size, "loss": loss, **m})
+        log(ctx, f"step {step}/{total} ({step * args.batch_size:,} images, {fmt_time(time.time() - t_start)}) | "
+                 f"loss {loss:.4f} | held-out {fmt(m)}")
+        save_atomic({"model": model.state_dict(), "config": asdict(model.cfg), "args": vars(args),
+                     "history": history}, args.out)
+        save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": step, "history": history},
+                    last_path(args.out))
+        if args.time_limit is not None and time.time() - t_start > 60 * args.time_limit and step < total:
+            log(ctx, f"--time-limit {args.time_limit:g} min reached at step {step}/{total}: the state is in "
+                     f"{last_path(args.out)}; continue with --resume")
+            return history
+    log(ctx, f"done: {step * args.batch_size:,} images in {fmt_time(time.time() - t_start)} ({where(ctx)}): "
+             f"held-out {fmt(history[-1])} -> {args.out}")
+    return history
+
+
+if __name__ == "__main__":
+    main()
