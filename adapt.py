@@ -43,7 +43,7 @@ PRESETS = {
     # mini: the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px, a 6x6 patch grid), 4 intra + 2 inter
     # blocks (the paper's last quarter of 12 is 3; of 6, 2); the authors' policy scaled down: CLIP's input
     # embeddings frozen, the new pair parameters at a high rate, CLIP's weights at a low one. One epoch: 2 min on
-    # a CPU. CLIP at 3e-4, or 3 epochs, did no better on val (RESULTS.md "CLIP in miniature")
+    # a CPU. CLIP at 3e-4, or 3 epochs, gave the same captioner on val (RESULTS.md "CLIP in miniature")
     "mini": dict(clip="mini-synth", n_inter=2, image_size=96, context_length=32, batch_size=32, epochs=1,
                  lr_new=1e-3, lr_clip=1e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
                  eval_batch_size=256),
