@@ -114,7 +114,7 @@ class Descriptions(torch.utils.data.Dataset):
 
     def __init__(self, images, cache, negatives, context_length, seed=0):
         self.images, self.cache, self.negatives, self.context_length = images, cache, negatives, context_length
-        self.seed, self.epoch = seed, 0
+        self.seed = seed
 
     def __len__(self):
         return len(self.images)
@@ -147,9 +147,12 @@ class Steps:
         return self.stop - self.start
 
     def __iter__(self):
+        order, order_epoch = None, None
         for s in range(self.start, self.stop):
             epoch, b = divmod(s, self.per_epoch)
-            order = torch.randperm(len(self.ds), generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
+            if epoch != order_epoch:  # drawn once per epoch
+                g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+                order, order_epoch = torch.randperm(len(self.ds), generator=g), epoch
             yield self.ds.batch(order[b * self.B:(b + 1) * self.B].tolist(), epoch)
 
 
@@ -178,22 +181,24 @@ def image_tokens(visual, x):
     return visual.ln_post(visual.transformer(visual.stem(x))) @ visual.proj
 
 
-def object_features(model, images, cache, size, ctx, batch=256):
-    """The patch token under each object's centre: features (N_objects, D) and their attributes {attr: [N]}."""
+def encode_images(model, images, cache, size, ctx, batch=256):
+    """One pass over the images -> their CLIP features (N, D) normalized (token 0 is encode_image's output), the
+    patch token under each object's centre (N_objects, D) and the objects' attributes {attr: [N_objects]}."""
     grid = size // model.visual.conv1.kernel_size[0]
-    feats, attrs = [], {a: [] for a in PROBE_ATTRS}
+    clip_feats, feats, attrs = [], [], {a: [] for a in PROBE_ATTRS}
     for i in range(0, len(images), batch):
         chunk = images[i:i + batch]
         with torch.no_grad(), ctx.amp:
             x = clip_load.normalize(cache.batch([p for p, _ in chunk]).to(ctx.device))
             tok = image_tokens(model.visual, x).float().cpu()
+        clip_feats.append(F.normalize(tok[:, 0], dim=-1))
         for b, (_, objs) in enumerate(chunk):
             for o, (u, v) in objs:
                 cell = 1 + min(grid - 1, int(v * grid)) * grid + min(grid - 1, int(u * grid))
                 feats.append(tok[b, cell])
                 for a in PROBE_ATTRS:
                     attrs[a].append(o[a])
-    return torch.stack(feats), attrs
+    return torch.cat(clip_feats), torch.stack(feats), attrs
 
 
 def linear_probe(x_train, y_train, x_test, y_test, steps=300):
@@ -220,17 +225,13 @@ def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
     each attribute (trained on objects of training images, tested on the held-out images' objects)."""
     model.eval()
     rng = random.Random(12345)  # the same texts at every evaluation
-    img, own, negs = [], [], []
-    for i in range(0, len(held_out), 256):
-        chunk = held_out[i:i + 256]
-        with ctx.amp:
-            x = clip_load.normalize(cache.batch([p for p, _ in chunk]).to(ctx.device))
-            img.append(F.normalize(model.encode_image(x).float(), dim=-1).cpu())
-        for _, objs in chunk:
-            objs = [o for o, _ in objs]
-            seed = rng.randrange(2 ** 31)
-            own.append(synth.description(objs, seed))
-            negs += [synth.description(synth.hard_negative(rng, objs), seed) for _ in range(negatives)]
+    img, xte, yte = encode_images(model, held_out, cache, args.image_size, ctx)
+    own, negs = [], []
+    for _, objs in held_out:
+        objs = [o for o, _ in objs]
+        seed = rng.randrange(2 ** 31)
+        own.append(synth.description(objs, seed))
+        negs += [synth.description(synth.hard_negative(rng, objs), seed) for _ in range(negatives)]
     txt = []
     for texts in (own, negs):
         feats = []
@@ -239,7 +240,7 @@ def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
                 ids = clip_load.tokenize(texts[i:i + 512], args.context_length, truncate=True).to(ctx.device)
                 feats.append(F.normalize(model.encode_text(ids).float(), dim=-1).cpu())
         txt.append(torch.cat(feats))
-    img, (own_t, neg_t) = torch.cat(img), txt
+    own_t, neg_t = txt
     N = len(img)
     pos = (img * own_t).sum(-1)  # (N,)
     neg = torch.einsum("nd,nkd->nk", img, neg_t.view(N, negatives, -1))
@@ -247,8 +248,7 @@ def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
     out = {"hard-negative R@1": 100 * (pos > neg.max(1).values).float().mean().item(),
            "image->text R@1": 100 * (sim.argmax(1) == torch.arange(N)).float().mean().item(),
            "text->image R@1": 100 * (sim.argmax(0) == torch.arange(N)).float().mean().item()}
-    xtr, ytr = object_features(model, probe_train, cache, args.image_size, ctx)
-    xte, yte = object_features(model, held_out, cache, args.image_size, ctx)
+    _, xtr, ytr = encode_images(model, probe_train, cache, args.image_size, ctx)
     for a in PROBE_ATTRS:
         out[f"probe {a}"] = linear_probe(xtr, ytr[a], xte, yte[a])
         out[f"chance {a}"] = 100 * max(yte[a].count(v) for v in set(yte[a])) / len(yte[a])
