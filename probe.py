@@ -3,6 +3,9 @@
     python probe.py linear --ckpt adapted.pt      # linear probes on the frozen encoder's output tokens
     python probe.py supervised --epochs 8         # a bound: the small encoder trained on the answers themselves
     python probe.py supervised --fusion early     # reference: both images stacked as 6 channels (not CLIP4IDC)
+    python probe.py supervised --clip mini-synth  # the pretrained small CLIP whole, adapted.py's policy
+    python probe.py aligned --clip mini-synth     # frozen per-image tokens + a position-aligned comparator
+    python probe.py attention --clip mini-synth   # where the pair encoder's patch tokens look
 
 The renderer records every scene (synth.read_scenes), so each change pair has five answers: the change type and
 the changed object's colour, shape, material and size (the object as the reference captions name it: the added
@@ -13,18 +16,29 @@ CPU budget: the same from-scratch model as adapt.py's scratch preset, its pair v
 heads, trained on the answers directly (cross-entropy, the CLIP4IDC losses replaced by the labels they stand for).
 `--fusion early` is the reference of what the data allows: the same ViT with both images stacked as 6 input
 channels before the patch embedding, so every patch sees before and after at once (not CLIP4IDC, which encodes
-each image alone first). Both print test accuracy next to the most frequent class's. Diagnoses only: no stage
-uses them.
+each image alone first). `--clip` starts from a pretrained CLIP instead (the shipped mini-synth, or a file) and
+trains it as adapt.py does: input embeddings frozen, CLIP's weights at --lr-clip, the pair parameters and heads at
+--lr. Both print test accuracy next to the most frequent class's.
+
+Two more locate what is missing. `aligned` keeps a CLIP frozen and gives it the comparator CLIP4IDC does not
+have: each image's patch tokens after --block blocks, before and after minus before at the same position, a small
+MLP shared by all positions, the maximum over positions, five heads. If it reads the change, the per-image tokens
+hold it and what the pair encoder lacks is the comparison (`--random`: the same architecture, random weights).
+`attention` runs the pair encoder (eq. 2-5, fresh pair parameters) and reports, per inter block, how much
+weight a patch gives the patch at its own position in the other image and itself, relative to uniform attention:
+CLIP4IDC's inter blocks compare the two images only if such weights stand out. Diagnoses only: no stage uses them.
 """
 import argparse
 import time
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import adapt
 import clip_load
 import data
+import model as M
 import synth
 from train_utils import make_optimizer, param_groups, warmup_cosine
 
@@ -89,22 +103,33 @@ def linear_probe(x, y, x_test, y_test, steps=300, lr=1e-3, weight_decay=1e-3):
     return train, test
 
 
+def rate(name, args):
+    """From scratch everything trains at --lr; a pretrained CLIP as adapt.py trains it (lr_for): its input
+    embeddings frozen, its other weights at --lr-clip, the pair parameters (and the heads) at --lr."""
+    if not args.clip or not name.startswith("visual.") or (args.fusion == "early" and "conv1" in name):
+        return args.lr  # from scratch, a head, or early fusion's new 6-channel patch embedding
+    n_inter = 0 if args.fusion == "early" else args.n_inter
+    return adapt.lr_for(argparse.Namespace(clip=args.clip, n_inter=n_inter, lr_new=args.lr, lr_clip=args.lr_clip))(name)
+
+
 def pair_vector(clip, before, after, early):
     """CLIP4IDC's pair vector v (eq. 5), or with early fusion the [CLS] feature of the 6-channel stack."""
     return clip.visual(torch.cat([before, after], dim=1)) if early else clip.encode_pair(before, after)[1]
 
 
 def supervised(train, test, args):
-    """Train adapt.py's small encoder from scratch on the answers -> per epoch (mean train loss, test accuracies)."""
+    """Train adapt.py's small encoder from scratch (or --clip's, pretrained) on the answers -> per epoch (mean
+    train loss, test accuracies)."""
     early = args.fusion == "early"
-    small = argparse.Namespace(**{**adapt.PRESETS["scratch"], "n_inter": 0 if early else args.n_inter})
+    small = argparse.Namespace(**{**adapt.PRESETS["scratch"], "clip": args.clip, "n_inter": 0 if early else args.n_inter})
     clip = adapt.new_model(small)
     if early:  # the patch embedding takes both images' channels
-        clip.visual.conv1 = torch.nn.Conv2d(6, small.vision_width, small.patch_size, small.patch_size, bias=False)
-    heads = torch.nn.ModuleList(torch.nn.Linear(small.embed_dim, len(c)) for c in ANSWERS.values())
+        clip.visual.conv1 = torch.nn.Conv2d(6, clip.cfg.vision_width, clip.cfg.vision_patch_size,
+                                            clip.cfg.vision_patch_size, bias=False)
+    heads = torch.nn.ModuleList(torch.nn.Linear(clip.cfg.embed_dim, len(c)) for c in ANSWERS.values())
     named = [(f"visual.{n}", p) for n, p in clip.visual.named_parameters()] + list(heads.named_parameters())
-    params = [p for _, p in named]
-    opt = make_optimizer(param_groups(named, lambda name: args.lr, small.weight_decay), "cpu")  # adapt.py's recipe
+    params = [p for n, p in named if rate(n, args) is not None]
+    opt = make_optimizer(param_groups(named, lambda n: rate(n, args), small.weight_decay), "cpu")  # adapt.py's
     (b, a, y), (bt, at, yt) = train, test
     per_epoch = len(y) // args.batch_size
     sched = warmup_cosine(opt, args.epochs * per_epoch, small.warmup)
@@ -132,6 +157,77 @@ def supervised(train, test, args):
     return history
 
 
+@torch.no_grad()
+def image_tokens(visual, x, blocks, batch=256):
+    """Each image alone through the stem and the first `blocks` blocks -> its patch tokens (N, n, width)."""
+    out = []
+    for i in range(0, len(x), batch):
+        h = visual.stem(x[i:i + batch])
+        for block in visual.transformer.resblocks[:blocks]:
+            h = block(h)
+        out.append(h[:, 1:])
+    return torch.cat(out)
+
+
+def aligned(clip, train, test, args):
+    """Frozen per-image tokens, compared position by position by a small trained MLP -> (mean train loss per
+    epoch, test accuracies)."""
+    feats = []
+    for b, a, _ in (train, test):
+        tb, ta = image_tokens(clip.visual, b, args.block), image_tokens(clip.visual, a, args.block)
+        feats.append(torch.cat([tb, ta - tb], dim=-1))  # (N, n, 2 width): what is there, what changed there
+    (x, xt), y, yt = feats, train[2], test[2]
+    mu, sd = x.mean((0, 1)), x.std((0, 1)) + 1e-6
+    x, xt = (x - mu) / sd, (xt - mu) / sd
+    net = nn.Sequential(nn.Linear(x.shape[-1], 256), nn.GELU(), nn.Linear(256, 256))
+    heads = nn.ModuleList(nn.Linear(256, len(c)) for c in ANSWERS.values())
+    opt = torch.optim.AdamW([*net.parameters(), *heads.parameters()], lr=args.lr, weight_decay=0.05)
+    B, losses = args.batch_size, []
+    for epoch in range(args.epochs):
+        order, total = torch.randperm(len(y)), 0.0
+        for s in range(len(y) // B):
+            i = order[s * B:(s + 1) * B]
+            h = net(x[i]).amax(dim=1)  # the strongest evidence over positions
+            loss = sum(F.cross_entropy(head(h), y[i, j]) for j, head in enumerate(heads))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total += loss.item()
+        losses.append(total / (len(y) // B))
+    with torch.no_grad():
+        h = net(xt).amax(dim=1)
+        acc = [(head(h).argmax(1) == yt[:, j]).float().mean().item() for j, head in enumerate(heads)]
+    report(f"block {args.block}, {args.epochs} epochs, train loss {losses[0]:.3f} -> {losses[-1]:.3f} | test: ", acc,
+           yt)
+    return losses, acc
+
+
+@torch.no_grad()
+def attention(clip, before, after):
+    """Per inter block, per head: the mean weight a patch gives the patch at its own position in the other image,
+    and itself, times the number of tokens (1: no preference; the weights are read by hooks on forward_pair)."""
+    blocks = clip.visual.transformer.resblocks
+    inter, weights = blocks[len(blocks) - clip.visual.n_inter:], []
+    hooks = [b.attn.register_forward_pre_hook(lambda m, inp: weights.append(M.attention_weights(m, inp[0])))
+             for b in inter]
+    try:
+        clip.encode_pair(before, after)
+    finally:
+        for h in hooks:
+            h.remove()
+    rows = []
+    for w in weights:  # (B, heads, T, T), T = 2(n+1)
+        T = w.shape[-1]
+        n1, i = T // 2, torch.arange(1, T // 2)
+        other = torch.cat([w[..., i, i + n1], w[..., i + n1, i]], dim=-1).mean((0, 2)) * T
+        own = torch.cat([w[..., i, i], w[..., i + n1, i + n1]], dim=-1).mean((0, 2)) * T
+        rows.append((other.tolist(), own.tolist()))
+    for k, (other, own) in enumerate(rows):
+        print(f"inter block {k + 1}/{len(rows)} | per head, x uniform: same position in the other image "
+              + " ".join(f"{a:.2f}" for a in other) + " | itself " + " ".join(f"{a:.2f}" for a in own))
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmd = p.add_subparsers(dest="cmd", required=True)
@@ -142,14 +238,45 @@ def main(argv=None):
     sup.add_argument("--epochs", type=int, default=8, help="passes over the training change pairs")
     sup.add_argument("--batch-size", type=int, default=32, help="pairs per step")
     sup.add_argument("--lr", type=float, default=3e-4, help="peak lr (warmup, then cosine, as adapt.py)")
-    sup.add_argument("--n-inter", type=int, default=3, help="inter blocks of the 12")
+    sup.add_argument("--clip", default=None, help="start from this pretrained CLIP (mini-synth or a path) instead "
+                                                  "of from scratch")
+    sup.add_argument("--lr-clip", type=float, default=1e-4, help="with --clip: the lr of CLIP's own weights")
+    sup.add_argument("--n-inter", type=int, default=None, help="inter blocks (default: 3 of the scratch preset's "
+                                                               "12, 2 of mini-synth's 6)")
     sup.add_argument("--fusion", default="late", choices=["late", "early"],
                      help="late: CLIP4IDC's pair encoder; early: both images stacked as 6 channels (a reference)")
-    for c in (lin, sup):
+    ali = cmd.add_parser("aligned", formatter_class=fmt, help="frozen per-image tokens, a position-aligned "
+                                                              "comparator trained on the answers")
+    ali.add_argument("--block", type=int, default=None, help="tokens after this many blocks (default: the intra "
+                                                             "blocks, all but the preset's inter blocks)")
+    ali.add_argument("--random", action="store_true", help="--clip's architecture with random weights")
+    ali.add_argument("--epochs", type=int, default=30, help="passes over the training change pairs")
+    ali.add_argument("--batch-size", type=int, default=32, help="pairs per step")
+    ali.add_argument("--lr", type=float, default=1e-3, help="AdamW lr of the comparator")
+    att = cmd.add_parser("attention", formatter_class=fmt, help="where the pair encoder's patch tokens look")
+    att.add_argument("--pairs", type=int, default=64, help="test change pairs averaged over")
+    for c in (ali, att):
+        c.add_argument("--clip", default="mini-synth", help="a CLIP (mini-synth, a path) or an adapted.pt")
+        c.add_argument("--n-inter", type=int, default=None, help="inter blocks (default: the file's own; the "
+                                                                 "mini preset's 2 for mini-synth)")
+    for c in (lin, sup, ali, att):
         c.add_argument("--seed", type=int, default=0, help="random seed")
         c.add_argument("--data-root", default=synth.SYNTH_ROOT, help="a set made by synth.py")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
+    if args.cmd in ("aligned", "attention"):
+        if args.n_inter is None and args.clip in clip_load.SHIPPED:
+            args.n_inter = adapt.PRESETS["mini"]["n_inter"]
+        clip = clip_load.load_clip(args.clip, n_inter=args.n_inter)
+        size = clip.cfg.image_resolution
+        if args.cmd == "attention":
+            b, a, _ = split(args.data_root, "test", size)
+            return attention(clip, b[:args.pairs], a[:args.pairs])
+        if args.random:
+            clip = M.CLIP(clip.cfg)
+        if args.block is None:
+            args.block = len(clip.visual.transformer.resblocks) - clip.visual.n_inter
+        return aligned(clip, split(args.data_root, "train", size), split(args.data_root, "test", size), args)
     if args.cmd == "linear":
         clip = clip_load.load_clip(args.ckpt)
         size = clip.cfg.image_resolution
@@ -158,7 +285,10 @@ def main(argv=None):
         report("train: ", train, y)
         report("test:  ", test, yt)
         return test
-    size = adapt.PRESETS["scratch"]["image_size"]
+    preset = adapt.PRESETS["mini" if args.clip else "scratch"]
+    if args.n_inter is None:
+        args.n_inter = preset["n_inter"]
+    size = clip_load.load_clip(args.clip).cfg.image_resolution if args.clip else preset["image_size"]
     return supervised(split(args.data_root, "train", size), split(args.data_root, "test", size), args)
 
 

@@ -1,6 +1,7 @@
 """clip4idc test suite: `pytest test_all.py`. Tiny models and data the tests make themselves (or the real
 files in ../shared/, skipped cleanly when absent); a few minutes on 2 CPU cores."""
 
+import argparse
 import gzip
 import io
 import json
@@ -1437,6 +1438,18 @@ def test_probe_commands_run_on_a_synthetic_set(adapt_synth, tmp_path, capsys):
     early = probe.main(["supervised", "--fusion", "early", "--data-root", str(adapt_synth), "--epochs", "20",
                         "--batch-size", "4", "--lr", "1e-3"])  # the 6-channel reference trains too
     assert early[-1][0] < 0.7 * early[0][0]
+    mini = probe.main(["supervised", "--clip", "mini-synth", "--data-root", str(adapt_synth), "--epochs", "20",
+                       "--batch-size", "4", "--lr", "1e-3"])  # the shipped CLIP whole, trained as adapt.py does
+    assert mini[-1][0] < 0.7 * mini[0][0]
+    args = argparse.Namespace(clip="mini-synth", fusion="late", n_inter=2, lr=1e-3, lr_clip=1e-4)
+    rates = {n: probe.rate(n, args) for n in ("visual.conv1.weight", "visual.positional_embedding",
+                                              "visual.bef_embedding", "visual.ln_mid.weight",
+                                              "visual.transformer.resblocks.5.attn.in_proj_weight", "0.weight")}
+    assert rates == {"visual.conv1.weight": None, "visual.positional_embedding": None, "visual.bef_embedding": 1e-3,
+                     "visual.ln_mid.weight": 1e-3, "visual.transformer.resblocks.5.attn.in_proj_weight": 1e-4,
+                     "0.weight": 1e-3}
+    args.fusion = "early"  # the new 6-channel patch embedding learns; e1, e2, p, ln_mid are unused
+    assert (probe.rate("visual.conv1.weight", args), probe.rate("visual.bef_embedding", args)) == (1e-3, None)
     tiny_encoder(tmp_path / "adapted.pt", adapt_synth)
     test = probe.main(["linear", "--ckpt", str(tmp_path / "adapted.pt"), "--data-root", str(adapt_synth)])
     assert len(test) == 5 and "test:  type" in capsys.readouterr().out
@@ -1444,6 +1457,32 @@ def test_probe_commands_run_on_a_synthetic_set(adapt_synth, tmp_path, capsys):
     shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("scenes.json"))
     with pytest.raises(SystemExit, match="scenes.json"):
         probe.main(["supervised", "--data-root", str(real), "--epochs", "1"])
+
+
+def test_probe_aligned_comparator_and_attention_weights(adapt_synth, tmp_path, capsys):
+    torch.manual_seed(0)  # 2 heads, 2 inter blocks of 3, a 4x4 grid
+    cfg = CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=3, vision_width=128, vision_patch_size=8,
+                     context_length=8, vocab_size=100, transformer_width=32, transformer_heads=1,
+                     transformer_layers=1, n_inter=2)
+    clip = CLIP(cfg).eval()
+    before, after = torch.randn(3, 3, 32, 32), torch.randn(3, 3, 32, 32)
+    rows = probe.attention(clip, before, after)
+    assert len(rows) == 2 and all(len(other) == len(own) == 2 for other, own in rows)
+    _, _, w = clip.visual.forward_pair(before, after, explain=True)  # the last inter block's weights
+    T = w.shape[-1]
+    n1 = T // 2
+    for h in range(2):  # written out: each patch i of either image, and its own position in the other image
+        other = sum(w[b, h, i, i + n1] + w[b, h, i + n1, i] for b in range(3) for i in range(1, n1))
+        own = sum(w[b, h, i, i] + w[b, h, i + n1, i + n1] for b in range(3) for i in range(1, n1))
+        assert math.isclose(rows[-1][0][h], other * T / (6 * (n1 - 1)), rel_tol=1e-4)
+        assert math.isclose(rows[-1][1][h], own * T / (6 * (n1 - 1)), rel_tol=1e-4)
+    assert rows[0][0] != rows[1][0]  # one row per block
+    torch.save({"model": clip.state_dict(), "config": asdict(cfg)}, tmp_path / "clip.pt")
+    for extra in ([], ["--random"]):
+        losses, acc = probe.main(["aligned", "--clip", str(tmp_path / "clip.pt"), "--data-root", str(adapt_synth),
+                                  "--epochs", "15", "--batch-size", "4"] + extra)
+        assert len(acc) == 5 and losses[-1] < 0.5 * losses[0], losses  # 21 pairs' answers learnt by heart
+    assert "block 1, 15 epochs" in capsys.readouterr().out  # the intra blocks: 3 - 2 inter
 
 
 # -------------------------------------------------------------------------------------------------------------
