@@ -23,6 +23,11 @@ from multiprocessing import Pool
 from pathlib import Path
 from typing import NamedTuple
 
+try:
+    import fcntl  # the image cache's build lock (Linux, macOS)
+except ImportError:
+    fcntl = None
+
 import numpy as np
 import torch
 from PIL import Image
@@ -330,11 +335,7 @@ def _stat(path):
 
 def _build_cache(folder, paths, size, workers, log_every):
     """Decode every image into folder/images.npy (written in a temporary folder, renamed into place) -> images/s."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    for old in folder.parent.glob(folder.name + ".tmp*"):  # a killed build's leftovers (a live one writes often)
-        if time.time() - old.stat().st_mtime > 600:
-            shutil.rmtree(old, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp", dir=folder.parent))
+    tmp, lock = _start_build(folder)
     t0 = time.time()
     try:
         array = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8,
@@ -353,17 +354,72 @@ def _build_cache(folder, paths, size, workers, log_every):
         array.flush()
         del array
         (tmp / "paths.json").write_text(json.dumps(paths))
-        os.rename(tmp, folder)
+        (tmp / LOCK).unlink()
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another process (a second run, a rank on another node) finished the same cache first
+            if not (folder / "images.npy").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # same name, same images: theirs is ours
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        lock.close()
     return len(paths) / max(time.time() - t0, 1e-9)
 
 
+LOCK = "building"  # inside a build's temporary folder, locked (flock) while the building process lives
+
+
+def _start_build(folder):
+    """A temporary folder next to `folder` for a new build, readable by whoever may read `folder` (the umask, not
+    mkdtemp's 0700: a shared --cache-dir), and its lock, held until the returned file is closed or the process
+    dies. Leftovers of builds whose process died (killed, crashed) are removed first; a live build, however long
+    it has run, is not: its lock says so (writes through a memmap never touch the folder's time)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for old in folder.parent.glob(folder.name + ".tmp*"):
+        if not _alive(old):
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp", dir=folder.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    lock = open(tmp / (LOCK + ".new"), "w")
+    if fcntl:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+    os.rename(tmp / (LOCK + ".new"), tmp / LOCK)  # visible only once locked: never seen unlocked while alive
+    return tmp, lock
+
+
+def _alive(tmp, grace=600):
+    """Is a build still writing into `tmp`? Its lock is held (no fcntl, as on Windows: it is younger than `grace`
+    seconds). A folder without a lock file is a build's first instant, or one that finished: it is left alone
+    for `grace` seconds."""
+    try:
+        with open(tmp / LOCK) as f:
+            if not fcntl:
+                return time.time() - os.stat(tmp).st_mtime < grace
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            return False
+    except FileNotFoundError:
+        try:
+            return time.time() - os.stat(tmp).st_mtime < grace
+        except FileNotFoundError:
+            return True  # gone meanwhile: nothing to remove
+
+
 def open_cache(items, size, flag=None, directory=None, world=1, rank=0, log=print):
-    """The ImageCache of these items (None when not used): under torchrun, rank 0 builds it while the others wait,
-    then each opens it."""
-    if not use_cache(items, size, flag, directory):
+    """The ImageCache of these items (None when not used): under torchrun, rank 0 decides whether to use it (one
+    decision: near the disk-space threshold, ranks deciding alone could disagree and no longer meet at the
+    barrier), builds it while the others wait, then each opens it."""
+    use = [use_cache(items, size, flag, directory) if rank == 0 else None]
+    if world > 1:
+        torch.distributed.broadcast_object_list(use, src=0)
+    if not use[0]:
         return None
     if world > 1 and rank != 0:
         torch.distributed.barrier()

@@ -465,6 +465,9 @@ def build_paraphrase_index(table, out, log_every=1_000_000):
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # as any file the user writes (mkdtemp's 0700 hides a shared cache)
     except OSError as e:
         raise OSError(f"cannot write METEOR's paraphrase index under {out.parent} ({e}): set XDG_CACHE_HOME to a "
                       "writable folder") from e
@@ -476,6 +479,8 @@ def build_paraphrase_index(table, out, log_every=1_000_000):
         os.rename(tmp, out)  # atomic; when another process finished first, theirs stays
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "split.npy").is_file():
+            raise
     if log_every:
         print(f"METEOR: paraphrase index ({len(ends):,} entries, {len(ids):,} words) built in {time.time() - t0:.0f}s"
               f" -> {out}", file=sys.stderr, flush=True)

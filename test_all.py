@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import warnings
 import zipfile
@@ -45,6 +46,33 @@ from metrics import bleu, cider_d, cider_d_constant, cider_d_prepare, evaluate, 
 from model import CLIP, Captioner, CaptionerConfig, CLIPConfig
 
 SHARED = Path(__file__).resolve().parent.parent / "shared"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank, fn, world, port, args):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    fn(rank, world, *args)
+
+
+def run_ranks(fn, *args, world=2, timeout=300):
+    """fn(rank, world, *args) in `world` fresh processes, as torchrun starts them (RANK, WORLD_SIZE, MASTER_*
+    set; fn joins the gloo group itself, or through train_utils.setup). A hang (processes that no longer meet in
+    the same collective) fails the test after `timeout` seconds instead of stalling the suite."""
+    procs = mp.start_processes(_rank_entry, args=(fn, world, free_port(), args), nprocs=world, join=False,
+                               start_method="spawn")
+    deadline = time.time() + timeout
+    while not procs.join(timeout=2):
+        if time.time() > deadline:
+            for p in procs.processes:
+                p.kill()
+            pytest.fail(f"{getattr(fn, '__name__', fn)} in {world} processes did not finish in {timeout}s: a hang")
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -772,6 +800,61 @@ def test_a_killed_cache_build_is_never_read(synth_set, tmp_path):
     assert cache.built and torch.equal(cache[str(victim)], data.ImageDataset(items, 32)[3][1])
 
 
+def test_cache_build_spares_a_live_build_and_takes_a_finished_one(synth_set, tmp_path):
+    """Two runs on one cache folder: a second run started long into a first one's build leaves that build alone
+    (writes through a memmap never update its folder's time, so age says nothing: its lock does); a build that
+    another process finished first is taken, not a crash; a killed build's leftovers go at once; and the folders
+    are readable by the machine's other users as the umask says (a shared --cache-dir), not mkdtemp's 0700."""
+    items = data.load_items("clevr", synth_set, "test", "total")
+    directory = tmp_path / "cache"
+    old_umask = os.umask(0o022)
+    live = None
+    try:
+        folder = data.ImageCache(items, 32, workers=1, directory=directory).folder
+        assert folder.stat().st_mode & 0o777 == 0o755
+        shutil.rmtree(folder)
+        code = ("import pathlib, sys, time, data; tmp, lock = data._start_build(pathlib.Path(sys.argv[1])); "
+                "print(tmp, flush=True); time.sleep(300)")
+        live = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True,
+                                cwd=Path(__file__).resolve().parent)
+        tmp = Path(live.stdout.readline().strip())
+        assert tmp.is_dir() and tmp.name.startswith(folder.name + ".tmp")
+        os.utime(tmp, (time.time() - 3600, time.time() - 3600))  # it started an hour ago
+        second = data.ImageCache(items, 32, workers=1, directory=directory)
+        assert second.built and tmp.is_dir()  # the live build is still there
+        # the first build finishes after the second: the cache is there already, and it is the same
+        paths = data.image_paths(items)
+        data._build_cache(folder, paths, 32, 1, 0)
+        assert np.array_equal(np.load(folder / "images.npy"), second.array)
+        assert sorted(p.name for p in directory.iterdir()) == sorted([folder.name, tmp.name])  # no new leftover
+        live.kill()  # SIGKILL: its lock goes with it, and the next build clears what it left
+        live.wait(timeout=30)
+        shutil.rmtree(folder)
+        data.ImageCache(items, 32, workers=1, directory=directory)
+        assert [p.name for p in directory.iterdir()] == [folder.name]
+    finally:
+        os.umask(old_umask)
+        if live is not None and live.poll() is None:
+            live.kill()
+
+
+def _cache_rank(rank, world, items, directory, out):
+    torch.distributed.init_process_group("gloo")
+    data.use_cache = lambda *args, **kwargs: rank == 0  # near the disk-space threshold: ranks see other room
+    cache = data.open_cache(items, 32, None, directory, world, rank, log=lambda m: None)
+    (Path(out) / str(rank)).write_text("cache" if cache is not None else "none")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def test_cache_decision_is_rank_zeros(synth_set, tmp_path):
+    """Under torchrun the ranks use the cache or not together (rank 0 decides); deciding alone, one rank skips
+    the barrier the other waits in."""
+    items = data.load_items("clevr", synth_set, "test", "total")
+    run_ranks(_cache_rank, items, str(tmp_path / "cache"), str(tmp_path), timeout=120)
+    assert [(tmp_path / str(r)).read_text() for r in range(2)] == ["cache", "cache"]
+
+
 def test_loader_reproducible(synth_set):
     items = data.load_items("clevr", synth_set, "train", "semantic")
     ds = data.CaptionDataset(items, size=16, swap_prob=0.5)
@@ -990,10 +1073,17 @@ def test_paraphrase_index_matches_a_scan_and_follows_its_source(tmp_path, monkey
         return dict(out)
 
     write(entries)
+    umask = os.umask(0o022)
+    os.umask(umask)
     for vocab in ({"w1", "w2", "w3"}, set(words[:25]), set(words)):
         assert metrics.load_paraphrases(table, vocab) == scan(vocab)
     built = sorted((tmp_path / "cache" / "clip4idc").iterdir())
     assert len(built) == 1 and (built[0] / "tokens.npy").is_file()
+    assert built[0].stat().st_mode & 0o777 == 0o777 & ~umask  # a shared cache: readable by all, as the umask says
+    other = tmp_path / "raced"  # another process finished the same index first: theirs is kept, no error
+    shutil.copytree(built[0], other)
+    assert metrics.build_paraphrase_index(table, other, log_every=0) == other and (other / "split.npy").is_file()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("raced")] == ["raced"]
     entries = entries[:1000] + [("w1", "w39 w38")]  # the source changes: a new index, the old one unused
     write(entries)
     assert metrics.load_paraphrases(table, {"w1", "w38", "w39"}) == scan({"w1", "w38", "w39"})
@@ -1353,10 +1443,7 @@ def test_swap_default_is_the_authors_on_real_clevr(adapt_synth, tmp_path, capsys
     assert "distractor swap p=0.5" in capsys.readouterr().out
 
 
-def _ddp_worker(rank, world, port, path):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _ddp_worker(rank, world, path):
     ctx = train_utils.setup(seed=0, device="cpu")
     model, batch = _ddp_problem()
     net = torch.nn.parallel.DistributedDataParallel(adapt.PairText(model))
@@ -1382,10 +1469,7 @@ def _ddp_problem():
 
 
 def test_two_processes_equal_one_on_the_global_batch(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path / "ddp.pt")), nprocs=2, join=True)
+    run_ranks(_ddp_worker, str(tmp_path / "ddp.pt"), timeout=120)
     got = torch.load(tmp_path / "ddp.pt", weights_only=False)
     model, batch = _ddp_problem()
     loss = adapt.contrastive_loss(*adapt.PairText(model)(*batch))
@@ -1704,10 +1788,7 @@ def test_bf16_autocast_through_main(adapt_synth, tmp_path):
         assert abs(loss[stage, "bf16"] - loss[stage, "off"]) < 0.02 * loss[stage, "off"], loss
 
 
-def _stage_worker(rank, world, port, stage, argv, skew=False):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _stage_worker(rank, world, stage, argv, skew=False):
     if skew:  # rank 0 sees no val CIDEr-D gain after the first epoch; rank 1 a gain every epoch
         scores = iter(range(100, 10_000)) if rank else None
         caption.cider = lambda items, preds: float(next(scores)) if scores else 0.0
@@ -1716,18 +1797,7 @@ def _stage_worker(rank, world, port, stage, argv, skew=False):
 
 def torchrun(stage, argv, world=2, timeout=300, skew=False):
     """`stage`.main(argv) in `world` gloo processes, as torchrun starts them; a hang fails the test."""
-    import time
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = mp.start_processes(_stage_worker, args=(world, port, stage, argv, skew), nprocs=world, join=False,
-                               start_method="spawn")
-    deadline = time.time() + timeout
-    while not procs.join(timeout=5):
-        if time.time() > deadline:
-            for p in procs.processes:
-                p.kill()
-            pytest.fail(f"{stage}.main under {world} processes did not finish in {timeout}s: a hang")
+    run_ranks(_stage_worker, stage, argv, skew, world=world, timeout=timeout)
 
 
 def test_sharded_batches_hold_the_global_batch():
