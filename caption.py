@@ -548,6 +548,10 @@ def train(args, extra):
         start, step, best, best_epoch, bad, history = (resume[k] for k in
                                                        ("epoch", "step", "best", "best_epoch", "bad", "history"))
         log(ctx, f"resumed from {last_path(args.out)} at epoch {start + 1} (best val CIDEr-D {best:.1f})")
+    stop = start if bad >= args.patience else args.epochs  # a run that had stopped early stays stopped
+    if stop == start < args.epochs:
+        log(ctx, f"the run had stopped early after epoch {start} (no val CIDEr-D gain for {bad} epochs): no more "
+                 f"training, the test of epoch {best_epoch}'s model")
     epoch = start  # the training loop below rebinds it; loss_fn reads the current epoch
 
     def loss_fn(batch):
@@ -569,7 +573,7 @@ def train(args, extra):
     # training: word-level cross entropy; select on val CIDEr-D, stop after --patience epochs without gain
     t_start = time.time()
     try:
-        for epoch in range(start, args.epochs):
+        for epoch in range(start, stop):
             set_epoch(train_loader, epoch)
             t0 = time.time()
             progress = Progress(epoch, args.epochs, step, total_steps, args.log_every)

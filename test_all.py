@@ -1443,6 +1443,19 @@ def test_swap_default_is_the_authors_on_real_clevr(adapt_synth, tmp_path, capsys
     assert "distractor swap p=0.5" in capsys.readouterr().out
 
 
+def test_device_cuda_names_this_processs_gpu(monkeypatch):
+    """--device cuda (offered by --help) is this process's GPU, cuda:LOCAL_RANK: torch.cuda.set_device refuses a
+    device without an index (checked here by torch's own index rule; this machine has no GPU to set)."""
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(torch.cuda._utils._get_device_index(d)))
+    for local, device, want in (("0", "cuda", 0), ("1", "cuda", 1), ("1", "cuda:0", 0)):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # CUDA autocast asked for on a machine without CUDA
+            ctx = train_utils.setup(0, device)
+        assert ctx.device == torch.device("cuda", want) and chosen[-1] == want
+
+
 def _ddp_worker(rank, world, path):
     ctx = train_utils.setup(seed=0, device="cpu")
     model, batch = _ddp_problem()
@@ -2005,6 +2018,22 @@ def test_resume_equals_uninterrupted(trained, tmp_path, monkeypatch):
     assert a["epoch"] == b["epoch"] == 3 and a["history"] == b["history"]
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_resume_after_early_stop_trains_no_more(trained, tmp_path, monkeypatch, capsys):
+    """A run resumed after its early stop (killed in its final test, or run again) tests the model it chose; it
+    does not train another epoch, which could choose another."""
+    shutil.copy(trained[0] / "adapted.pt", tmp_path / "adapted.pt")
+    scores, real = iter([50.0, 40.0]), caption.cider  # val CIDEr-D falls after epoch 1: patience 1 stops after 2
+    monkeypatch.setattr(caption, "cider", lambda items, preds: next(scores, None) or real(items, preds))
+    first = run(tmp_path, "--patience", "1", epochs=6)
+    chosen = torch.load(tmp_path / "captioner.pt", weights_only=False)
+    assert [h["epoch"] for h in chosen["metrics"]["history"]] == [1, 2] and chosen["metrics"]["epoch"] == 1
+    again = run(tmp_path, "--patience", "1", "--resume", epochs=6)
+    state, after = (torch.load(tmp_path / f, weights_only=False) for f in ("captioner.last.pt", "captioner.pt"))
+    assert state["epoch"] == 2 and after["metrics"]["epoch"] == 1 and again["scores"] == first["scores"]
+    assert all(torch.equal(after["captioner"][k], v) for k, v in chosen["captioner"].items())
+    assert "had stopped early after epoch 2" in capsys.readouterr().out
 
 
 def test_synthetic_run_reads_its_captions_back(adapt_synth, tmp_path, capsys):

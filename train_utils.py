@@ -42,6 +42,8 @@ def setup(seed=0, device=None, amp="auto"):
     if device is None:
         device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # --device cuda: this process's GPU
+        device = torch.device("cuda", local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
