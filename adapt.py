@@ -29,9 +29,9 @@ import clip_load
 import data
 import model as M
 import plots
-from train_utils import (Progress, freeze, gather, interrupted, last_path, log, make_optimizer, param_groups,
-                         policy_table, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, warmup_cosine,
-                         where)
+from train_utils import (Progress, freeze, gather, interrupted, last_path, local_batch, log, make_optimizer,
+                         param_groups, policy_table, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch,
+                         warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
@@ -238,8 +238,18 @@ def chance_metrics(owner, P):
 
 
 def evaluate(model, items, args, ctx, cache=None):
+    """Retrieval figures on `items`, or None when the features are not finite (a diverged model: a NaN similarity
+    would rank first, R@1 100, and be saved as the best)."""
     v, g, owner = encode_split(model, items, args, ctx, cache)
+    if not (torch.isfinite(v).all() and torch.isfinite(g).all()):
+        return None
     return retrieval_metrics(v @ g.t(), owner)
+
+
+def diverged(epoch):
+    return (f"evaluation after epoch {epoch}: the encoder's features are NaN/inf (the weights diverged): stopping. "
+            f"The best checkpoint so far is kept; check the data, or start again with a lower learning rate "
+            f"(--resume would keep the old one).")
 
 
 def fmt(m):
@@ -291,8 +301,8 @@ def main(argv=None):
     train_ds = data.CaptionDataset(train_items, args.image_size, args.context_length,
                                    swap_prob=args.swap_prob, cache=cache, seed=args.seed)
     sampler = data.EpochSampler(len(train_ds), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)
-    local_batch = args.batch_size // ctx.world
-    loader = data.make_loader(train_ds, local_batch, workers=args.workers, device=ctx.device, sampler=sampler,
+    per_process = local_batch(ctx, args.batch_size)
+    loader = data.make_loader(train_ds, per_process, workers=args.workers, device=ctx.device, sampler=sampler,
                               drop_last=True)
     log(ctx, f"   {args.data} at {root}: train {len(train_items)} pairs / {len(train_ds)} captions, "
              f"val {len(val_items)} pairs, test {len(test_items)} pairs" +
@@ -312,7 +322,7 @@ def main(argv=None):
 
     start, step, best, history = 0, 0, -1.0, []
     if args.resume:
-        state = restore(args.out, model, optimizer, scheduler)
+        state = restore(args.out, model, optimizer, scheduler, ctx)
         start, step, best, history = state["epoch"], state["step"], state["best"], state["history"]
         log(ctx, f"   resumed from {last_path(args.out)} after epoch {start} (best val R@mean {best:.2f})")
     net = PairText(model)
@@ -338,8 +348,16 @@ def main(argv=None):
             progress = Progress(epoch, args.epochs, step, total_steps, args.log_every)
             loss = train_epoch(ctx, net, loader, loss_fn, optimizer, scheduler, progress, args.grad_clip)
             step = progress.step
+            stop = [None]
             if ctx.main:  # select on val, never on test
                 val = evaluate(model, val_items, args, ctx, cache)
+                stop = [diverged(epoch + 1) if val is None else None]
+            if ctx.world > 1:  # rank 0's verdict, shared: every process stops, or none (also the epoch's barrier)
+                torch.distributed.broadcast_object_list(stop, src=0)
+            if stop[0]:
+                raise SystemExit(stop[0])
+            rng = rng_state(ctx)  # every process's streams (a collective), saved by rank 0
+            if ctx.main:
                 history.append({"epoch": epoch + 1, "loss": loss, **val})
                 improved = val["R@mean"] > best
                 log(ctx, f"epoch {epoch + 1}/{args.epochs} done in {time.time() - t0:.0f}s | loss {loss:.4f} | "
@@ -348,12 +366,10 @@ def main(argv=None):
                     best = val["R@mean"]
                     save_atomic(checkpoint(model, args, root, {"val": val, "epoch": epoch + 1}), args.out)
                 save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "rng": rng_state(), "epoch": epoch + 1,
+                             "scheduler": scheduler.state_dict(), "rng": rng, "epoch": epoch + 1,
                              "step": step, "best": best, "history": history, "args": vars(args)},
                             last_path(args.out))
                 plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, "R@mean")  # val, selects
-            if ctx.world > 1:
-                torch.distributed.barrier()
     except KeyboardInterrupt:
         interrupted(ctx, args.out)
 
@@ -366,6 +382,8 @@ def main(argv=None):
         ckpt = torch.load(args.out, map_location="cpu", weights_only=False)
         model.load_state_dict(ckpt["model"])
         test = evaluate(model, test_items, args, ctx, cache)
+        if test is None:
+            raise SystemExit(diverged(ckpt["metrics"]["epoch"]) + " (on test)")
         ckpt["metrics"].update(test=test, chance=chance, history=history)
         save_atomic(ckpt, args.out)
         log(ctx, f"test (best val epoch {ckpt['metrics']['epoch']}): {fmt(test)}")

@@ -31,9 +31,9 @@ from clip_load import MODELS, SHIPPED, load_clip, load_image, normalize, open_im
 from data import (BadImage, EpochSampler, ImageDataset, exit_message, load_items, make_loader, open_cache,
                   resolve_root, sample_rng, set_epoch)
 from model import PAIR_KEYS, Captioner, CaptionerConfig
-from train_utils import (Progress, fmt_time, freeze, interrupted, last_path, load_resume, log, make_optimizer,
-                         param_groups, policy_table, rng_state, save_atomic, seed_ranks, set_rng_state, setup,
-                         train_epoch, unwrap, warmup_cosine, where)
+from train_utils import (Progress, fmt_time, freeze, interrupted, last_path, load_resume, local_batch, log,
+                         make_optimizer, param_groups, policy_table, rng_state, save_atomic, seed_ranks, set_rng_state,
+                         setup, train_epoch, unwrap, warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoders (mini, scratch), frozen (its tokens computed once per pair): a decoder that
@@ -529,7 +529,7 @@ def train(args, extra):
         feats = {s: encode_all(model, loader_for(items, args, ctx, size, cache=cache), ctx)
                  for s, items in splits.items()}
         log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
-    batch = args.batch_size // ctx.world
+    batch = local_batch(ctx, args.batch_size)
     train_loader = loader_for(splits["train"], args, ctx, size, feats.get("train"), True, batch, cache)
     val_loader, test_loader = (loader_for(splits[s], args, ctx, size, feats.get(s), cache=cache)
                                for s in ("val", "test"))
@@ -544,7 +544,7 @@ def train(args, extra):
         model.load_state_dict(resume["model"])
         optimizer.load_state_dict(resume["optimizer"])
         scheduler.load_state_dict(resume["scheduler"])
-        set_rng_state(resume["rng"])
+        set_rng_state(resume["rng"], ctx)
         start, step, best, best_epoch, bad, history = (resume[k] for k in
                                                        ("epoch", "step", "best", "best_epoch", "bad", "history"))
         log(ctx, f"resumed from {last_path(args.out)} at epoch {start + 1} (best val CIDEr-D {best:.1f})")
@@ -600,9 +600,10 @@ def train(args, extra):
             judged = "".join(f", {k} {val[k]:.0f}%" for k in ("right type", "right object") if k in val)
             log(ctx, f"epoch {epoch + 1}/{args.epochs} | loss {loss:.3f} | val {summary(val)}{judged} | best CIDEr-D "
                      f"{best:.1f} (epoch {best_epoch}) | {time.time() - t0:.0f}s")
+            rng = rng_state(ctx)  # every process's streams (a collective), saved by rank 0
             if ctx.main:
                 save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "rng": rng_state(), "epoch": epoch + 1,
+                             "scheduler": scheduler.state_dict(), "rng": rng, "epoch": epoch + 1,
                              "step": step, "best": best, "best_epoch": best_epoch, "bad": bad, "history": history,
                              "vocab": vocab}, last_path(args.out))
             if bad >= args.patience:

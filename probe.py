@@ -121,7 +121,8 @@ def supervised(train, test, args):
     """Train adapt.py's small encoder from scratch (or --clip's, pretrained) on the answers -> per epoch (mean
     train loss, test accuracies)."""
     early = args.fusion == "early"
-    small = argparse.Namespace(**{**adapt.PRESETS["scratch"], "clip": args.clip, "n_inter": 0 if early else args.n_inter})
+    small = argparse.Namespace(**{**adapt.PRESETS["scratch"], "clip": args.clip,
+                                  "n_inter": 0 if early else args.n_inter})
     clip = adapt.new_model(small)
     if early:  # the patch embedding takes both images' channels
         clip.visual.conv1 = torch.nn.Conv2d(6, clip.cfg.vision_width, clip.cfg.vision_patch_size,

@@ -1435,6 +1435,24 @@ def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch):
     assert ckpt["args"]["swap_prob"] == 0.0  # the synthetic set's default
 
 
+def test_a_diverged_evaluation_stops_the_run(adapt_synth, tmp_path, monkeypatch):
+    """Weights gone NaN in epoch 2 (the loss of its steps still finite): NaN similarities would rank every pair
+    first (R@mean 100) and be saved as the best model. The run stops instead, and epoch 1's model stays chosen."""
+    real_epoch = train_utils.train_epoch
+
+    def diverge(*a, **k):
+        loss = real_epoch(*a, **k)
+        if a[6].epoch == 1:  # the Progress argument's epoch: the second
+            with torch.no_grad():
+                dict(a[1].named_parameters())["clip.visual.proj"].fill_(float("nan"))
+        return loss
+    monkeypatch.setattr(adapt, "train_epoch", diverge)
+    with pytest.raises(SystemExit, match="after epoch 2: the encoder's features are NaN"):
+        adapt.main(TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2", "--out", str(tmp_path / "a.pt")])
+    assert torch.load(tmp_path / "a.pt", weights_only=False)["metrics"]["epoch"] == 1
+    assert torch.load(tmp_path / "a.last.pt", weights_only=False)["epoch"] == 1
+
+
 def test_swap_default_is_the_authors_on_real_clevr(adapt_synth, tmp_path, capsys):
     real = tmp_path / "clevr"  # the same files without synth.json: what the real CLEVR-Change looks like
     shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("synth.json"))
@@ -1454,6 +1472,14 @@ def test_device_cuda_names_this_processs_gpu(monkeypatch):
             warnings.simplefilter("ignore")  # CUDA autocast asked for on a machine without CUDA
             ctx = train_utils.setup(0, device)
         assert ctx.device == torch.device("cuda", want) and chosen[-1] == want
+
+
+def test_global_batch_is_shared_by_the_processes(capsys):
+    ctx = train_utils.SimpleNamespace(world=4, rank=0, main=True)
+    with pytest.raises(SystemExit, match="--batch-size 3 is the global batch, shared by 4 processes: give at least 4"):
+        train_utils.local_batch(ctx, 3)  # 0 samples per process
+    assert train_utils.local_batch(ctx, 4) == 1 and capsys.readouterr().out == ""
+    assert train_utils.local_batch(ctx, 10) == 2 and "the global batch is 8" in capsys.readouterr().out
 
 
 def _ddp_worker(rank, world, path):
@@ -1801,16 +1827,24 @@ def test_bf16_autocast_through_main(adapt_synth, tmp_path):
         assert abs(loss[stage, "bf16"] - loss[stage, "off"]) < 0.02 * loss[stage, "off"], loss
 
 
-def _stage_worker(rank, world, stage, argv, skew=False):
+def _stage_worker(rank, world, stage, argv, skew=False, ctrl_c=False):
+    if ctrl_c:  # Ctrl-C as the second epoch starts, on every process (as a terminal sends it to all)
+        real_epoch = train_utils.train_epoch
+        stage_module = {"adapt": adapt, "caption": caption}[stage]
+        stage_module.train_epoch = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()) if a[6].epoch == 1 \
+            else real_epoch(*a, **k)
+        with pytest.raises(SystemExit, match="130"):
+            {"adapt": adapt.main, "caption": caption.main}[stage](argv)
+        return
     if skew:  # rank 0 sees no val CIDEr-D gain after the first epoch; rank 1 a gain every epoch
         scores = iter(range(100, 10_000)) if rank else None
         caption.cider = lambda items, preds: float(next(scores)) if scores else 0.0
     {"adapt": adapt.main, "caption": caption.main}[stage](argv)
 
 
-def torchrun(stage, argv, world=2, timeout=300, skew=False):
+def torchrun(stage, argv, world=2, timeout=300, skew=False, ctrl_c=False):
     """`stage`.main(argv) in `world` gloo processes, as torchrun starts them; a hang fails the test."""
-    run_ranks(_stage_worker, stage, argv, skew, world=world, timeout=timeout)
+    run_ranks(_stage_worker, stage, argv, skew, ctrl_c, world=world, timeout=timeout)
 
 
 def test_sharded_batches_hold_the_global_batch():
@@ -1845,6 +1879,23 @@ def test_torchrun_equals_one_process(adapt_synth, openai_archive, tmp_path):
     assert [h["epoch"] for h in one["metrics"]["history"]] == [h["epoch"] for h in two["metrics"]["history"]]
     for k in one["captioner"]:
         assert torch.allclose(one["captioner"][k], two["captioner"][k], atol=1e-5, rtol=1e-4), k
+
+
+def test_torchrun_resume_gives_each_process_its_own_random_stream(adapt_synth, openai_archive, tmp_path):
+    """Dropout on, 2 processes: a run stopped by Ctrl-C after epoch 1 and resumed ends with the weights of one
+    that never stopped, because each process gets back its own random stream (not rank 0's: the same masks on
+    both processes)."""
+    argv = ["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--freeze-encoder", "--dropout", "0.3",
+            "--epochs", "2", "--batch-size", "8", "--workers", "0", "--log-every", "1000"]
+    torchrun("caption", argv + ["--out", str(tmp_path / "a.pt"), "--results", str(tmp_path / "a.json")])
+    cut = argv + ["--out", str(tmp_path / "b.pt"), "--results", str(tmp_path / "b.json")]
+    torchrun("caption", cut, ctrl_c=True)
+    assert torch.load(tmp_path / "b.last.pt", weights_only=False)["epoch"] == 1
+    torchrun("caption", cut + ["--resume"])
+    a, b = (torch.load(tmp_path / f"{n}.last.pt", weights_only=False) for n in "ab")
+    assert a["epoch"] == b["epoch"] == 2 and len(a["rng"]) == 2
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
 
 
 def test_torchrun_early_stop_is_one_decision(adapt_synth, openai_archive, tmp_path):

@@ -54,6 +54,17 @@ def setup(seed=0, device=None, amp="auto"):
     return SimpleNamespace(device=device, rank=rank, world=world, main=rank == 0, amp=autocast(device, amp))
 
 
+def local_batch(ctx, batch_size):
+    """--batch-size is the global batch: each of the ctx.world processes takes batch_size // world of it."""
+    if batch_size < ctx.world:
+        raise SystemExit(f"--batch-size {batch_size} is the global batch, shared by {ctx.world} processes: give at "
+                         f"least {ctx.world} (one sample each), or start fewer processes")
+    if batch_size % ctx.world:
+        log(ctx, f"   --batch-size {batch_size} does not divide among {ctx.world} processes: the global batch is "
+                 f"{batch_size // ctx.world * ctx.world}")
+    return batch_size // ctx.world
+
+
 def seed_ranks(ctx, seed):
     """After the model is built (the same on every process): a random stream of each process's own (dropout).
     A single process keeps the stream it has."""
@@ -82,19 +93,32 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def rng_state():
+def rng_state(ctx=None):
+    """This process's random streams. Under torchrun (ctx.world > 1; a collective, every process calls it): every
+    process's, [rank 0's, rank 1's, ...], which rank 0 saves, so that each resumed process gets its own back."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    if ctx is None or ctx.world == 1:
+        return state
+    states = [None] * ctx.world
+    dist.all_gather_object(states, state)
+    return states
 
 
-def set_rng_state(state):
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def set_rng_state(state, ctx=None):
+    """Put back what rng_state saved: this process's own streams. Saved by another number of processes, rank 0's
+    streams, then one of each process's own drawn from them (as seed_ranks, different on every process)."""
+    rank, world = (ctx.rank, ctx.world) if ctx else (0, 1)
+    states = state if isinstance(state, list) else [state]
+    own = states[rank] if len(states) == world else states[0]
+    random.setstate(own["python"])
+    np.random.set_state(own["numpy"])
+    torch.set_rng_state(own["torch"])
+    if "cuda" in own and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(own["cuda"])
+    if len(states) != world and world > 1:
+        seed_everything(int(torch.randint(2 ** 31, ())) + 1000 * rank)
 
 
 def gather(x):
@@ -219,8 +243,8 @@ def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, gra
         if progress.step % progress.log_every == 0 or count == len(loader):
             if not torch.isfinite(total):  # the one host sync per log line
                 raise SystemExit(f"loss became {loss.item()} between steps {checked + 1} and {progress.step} (epoch "
-                                 f"{progress.epoch + 1}): stopping. The last good checkpoint is on disk; lower the "
-                                 f"learning rate or check the data, then --resume.")
+                                 f"{progress.epoch + 1}): stopping. The last good checkpoint is on disk; check the "
+                                 f"data, or start again with a lower learning rate (--resume would keep the old one).")
             checked = progress.step
             rate = seen / (time.time() - t0)
             eta = (progress.total_steps - progress.step) * (time.time() - t0) / count
@@ -264,14 +288,14 @@ def load_resume(out, device="cpu"):
         raise SystemExit(f"--resume: cannot read {path} ({type(e).__name__}: {e}); start without --resume") from None
 
 
-def restore(out, model, optimizer, scheduler):
-    """--resume: the resumable state of the run writing `out` put back into the model, optimizer, scheduler and the
-    random streams -> that state (the stage reads its own counters from it)."""
+def restore(out, model, optimizer, scheduler, ctx=None):
+    """--resume: the resumable state of the run writing `out` put back into the model, optimizer, scheduler and
+    this process's random streams -> that state (the stage reads its own counters from it)."""
     state = load_resume(out)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"])
+    set_rng_state(state["rng"], ctx)
     return state
 
 
