@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import warnings
@@ -1808,6 +1809,82 @@ def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
                         "--out", str(tmp_path / "cap.pt"), "--results", str(tmp_path / "c.json"), "--epochs", "1",
                         "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
     assert set(res["scores"]) >= {"BLEU-4", "CIDEr-D"} and len(res["predictions"]) > 0
+
+
+KILLABLE = """
+import io, os, signal, sys
+import torch
+at, real, calls = int(os.environ["KILL_AT_SAVE"]), torch.save, [0]
+
+def save(obj, f, *args, **kwargs):  # SIGKILL halfway through writing the at-th checkpoint
+    calls[0] += 1
+    if calls[0] == at:
+        buf = io.BytesIO()
+        real(obj, buf)
+        with open(f, "wb") as out:
+            out.write(buf.getvalue()[:buf.tell() // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(obj, f, *args, **kwargs)
+
+torch.save = save
+torch.set_num_threads(1)
+__import__(sys.argv[1]).main(sys.argv[2:])
+"""
+
+
+def run_killable(stage, argv, kill_at_line=None, kill_at_save=0, timeout=300):
+    """`stage`.main(argv) as a real process, SIGKILLed at the third line of its output that holds `kill_at_line`
+    or halfway through writing its `kill_at_save`-th checkpoint -> (return code, -9 when killed; its output)."""
+    p = subprocess.Popen([sys.executable, "-c", KILLABLE, stage, *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parent,
+                         env={**os.environ, "KILL_AT_SAVE": str(kill_at_save)})
+    watchdog = threading.Timer(timeout, p.kill)  # a hang fails the test below instead of stalling the suite
+    watchdog.start()
+    try:
+        out, seen = [], 0
+        for line in p.stdout:
+            out.append(line)
+            seen += bool(kill_at_line) and kill_at_line in line
+            if seen == 3:
+                p.kill()
+        rc = p.wait()
+    finally:
+        watchdog.cancel()
+        p.kill()
+    assert watchdog.is_alive() or rc == -9 and (kill_at_line or kill_at_save), "".join(out)[-3000:]
+    return rc, "".join(out)
+
+
+def test_sigkilled_runs_resume_to_the_same_weights(adapt_synth, tmp_path):
+    """Both stages as real processes, killed (SIGKILL: no handler runs) mid-epoch or halfway through writing a
+    checkpoint, then resumed: the final weights and the chosen model equal those of a run never stopped."""
+    stages = {
+        "adapt": TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "3", "--workers", "0"],
+        "caption": ["--ckpt", str(tmp_path / "full_adapt.pt"), "--preset", "small", "--width", "64", "--heads", "2",
+                    "--enc-layers", "1", "--dec-layers", "1", "--epochs", "3", "--batch-size", "8", "--workers", "0",
+                    "--patience", "100", "--log-every", "1"],
+    }
+    for stage, argv in stages.items():
+        out = lambda name: ["--out", str(tmp_path / f"{name}_{stage}.pt")] + (
+            ["--results", str(tmp_path / f"{name}.json")] if stage == "caption" else [])
+        rc, log_full = run_killable(stage, argv + out("full"))
+        assert rc == 0, log_full[-3000:]
+        full = torch.load(tmp_path / f"full_{stage}.last.pt", weights_only=False)
+        for name, kill in (("mid_epoch", {"kill_at_line": "epoch 2/3 step "}), ("mid_write", {"kill_at_save": 3})):
+            rc, _ = run_killable(stage, argv + out(name), **kill)
+            assert rc == -9, (stage, name)
+            assert torch.load(tmp_path / f"{name}_{stage}.last.pt", weights_only=False)["epoch"] == 1
+            rc, log = run_killable(stage, argv + out(name) + ["--resume"])
+            assert rc == 0 and "resumed from" in log, log[-3000:]
+            resumed = torch.load(tmp_path / f"{name}_{stage}.last.pt", weights_only=False)
+            assert resumed["epoch"] == 3 and resumed["history"] == full["history"], (stage, name)
+            for k in full["model"]:
+                assert torch.equal(full["model"][k], resumed["model"][k]), (stage, name, k)
+            chosen = [torch.load(tmp_path / f"{n}_{stage}.pt", weights_only=False) for n in ("full", name)]
+            key = "model" if stage == "adapt" else "captioner"
+            assert chosen[0]["metrics"]["epoch"] == chosen[1]["metrics"]["epoch"]
+            assert all(torch.equal(v, chosen[1][key][k]) for k, v in chosen[0][key].items()), (stage, name)
+        assert not list(tmp_path.glob("*.tmp*"))  # the killed writes' partial files went with the next save
 
 
 def test_bf16_autocast_through_main(adapt_synth, tmp_path):

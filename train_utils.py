@@ -4,6 +4,7 @@ progress line, atomic resumable checkpoints, and the cross-process gather for th
 `adapt.py` and `caption.py` import from here; nothing here knows which stage it serves.
 """
 import functools
+import glob
 import itertools
 import math
 import os
@@ -264,11 +265,15 @@ def fmt_time(seconds):
 
 
 def save_atomic(obj, path):
+    """torch.save to a temporary file, renamed into place: a process killed while writing leaves the previous
+    checkpoint whole (and a partial temporary file, removed by the next save of the same path)."""
     path = str(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(obj, tmp)
     os.replace(tmp, path)
+    for left in glob.glob(glob.escape(path) + ".tmp*"):  # one process writes a path: these are dead writers'
+        os.remove(left)
 
 
 def last_path(out):
