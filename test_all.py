@@ -80,9 +80,9 @@ def run_ranks(fn, *args, world=2, timeout=300):
 # model.py / clip_load.py: CLIP parity, pair encoder, checkpoints, tokenizer, preprocessing
 
 
-TINY = M.CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=64, vision_patch_size=8,
-                    context_length=77, vocab_size=49408, transformer_width=64, transformer_heads=1,
-                    transformer_layers=2, n_inter=2)
+TINY = M.CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
+                    context_length=77, vocab_size=49408, transformer_width=128, transformer_heads=2,
+                    transformer_layers=2, n_inter=2)  # 2 heads in each tower (heads = width / 64, as OpenAI's)
 
 
 def assert_close(a, b, atol=1e-5):
@@ -140,7 +140,7 @@ def test_patches_equal_the_convolution():
     vis = M.CLIP(TINY).visual
     x = torch.randn(2, 3, 37, 53)
     want = vis.conv1(x).flatten(2).transpose(1, 2)  # (B, 4 * 6, width)
-    assert vis.patches(x).shape == want.shape == (2, 24, 64)
+    assert vis.patches(x).shape == want.shape == (2, 24, 128)
     assert_close(vis.patches(x), want)
 
 
@@ -184,14 +184,40 @@ def test_pair_encoder_without_inter_blocks_is_plain_clip():
         assert_close(v, (model.encode_image(before) + model.encode_image(after)) / 2)
 
 
-def test_pair_encoder_order_matters():
+def pair_reference(visual, before, after):
+    """Eq. (2)-(5) written out again, apart from model.py: OpenAI's stem (a convolution, [CLS], positional
+    embedding, ln_pre), the intra blocks on each image alone, e1/e2 added to each image's tokens and p to the
+    joint sequence, ln_mid, the inter blocks, ln_post and proj on every token, v = the mean of the two [CLS]."""
+    def stem(x):
+        x = visual.conv1(x).flatten(2).transpose(1, 2)
+        x = torch.cat([visual.class_embedding.expand(len(x), 1, -1), x], dim=1) + visual.positional_embedding
+        return visual.ln_pre(x)
+    blocks = list(visual.transformer.resblocks)
+    n_intra = len(blocks) - visual.n_inter
+    b, a = stem(before), stem(after)
+    for block in blocks[:n_intra]:  # eq. (2)
+        b, a = block(b), block(a)
+    x = torch.cat([b + visual.bef_embedding, a + visual.aft_embedding], dim=1)  # eq. (3)
+    x = visual.ln_mid(x + visual.joint_positional_embedding)  # eq. (4)
+    for block in blocks[n_intra:]:
+        x = block(x)
+    tokens = visual.ln_post(x) @ visual.proj
+    return tokens, (tokens[:, 0] + tokens[:, b.shape[1]]) / 2  # eq. (5)
+
+
+def test_pair_encoder_is_eq_2_to_5_and_order_matters():
     torch.manual_seed(0)
-    model = M.CLIP(TINY).eval()  # 2 intra + 2 inter blocks
+    model = M.CLIP(TINY).eval()  # 2 intra + 2 inter blocks, 2 heads
+    with torch.no_grad():  # trained-looking pair parameters: e1, e2, p, ln_mid away from their initial values
+        for name in ("bef_embedding", "aft_embedding", "joint_positional_embedding", "ln_mid.weight", "ln_mid.bias"):
+            model.visual.get_parameter(name).add_(torch.randn_like(model.visual.get_parameter(name)))
     images, _ = tiny_inputs()
     with torch.no_grad():
         t1, v1 = model.encode_pair(images, images.roll(1, 0))
         t2, v2 = model.encode_pair(images.roll(1, 0), images)
+        ref_t, ref_v = pair_reference(model.visual, images, images.roll(1, 0))
     assert t1.shape == (3, 34, 32) and v1.shape == (3, 32)
+    assert_close(t1, ref_t) and assert_close(v1, ref_v)
     assert (v1 - v2).abs().max() > 1e-3  # e1 != e2 and p: the encoder knows which image came first
     assert (t1[:, :17] - t2[:, 17:]).abs().max() > 1e-3
 
@@ -973,9 +999,16 @@ def test_cider_d_by_hand():
 
 
 def test_cider_d_clips_repeated_ngrams():
-    refs = {1: ["a red cube", "a red ball"], 2: ["one green thing"]}
-    _, once = cider_d(refs, {1: "a red cube", 2: "x"})
-    _, again = cider_d(refs, {1: "a red cube red cube red cube", 2: "x"})
+    """By hand: 2 items, so each n-gram of one item's reference has idf log 2. "red red" against "red cube": the
+    unigram weights are h = (red: 2 log 2), r = (red: log 2, cube: log 2); the "-D" clipping credits min(h, r) * r =
+    (log 2)^2, not h * r = 2 (log 2)^2. Cosine 1 / (2 sqrt 2) (unclipped: 1 / sqrt 2); no shared bigram; no 3- or
+    4-grams; equal lengths (1 bigram each): CIDEr-D = 10 * cos / 4."""
+    refs = {1: ["red cube"], 2: ["blue ball"]}
+    _, items = cider_d(refs, {1: "red red", 2: "x"})
+    assert items[1] == pytest.approx(10 * (1 / (2 * math.sqrt(2))) / 4, abs=1e-12)
+    _, once = cider_d({1: ["a red cube", "a red ball"], 2: ["one green thing"]}, {1: "a red cube", 2: "x"})
+    _, again = cider_d({1: ["a red cube", "a red ball"], 2: ["one green thing"]},
+                       {1: "a red cube red cube red cube", 2: "x"})
     assert again[1] < once[1]
 
 
@@ -1224,11 +1257,20 @@ def test_attention_weights_are_the_sdpa_paths():
                                                                         attn.in_proj_bias).split(96, dim=2))
     torch.testing.assert_close(w @ v, F.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=1e-5)
     cfg = M.CLIPConfig(embed_dim=32, image_resolution=48, vision_layers=3, vision_width=128, vision_patch_size=16,
-                       context_length=8, transformer_width=64, transformer_heads=1, transformer_layers=1, n_inter=1)
+                       context_length=8, transformer_width=64, transformer_heads=1, transformer_layers=1, n_inter=2)
     clip = M.CLIP(cfg).eval()
     b, a = torch.randn(2, 3, 48, 48), torch.randn(2, 3, 48, 48)
-    tokens, vec, weights = clip.visual.forward_pair(b, a, explain=True)
+    seen = []  # each inter block's attention input, as the blocks see it
+    blocks = clip.visual.transformer.resblocks
+    hooks = [blk.attn.register_forward_pre_hook(lambda m, inp: seen.append((m, inp[0]))) for blk in blocks[1:]]
+    with torch.no_grad():
+        tokens, vec, weights = clip.visual.forward_pair(b, a, explain=True)
+    for h in hooks:
+        h.remove()
     assert weights.shape == (2, 2, 20, 20) and torch.equal(tokens, clip.visual.forward_pair(b, a)[0])
+    first, last = (model.attention_weights(m, x) for m, x in seen)
+    torch.testing.assert_close(weights, last)  # the last inter block's, not the first's
+    assert (weights - first).abs().max() > 1e-3
 
 
 def test_pair_maps_and_pictures(tmp_path):
@@ -1295,9 +1337,9 @@ def test_training_rule_in_plain_sight():
     assert sum(int(r[-1].replace(",", "")) for r in rows.values()) == sum(p.numel() for p in m.parameters())
 
 
-TINY_ADAPT = ["--preset", "scratch", "--image-size", "32", "--patch-size", "16", "--vision-width", "32",
-              "--vision-layers", "2", "--n-inter", "1", "--text-width", "32", "--text-layers", "1",
-              "--embed-dim", "16", "--batch-size", "8", "--eval-batch-size", "16", "--log-every", "1"]
+TINY_ADAPT = ["--preset", "scratch", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
+              "--vision-layers", "2", "--n-inter", "1", "--text-width", "128", "--text-layers", "1",
+              "--embed-dim", "16", "--batch-size", "8", "--eval-batch-size", "16", "--log-every", "1"]  # 2 heads each
 
 
 @pytest.fixture(scope="module")
@@ -2026,11 +2068,11 @@ def tiny_clevr(root):
 
 
 def tiny_encoder(path, root):
-    """An adapt.py-style checkpoint of a tiny random CLIP (2 vision blocks, the last one inter)."""
+    """An adapt.py-style checkpoint of a tiny random CLIP (2 vision blocks, the last one inter; 2 heads)."""
     torch.manual_seed(0)
-    cfg = CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=2, vision_width=64, vision_patch_size=8,
-                     context_length=8, vocab_size=100, transformer_width=32, transformer_heads=1,
-                     transformer_layers=1, n_inter=1)
+    cfg = CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=2, vision_width=128, vision_patch_size=8,
+                     context_length=8, vocab_size=100, transformer_width=128, transformer_heads=2,
+                     transformer_layers=1, n_inter=1)  # 2 heads in each tower
     torch.save({"model": CLIP(cfg).state_dict(), "config": asdict(cfg), "stage": "adapt",
                 "data": {"name": "clevr", "root": str(root), "image_size": 32}}, path)
 
@@ -2092,11 +2134,36 @@ def test_cache_equals_no_cache():
             model.USE_SDPA = True
 
 
+def test_cider_by_change_type_scores_each_type_alone():
+    """Per-type CIDEr-D (paper Table 2): each type's items scored as a corpus of their own (their own document
+    frequencies), the right items in each type; a type's wrong captions lower that type only."""
+    caps = {"color": ["the red cube turned blue", "the small ball became green", "a cylinder changed its color"],
+            "drop": ["the gray cube is gone", "the metal ball disappeared", "someone removed the cylinder"],
+            "distractor": ["nothing has changed", "the scene is the same", "no change was made"]}
+    items = [data.Item(f"{t}{k}", "b.png", "a.png", [c], t) for t, cs in caps.items() for k, c in enumerate(cs)]
+    exact = {it.id: it.captions[0] for it in items}
+    _, by_type = caption.score(items, exact, by_type=True)
+    assert set(by_type) == set(caps) and all(v > 0 for v in by_type.values())
+    for t in caps:
+        alone = {it.id: [metrics.tokenize(it.captions[0])] for it in items if it.change_type == t}
+        assert by_type[t] == pytest.approx(100 * cider_d(alone, {i: r[0] for i, r in alone.items()})[0], abs=1e-9)
+    wrong = {**exact, "drop0": "the red cube turned blue", "drop1": "nothing has changed"}
+    _, worse = caption.score(items, wrong, by_type=True)
+    assert worse["drop"] < by_type["drop"] and worse["color"] == by_type["color"]
+    assert worse["distractor"] == by_type["distractor"]
+
+
 def test_overfit_exact_captions(trained):
     tmp, results = trained
     preds = {p["id"]: p["caption"] for p in results["predictions"]}
     assert preds == {**{f"{i:06d}": c for i, (_, c) in CHANGES.items()}, **{f"{i:06d}_n": SAME for i in CHANGES}}
     assert results["scores"]["CIDEr-D"] > results["baseline"]["scores"]["CIDEr-D"]
+    # the baseline is the best constant training caption, by a full CIDEr-D pass for each (not just any of them)
+    refs = {f"{i:06d}": [c] for i, (_, c) in CHANGES.items()} | {f"{i:06d}_n": [SAME] for i in CHANGES}
+    assert {p["id"]: p["references"] for p in results["predictions"]} == refs
+    full = {c: evaluate(refs, {i: c for i in refs})["CIDEr-D"] * 100 for c in [SAME] + [c for _, c in CHANGES.values()]}
+    assert results["baseline"]["caption"] == metrics.tokenize(max(full, key=full.get)) == SAME
+    assert results["baseline"]["scores"]["CIDEr-D"] == pytest.approx(max(full.values()), abs=1e-9)
     assert set(results["scores_by_type"]) == {"color", "move", "add", "drop", "distractor"}
     saved = torch.load(tmp / "captioner.pt", weights_only=True)
     assert saved["stage"] == "caption" and saved["vocab"][:4] == caption.SPECIALS and "test" in saved["metrics"]
@@ -2114,8 +2181,9 @@ def test_two_image_cli(trained, capsys, tmp_path):
     Image.fromarray((np.asarray(grey).astype(np.uint16) * 257)).save(tmp_path / "grey16.png")
     caption.main(["--ckpt", str(tmp / "captioner.pt"), "--before", str(tmp_path / "grey.png"),
                   "--after", str(tmp_path / "grey16.png")])
-    vocab = set(torch.load(tmp / "captioner.pt", weights_only=True)["vocab"])
-    assert set(capsys.readouterr().out.split()) <= vocab
+    vocab = set(torch.load(tmp / "captioner.pt", weights_only=True)["vocab"]) - set(caption.SPECIALS)
+    said = capsys.readouterr().out.split()
+    assert said and set(said) <= vocab  # words it learnt (an empty caption is no caption)
     # evaluating a saved captioner (beam search) and drawing the gallery
     out = caption.main(["--ckpt", str(tmp / "captioner.pt"), "--results", str(tmp_path / "r.json"), "--beam", "2",
                         "--gallery", str(tmp_path / "g.png"), "--workers", "0"])
