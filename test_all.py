@@ -18,7 +18,7 @@ import time
 import urllib.error
 import warnings
 import zipfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -335,13 +335,24 @@ def test_preprocess_any_mode():
     white16 = Image.fromarray(np.full((20, 30), 65535, dtype=np.uint16))  # 16-bit: must not clip to garbage
     white8 = Image.fromarray(np.full((20, 30), 255, dtype=np.uint8))
     assert_close(preprocess(white16, 16), preprocess(white8, 16))
-    for image in (Image.fromarray(rgb).convert("L"), Image.fromarray(rgb).convert("RGBA"),
-                  Image.fromarray(rgb).convert("P"), Image.fromarray(rgb).convert("CMYK"), white8.convert("1")):
-        assert preprocess(image, 24).shape == (3, 24, 24), image.mode
     mean = torch.tensor(clip_load.MEAN).view(3, 1, 1)
     std = torch.tensor(clip_load.STD).view(3, 1, 1)
     assert_close(preprocess(white8, 8), ((1 - mean) / std).expand(3, 8, 8))
-    assert preprocess(Image.fromarray(rgb), 32, crop=True).shape == (3, 32, 32)
+    # every mode gives the image's own colours: lossless conversions equal the RGB original
+    four = np.array([[200, 30, 30], [30, 200, 30], [30, 30, 200], [240, 240, 240]], dtype=np.uint8)[
+        np.random.default_rng(1).integers(0, 4, (40, 60))]  # 4 colours: a palette holds them exactly
+    want = preprocess(Image.fromarray(four), 24)
+    for image in (Image.fromarray(four).convert("RGBA"), Image.fromarray(four).quantize(4),
+                  Image.fromarray(four).convert("CMYK")):
+        assert_close(preprocess(image, 24), want), image.mode
+    grey = preprocess(Image.fromarray(rgb).convert("L"), 24) * std + mean  # back to 0..1: three equal channels
+    assert_close(grey[0], grey[1]) and assert_close(grey[1], grey[2])
+    assert_close(grey[0], preprocess(Image.fromarray(rgb).convert("L").convert("RGB"), 24)[0] * std[0] + mean[0])
+    assert_close(preprocess(white8.convert("1"), 24), preprocess(white8, 24))
+    # crop=True is OpenAI's: the short side to 32 (60x40 -> 48x32), then the centre 32x32; not a squash
+    cropped = Image.fromarray(rgb).resize((48, 32), Image.BICUBIC).crop((8, 0, 40, 32))
+    assert_close(preprocess(Image.fromarray(rgb), 32, crop=True), preprocess(cropped, 32))
+    assert (preprocess(Image.fromarray(rgb), 32, crop=True) - x).abs().max() > 0.5
 
 
 def test_16_bit_and_float_images_scale_by_their_depth(tmp_path):
@@ -1185,7 +1196,11 @@ def test_command_line(tmp_path):
     out = subprocess.run([sys.executable, str(Path(metrics.__file__)), "--refs", str(tmp_path / "refs.json"),
                           "--cands", str(tmp_path / "cands.json")], capture_output=True, text=True, check=True).stdout
     header, values = out.strip().splitlines()[-2:]
-    assert header.split(" | ")[-1].strip() == "CIDEr-D" and len(values.split("|")) == 7
+    want = evaluate({"1": ["a red cube moved"], "2": ["nothing changed"]},
+                    {"1": "a red cube moved", "2": "something moved"})
+    assert [h.strip() for h in header.split("|")] == list(metrics.METRICS)
+    assert [float(v) for v in values.split("|")] == [round(100 * want[m], 2) for m in metrics.METRICS]
+    assert 0 < want["CIDEr-D"] and want["BLEU-1"] > 0  # figures of a half-right corpus, not zeros
 
 
 # --- agreement with coco-caption on real caption sets (its tokenization, corpus and per-item scores)
@@ -1618,7 +1633,13 @@ def test_probe_commands_run_on_a_synthetic_set(adapt_synth, tmp_path, capsys):
     assert (probe.rate("visual.conv1.weight", args), probe.rate("visual.bef_embedding", args)) == (1e-3, None)
     tiny_encoder(tmp_path / "adapted.pt", adapt_synth)
     test = probe.main(["linear", "--ckpt", str(tmp_path / "adapted.pt"), "--data-root", str(adapt_synth)])
-    assert len(test) == 5 and "test:  type" in capsys.readouterr().out
+    assert "test:  type" in capsys.readouterr().out
+    torch.manual_seed(0)  # the same, by hand: the encoder's tokens of the train and test change pairs, probed
+    clip = clip_load.load_clip(tmp_path / "adapted.pt")
+    (b, a, y), (bt, at, yt) = (probe.split(adapt_synth, s, 32) for s in ("train", "test"))
+    _, want = probe.linear_probe(probe.encode(clip, b, a)[0].flatten(1), y, probe.encode(clip, bt, at)[0].flatten(1),
+                                 yt)
+    assert test == want and len(yt) == len(data.load_items("clevr", adapt_synth, "test", "semantic"))
     real = tmp_path / "real"  # no scenes.json: a clear error, not a KeyError
     shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("scenes.json"))
     with pytest.raises(SystemExit, match="scenes.json"):
@@ -1846,11 +1867,22 @@ def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
     train_utils.seed_everything(0)
     start = clip_load.load_clip(openai_archive, n_inter=0).state_dict()
     assert all(torch.equal(ckpt["model"][k], start[k]) for k in M.PAIR_KEYS)
-    # no adaptation: the raw CLIP archive as caption.py's encoder
+    assert not torch.equal(ckpt["model"]["visual.proj"], start["visual.proj"])  # the rest did train
+    adapted = clip_load.load_clip(out).eval()  # 12/0: each image alone, v the mean of their CLIP features
+    b, a = torch.randn(2, 3, 32, 32), torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert_close(adapted.encode_pair(b, a)[1], (adapted.encode_image(b) + adapted.encode_image(a)) / 2)
+    # no adaptation: the raw CLIP archive as caption.py's encoder, frozen (the small preset)
     res = caption.main(["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "small",
                         "--out", str(tmp_path / "cap.pt"), "--results", str(tmp_path / "c.json"), "--epochs", "1",
                         "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
-    assert set(res["scores"]) >= {"BLEU-4", "CIDEr-D"} and len(res["predictions"]) > 0
+    saved, raw = torch.load(tmp_path / "cap.pt", weights_only=False), clip_load.load_clip(openai_archive).state_dict()
+    assert all(torch.equal(saved["model"][k], v) for k, v in raw.items() if k not in M.PAIR_KEYS)
+    preds = {p["id"]: p["caption"] for p in res["predictions"]}
+    refs = {p["id"]: p["references"] for p in res["predictions"]}
+    assert len(preds) == 2 * len(data.load_items("clevr", adapt_synth, "test", "semantic"))  # with distractors
+    want = evaluate(refs, preds)
+    assert all(res["scores"][m] == pytest.approx(100 * want[m], abs=1e-9) for m in metrics.METRICS)
 
 
 KILLABLE = """
@@ -2243,6 +2275,18 @@ def test_synthetic_run_reads_its_captions_back(adapt_synth, tmp_path, capsys):
     assert results["synthetic"]["change pairs"] == results["synthetic"]["distractor pairs"] == len(preds) // 2
     assert "read back against the scenes" in capsys.readouterr().out
     assert json.loads((tmp_path / "captions.json").read_text())["synthetic"] == results["synthetic"]
+    # the figures themselves: the references read back as all right, "no change" everywhere as no change at all
+    scenes, refs = synth.read_scenes(adapt_synth), {p["id"]: p["references"][0] for p in results["predictions"]}
+    right = synth.report(refs, scenes)
+    assert (right["change caption %"], right["right type %"], right["right object %"]) == (100.0, 100.0, 100.0)
+    assert right["no change on distractors %"] == 100.0 and right["change pairs"] == len(refs) // 2
+    types = Counter(scenes[i]["type"] for i in refs if not i.endswith("_n"))
+    assert {t: right[t]["right type %"] for t in types} == {t: 100.0 for t in types}
+    silent = synth.report({i: "there is no change" for i in refs}, scenes)
+    assert (silent["change caption %"], silent["right type %"], silent["no change on distractors %"]) == (0, 0, 100)
+    moved = synth.report({i: "the thing has moved" for i in refs}, scenes)  # a change, of one type, everywhere
+    assert moved["change caption %"] == 100 and moved["no change on distractors %"] == 0
+    assert moved["right type %"] == round(100 * types["move"] / sum(types.values()), 1) < 100
     real = tmp_path / "real"
     shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("scenes.json"))
     tiny_encoder(tmp_path / "adapted.pt", real)
