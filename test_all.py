@@ -1,5 +1,12 @@
-"""clip4idc test suite: `pytest test_all.py`. Tiny models and data the tests make themselves (or the real
-files in ../shared/, skipped cleanly when absent); a few minutes on 2 CPU cores."""
+"""clip4idc test suite: `pytest test_all.py -rs` (all, about 7 minutes on 2 CPU cores) or `pytest test_all.py -rs
+-m "not slow"` (the fast subset, under a minute). Tiny models and data the tests make themselves (or the real files
+in ../shared/, skipped cleanly when absent).
+
+Sections follow the modules: shared configs, helpers and fixtures first, then model, clip_load, data, synth,
+metrics, adapt, caption, probe, pretrain, plots, train_utils, and the paths that span stages. Markers (pytest.ini):
+slow (training runs: seconds to a minute each), subprocess (real processes, under a timeout), torchrun (gloo
+process groups, under a timeout). What the tests build goes to temporary folders or .pytest_cache, never the
+user's ~/.cache (caches_out_of_home)."""
 
 import argparse
 import gzip
@@ -19,6 +26,7 @@ import urllib.error
 import warnings
 import zipfile
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -46,7 +54,62 @@ from clip_load import decode, load_clip, load_image, preprocess, tokenize
 from metrics import bleu, cider_d, cider_d_constant, cider_d_prepare, evaluate, meteor, rouge_l
 from model import CLIP, Captioner, CaptionerConfig, CLIPConfig
 
-SHARED = Path(__file__).resolve().parent.parent / "shared"
+
+# -------------------------------------------------------------------------------------------------------------
+# shared: paths, tiny configs (one per purpose), helpers and fixtures used across sections
+
+SHARED = Path(__file__).resolve().parent.parent / "shared"  # real annotations, one real pair, coco-caption's figures
+REAL = SHARED / "data" / "real_pairs"
+SIZE = (96, 64)  # synthetic sets render this small: the tests' sets take seconds
+
+# one tiny config per purpose, each with 2 attention heads per tower (heads = width / 64, as OpenAI's) where a
+# transformer runs: shape bugs hide behind one head
+TINY = M.CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
+                    context_length=77, vocab_size=49408, transformer_width=128, transformer_heads=2,
+                    transformer_layers=2, n_inter=2)  # model.py and clip_load.py: 2 intra + 2 inter blocks
+MH = M.CLIPConfig(**{**TINY.__dict__, "n_inter": 3})  # the paper path's OpenAI-format archive: 1 intra + 3 inter
+TINY_ADAPT = ["--preset", "scratch", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
+              "--vision-layers", "2", "--n-inter", "1", "--text-width", "128", "--text-layers", "1",
+              "--embed-dim", "16", "--batch-size", "8", "--eval-batch-size", "16", "--log-every", "1"]  # from scratch
+# adapt.py on a CLIP archive: one quick epoch
+FAST = ["--epochs", "1", "--batch-size", "8", "--eval-batch-size", "16", "--workers", "0", "--log-every", "1"]
+TINY_PRETRAIN = ["--scenes", "30", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
+                 "--vision-layers", "2", "--text-width", "64", "--text-layers", "1", "--embed-dim", "32",
+                 "--batch-size", "16", "--samples", "960", "--eval-every", "20", "--eval-images", "20", "--lr", "1e-3",
+                 "--workers", "1", "--log-every", "5"]  # pretrain.py: 2 heads in the image tower
+CHANGES = {  # scene -> (change type, change caption); scene 0 is the real render pair when ../shared is there
+    0: ("drop", "the large gray sphere made of rubber is missing"),
+    1: ("color", "the small red cube changed to blue"),
+    2: ("move", "the green cylinder has moved"),
+    3: ("add", "a purple metal sphere has been added"),
+}
+SAME = "nothing has changed"  # tiny_clevr's distractor caption
+
+
+def assert_close(a, b, atol=1e-5):
+    diff = (a - b).abs()
+    assert diff.max() <= atol, f"max |diff| {diff.max():.3g}, mean {diff.mean():.3g}"
+
+
+def tiny_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randn(3, 3, 32, 32, generator=g)
+    text = tokenize(["a red cube", "the small red metal cube changed to blue", ""])
+    return images, text
+
+
+def png_bytes(size=(8, 8)):
+    buf = io.BytesIO()
+    Image.new("RGB", size, (120, 30, 200)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def placeholders(paths):
+    """Tiny valid PNGs at every path (copied bytes: thousands per second)."""
+    blob = png_bytes()
+    for p in paths:
+        Path(p).parent.mkdir(parents=True, exist_ok=True)
+        Path(p).write_bytes(blob)
 
 
 def free_port():
@@ -76,28 +139,42 @@ def run_ranks(fn, *args, world=2, timeout=300):
             pytest.fail(f"{getattr(fn, '__name__', fn)} in {world} processes did not finish in {timeout}s: a hang")
 
 
-# -------------------------------------------------------------------------------------------------------------
-# model.py / clip_load.py: CLIP parity, pair encoder, checkpoints, tokenizer, preprocessing
+@pytest.fixture(scope="session", autouse=True)
+def caches_out_of_home(tmp_path_factory, pytestconfig):
+    """What the tests build never goes to the user's ~/.cache: decoded-image caches of their throwaway sets go to
+    a temporary folder, and METEOR's paraphrase index of the installed table (20 s to build) to pytest's own cache
+    folder (.pytest_cache), kept between runs. Environment variables, so they reach the stages run as subprocesses
+    too."""
+    old = {k: os.environ.get(k) for k in ("CLIP4IDC_IMAGE_CACHE", "XDG_CACHE_HOME")}
+    os.environ["CLIP4IDC_IMAGE_CACHE"] = str(tmp_path_factory.mktemp("image_cache"))
+    os.environ["XDG_CACHE_HOME"] = str(pytestconfig.cache.mkdir("clip4idc_xdg"))
+    yield
+    for k, v in old.items():
+        os.environ.pop(k, None) if v is None else os.environ.update({k: v})
 
 
-TINY = M.CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
-                    context_length=77, vocab_size=49408, transformer_width=128, transformer_heads=2,
-                    transformer_layers=2, n_inter=2)  # 2 heads in each tower (heads = width / 64, as OpenAI's)
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a busy machine two threads run them ~10x slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
-def assert_close(a, b, atol=1e-5):
-    diff = (a - b).abs()
-    assert diff.max() <= atol, f"max |diff| {diff.max():.3g}, mean {diff.mean():.3g}"
+@pytest.fixture(scope="module")
+def synth_set(tmp_path_factory):
+    return synth.make_synth(tmp_path_factory.mktemp("synth") / "clevr", pairs=20, seed=0, size=SIZE, workers=2)
+
+
+@pytest.fixture(scope="module")
+def adapt_synth(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapt_synth")
+    synth.make_synth(root, 24, seed=0, size=(120, 80), workers=1)
+    return root
 
 
 openai_module = bench.openai_code  # OpenAI's own code, the reference of the parity tests (None when absent)
-
-
-def tiny_inputs(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    images = torch.randn(3, 3, 32, 32, generator=g)
-    text = tokenize(["a red cube", "the small red metal cube changed to blue", ""])
-    return images, text
 
 
 def write_archive(module, path, images, text):
@@ -107,6 +184,157 @@ def write_archive(module, path, images, text):
     torch.jit.save(traced, str(path))
     return module.float()  # the same fp16-rounded weights, run in fp32: the "original module"
 
+
+@pytest.fixture(scope="module")
+def openai_archive(tmp_path_factory):
+    path = tmp_path_factory.mktemp("clip_cache") / "ViT-B-32.pt"
+    torch.manual_seed(0)
+    clip_load.save_archive(M.CLIP(MH), path)
+    return path
+
+
+def as_cached_release(monkeypatch, archive):
+    """`archive` becomes ~/.cache/clip/ViT-B-32.pt, its SHA256 standing in for the release's."""
+    monkeypatch.setattr(clip_load, "CACHE", archive.parent)
+    url = f"https://example.invalid/{clip_load.sha256(archive)}/ViT-B-32.pt"
+    monkeypatch.setitem(clip_load.MODELS, "ViT-B/32", url)
+
+
+def max_change(a, b, keys):
+    return {k: (a[k].float() - b[k].float()).abs().max().item() for k in keys}
+
+
+def tiny_clevr(root):
+    """A CLEVR-Change-format dataset of 4 scenes, the same in train, val and test: memorization is the point."""
+    rng = np.random.default_rng(0)
+    for d in ("images", "sc_images", "nsc_images"):
+        (root / d).mkdir(parents=True)
+    for i in CHANGES:
+        if i == 0 and REAL.is_dir():
+            before, after = Image.open(REAL / "CLEVR_new_000000.png"), Image.open(REAL / "CLEVR_new_000000_del.png")
+        else:
+            before, after = (Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)) for _ in range(2))
+        before.save(root / "images" / f"CLEVR_default_{i:06d}.png")
+        after.save(root / "sc_images" / f"CLEVR_semantic_{i:06d}.png")
+        # the distractor: the same scene seen from elsewhere (mirrored) and lit differently
+        moved = np.asarray(before.convert("RGB"))[:, ::-1].astype(int) + rng.integers(-25, 25, (1, 1, 3))
+        Image.fromarray(np.clip(moved, 0, 255).astype(np.uint8)).save(
+            root / "nsc_images" / f"CLEVR_nonsemantic_{i:06d}.png")
+    key = "CLEVR_default_{:06d}.png".format
+    (root / "change_captions.json").write_text(json.dumps({key(i): [c] for i, (_, c) in CHANGES.items()}))
+    (root / "no_change_captions.json").write_text(json.dumps({key(i): [SAME] for i in CHANGES}))
+    splits = {"train": list(CHANGES) * 4, "val": list(CHANGES), "test": list(CHANGES)}  # 4 passes per epoch
+    (root / "splits.json").write_text(json.dumps(splits))
+    types = {}
+    for i, (t, _) in CHANGES.items():
+        types.setdefault(t, []).append(f"{i:06d}.png")
+    (root / "type_mapping.json").write_text(json.dumps(types))
+
+
+def tiny_encoder(path, root):
+    """An adapt.py-style checkpoint of a tiny random CLIP (2 vision blocks, the last one inter; 2 heads)."""
+    torch.manual_seed(0)
+    cfg = CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=2, vision_width=128, vision_patch_size=8,
+                     context_length=8, vocab_size=100, transformer_width=128, transformer_heads=2,
+                     transformer_layers=1, n_inter=1)  # 2 heads in each tower
+    torch.save({"model": CLIP(cfg).state_dict(), "config": asdict(cfg), "stage": "adapt",
+                "data": {"name": "clevr", "root": str(root), "image_size": 32}}, path)
+
+
+def run(tmp, *extra, epochs):
+    return caption.main(["--ckpt", str(tmp / "adapted.pt"), "--out", str(tmp / "captioner.pt"), "--results",
+                         str(tmp / "captions.json"), "--preset", "small", "--width", "64", "--heads", "2",
+                         "--enc-layers", "1", "--dec-layers", "1", "--epochs", str(epochs), "--batch-size", "4",
+                         "--lr", "2e-3", "--patience", "100", "--workers", "0", "--log-every", "1000", *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, one_thread):
+    tmp = tmp_path_factory.mktemp("caption")
+    tiny_clevr(tmp / "clevr")
+    tiny_encoder(tmp / "adapted.pt", tmp / "clevr")
+    results = run(tmp, "--dropout", "0", epochs=15)
+    return tmp, results
+
+
+def ctrl_c_in_second_epoch(monkeypatch, stage):
+    """Make `stage` (adapt or caption) see a Ctrl-C when its second epoch starts; returns the real train_epoch."""
+    real_epoch = train_utils.train_epoch
+
+    def interrupt(*a, **k):
+        if a[6].epoch == 1:  # the Progress argument's epoch
+            raise KeyboardInterrupt
+        return real_epoch(*a, **k)
+    monkeypatch.setattr(stage, "train_epoch", interrupt)
+    return real_epoch
+
+
+def _stage_worker(rank, world, stage, argv, skew=False, ctrl_c=False):
+    if ctrl_c:  # Ctrl-C as the second epoch starts, on every process (as a terminal sends it to all)
+        real_epoch = train_utils.train_epoch
+        stage_module = {"adapt": adapt, "caption": caption}[stage]
+        stage_module.train_epoch = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()) if a[6].epoch == 1 \
+            else real_epoch(*a, **k)
+        with pytest.raises(SystemExit, match="130"):
+            {"adapt": adapt.main, "caption": caption.main}[stage](argv)
+        return
+    if skew:  # rank 0 sees no val CIDEr-D gain after the first epoch; rank 1 a gain every epoch
+        scores = iter(range(100, 10_000)) if rank else None
+        caption.cider = lambda items, preds: float(next(scores)) if scores else 0.0
+    {"adapt": adapt.main, "caption": caption.main}[stage](argv)
+
+
+def torchrun(stage, argv, world=2, timeout=300, skew=False, ctrl_c=False):
+    """`stage`.main(argv) in `world` gloo processes, as torchrun starts them; a hang fails the test."""
+    run_ranks(_stage_worker, stage, argv, skew, ctrl_c, world=world, timeout=timeout)
+
+
+KILLABLE = """
+import io, os, signal, sys
+import torch
+at, real, calls = int(os.environ["KILL_AT_SAVE"]), torch.save, [0]
+
+def save(obj, f, *args, **kwargs):  # SIGKILL halfway through writing the at-th checkpoint
+    calls[0] += 1
+    if calls[0] == at:
+        buf = io.BytesIO()
+        real(obj, buf)
+        with open(f, "wb") as out:
+            out.write(buf.getvalue()[:buf.tell() // 2])
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(obj, f, *args, **kwargs)
+
+torch.save = save
+torch.set_num_threads(1)
+__import__(sys.argv[1]).main(sys.argv[2:])
+"""
+
+
+def run_killable(stage, argv, kill_at_line=None, kill_at_save=0, timeout=300):
+    """`stage`.main(argv) as a real process, SIGKILLed at the third line of its output that holds `kill_at_line`
+    or halfway through writing its `kill_at_save`-th checkpoint -> (return code, -9 when killed; its output)."""
+    p = subprocess.Popen([sys.executable, "-c", KILLABLE, stage, *argv], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parent,
+                         env={**os.environ, "KILL_AT_SAVE": str(kill_at_save)})
+    watchdog = threading.Timer(timeout, p.kill)  # a hang fails the test below instead of stalling the suite
+    watchdog.start()
+    try:
+        out, seen = [], 0
+        for line in p.stdout:
+            out.append(line)
+            seen += bool(kill_at_line) and kill_at_line in line
+            if seen == 3:
+                p.kill()
+        rc = p.wait()
+    finally:
+        watchdog.cancel()
+        p.kill()
+    assert watchdog.is_alive() or rc == -9 and (kill_at_line or kill_at_save), "".join(out)[-3000:]
+    return rc, "".join(out)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# model.py: CLIP parity with OpenAI's code, the pair encoder (eq. 2-5), attention paths
 
 @pytest.mark.parametrize("vision_width,text_width,text_heads", [(64, 64, 1), (192, 128, 2)])
 def test_openai_archive_matches_openai_code(tmp_path, vision_width, text_width, text_heads):
@@ -142,32 +370,6 @@ def test_patches_equal_the_convolution():
     want = vis.conv1(x).flatten(2).transpose(1, 2)  # (B, 4 * 6, width)
     assert vis.patches(x).shape == want.shape == (2, 24, 128)
     assert_close(vis.patches(x), want)
-
-
-def test_archive_roundtrip_and_state_dict(tmp_path):
-    torch.manual_seed(0)
-    images, text = tiny_inputs()
-    original = clip_load.save_archive(M.CLIP(TINY), tmp_path / "a.pt")  # as OpenAI's release: fp16 TorchScript
-    assert not set(M.PAIR_KEYS) & set(clip_load.read_state_dict(tmp_path / "a.pt")[0])  # no pair parameters in it
-    torch.save(original.state_dict(), tmp_path / "sd.pt")
-    for path in (tmp_path / "a.pt", tmp_path / "sd.pt"):
-        ours = load_clip(path, n_inter=2)
-        assert next(ours.parameters()).dtype == torch.float32 and not ours.training
-        with torch.no_grad():
-            assert_close(ours.encode_image(images), original.encode_image(images))
-            assert_close(ours.encode_text(text), original.encode_text(text))
-            if path.name == "sd.pt":  # the archive's pair parameters are freshly initialized on loading
-                assert_close(ours.encode_pair(images, images.flip(0))[0],
-                             original.encode_pair(images, images.flip(0))[0])
-
-
-def test_strict_load_of_openai_keys():
-    """OpenAI's key set (no pair parameters, plus the three scalars) loads with strict=True."""
-    sd = {k: v for k, v in M.CLIP(TINY).state_dict().items() if k not in M.PAIR_KEYS}
-    sd.update(input_resolution=torch.tensor(32), context_length=torch.tensor(77), vocab_size=torch.tensor(49408))
-    sd = {k: v for k, v in sd.items() if k not in clip_load.NON_PARAMETERS}
-    model = M.build_model(sd, n_inter=2)
-    model.load_state_dict(sd, strict=True)
 
 
 def test_pair_encoder_without_inter_blocks_is_plain_clip():
@@ -222,18 +424,6 @@ def test_pair_encoder_is_eq_2_to_5_and_order_matters():
     assert (t1[:, :17] - t2[:, 17:]).abs().max() > 1e-3
 
 
-def test_authors_checkpoint_keys_load(tmp_path):
-    torch.manual_seed(1)
-    src = M.CLIP(TINY)
-    sd = {f"clip.{k}": v for k, v in src.state_dict().items()}  # the authors' released layout
-    sd["decoder.embeddings.weight"] = torch.randn(5, 4)  # their captioner's keys are ignored
-    torch.save(sd, tmp_path / "clip4idc.bin")
-    ours = load_clip(tmp_path / "clip4idc.bin", n_inter=2)
-    for k in ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding",
-              "visual.ln_mid.weight"):
-        assert torch.equal(ours.state_dict()[k], src.state_dict()[k]), k
-
-
 def test_sdpa_and_plain_attention_agree():
     torch.manual_seed(0)
     model = M.CLIP(TINY).eval()
@@ -249,6 +439,34 @@ def test_sdpa_and_plain_attention_agree():
     assert_close(a[1], b[1])
 
 
+def test_attention_weights_are_the_sdpa_paths():
+    """The weights drawn as heat maps are softmax(Q K^T / sqrt(d)) of the very inputs the SDPA path attends with:
+    applied to V they give its output (several heads, a non-square pair of token counts)."""
+    torch.manual_seed(0)
+    attn = model.MultiheadAttention(96, 3)
+    x = torch.randn(2, 20, 96)
+    w = model.attention_weights(attn, x)
+    assert w.shape == (2, 3, 20, 20) and torch.allclose(w.sum(-1), torch.ones(2, 3, 20))
+    q, k, v = (t.view(2, 20, 3, 32).transpose(1, 2) for t in F.linear(x, attn.in_proj_weight,
+                                                                        attn.in_proj_bias).split(96, dim=2))
+    torch.testing.assert_close(w @ v, F.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    cfg = M.CLIPConfig(embed_dim=32, image_resolution=48, vision_layers=3, vision_width=128, vision_patch_size=16,
+                       context_length=8, transformer_width=64, transformer_heads=1, transformer_layers=1, n_inter=2)
+    clip = M.CLIP(cfg).eval()
+    b, a = torch.randn(2, 3, 48, 48), torch.randn(2, 3, 48, 48)
+    seen = []  # each inter block's attention input, as the blocks see it
+    blocks = clip.visual.transformer.resblocks
+    hooks = [blk.attn.register_forward_pre_hook(lambda m, inp: seen.append((m, inp[0]))) for blk in blocks[1:]]
+    with torch.no_grad():
+        tokens, vec, weights = clip.visual.forward_pair(b, a, explain=True)
+    for h in hooks:
+        h.remove()
+    assert weights.shape == (2, 2, 20, 20) and torch.equal(tokens, clip.visual.forward_pair(b, a)[0])
+    first, last = (model.attention_weights(m, x) for m, x in seen)
+    torch.testing.assert_close(weights, last)  # the last inter block's, not the first's
+    assert (weights - first).abs().max() > 1e-3
+
+
 def test_bf16_autocast_runs():
     model = M.CLIP(TINY).eval()
     images, text = tiny_inputs()
@@ -257,6 +475,79 @@ def test_bf16_autocast_runs():
         t = model.encode_text(text)
     assert torch.isfinite(tokens.float()).all() and torch.isfinite(t.float()).all()
     assert_close(v.float(), model.encode_pair(images, images)[1].detach(), atol=0.1)
+
+
+def test_cache_equals_no_cache():
+    torch.manual_seed(0)
+    cap = Captioner(CaptionerConfig(vocab_size=50, memory_dim=32, memory_len=10, width=64, heads=4, enc_layers=2,
+                                    dec_layers=2, max_len=12)).eval()
+    memory = torch.randn(16, 10, 32)
+    cached, full = cap.generate(memory, 1, 2, use_cache=True), cap.generate(memory, 1, 2, use_cache=False)
+    assert torch.equal(cached, full)
+    # the cached step's logits are the full prefix's last-position logits
+    caches, mem = [{} for _ in cap.decoder], cap.encode(memory)
+    steps = [cap.decode(full[:, t - 1:t] if t else torch.ones(16, 1, dtype=torch.long), mem, caches, start=t)[:, -1]
+             for t in range(5)]
+    prefix = torch.cat([torch.ones(16, 1, dtype=torch.long), full[:, :4]], dim=1)
+    torch.testing.assert_close(torch.stack(steps, 1), cap.decode(prefix, mem), atol=1e-5, rtol=1e-5)
+    try:  # the plain softmax attention path decodes the same
+        model.USE_SDPA = False
+        assert torch.equal(cap.generate(memory, 1, 2), cached)
+    finally:
+        model.USE_SDPA = True
+    assert torch.equal(cap.beam_search(memory, 1, 2, beam=1), cached)  # a beam of one is greedy
+    assert cap.beam_search(memory, 1, 2, beam=3).shape[0] == 16
+    # several new positions after a cached prefix (queries aligned at the end of the keys), in both attention paths
+    for sdpa in (True, False):
+        model.USE_SDPA = sdpa
+        try:
+            caches = [{} for _ in cap.decoder]
+            head = cap.decode(prefix[:, :2], mem, caches)
+            tail = cap.decode(prefix[:, 2:], mem, caches, start=2)  # 3 positions at once, after 2 cached ones
+            torch.testing.assert_close(torch.cat([head, tail], 1), cap.decode(prefix, mem), atol=1e-5, rtol=1e-5)
+        finally:
+            model.USE_SDPA = True
+
+
+# -------------------------------------------------------------------------------------------------------------
+# clip_load.py: checkpoints (OpenAI's archive, the authors', the shipped mini CLIP), tokenizer, preprocessing
+
+def test_archive_roundtrip_and_state_dict(tmp_path):
+    torch.manual_seed(0)
+    images, text = tiny_inputs()
+    original = clip_load.save_archive(M.CLIP(TINY), tmp_path / "a.pt")  # as OpenAI's release: fp16 TorchScript
+    assert not set(M.PAIR_KEYS) & set(clip_load.read_state_dict(tmp_path / "a.pt")[0])  # no pair parameters in it
+    torch.save(original.state_dict(), tmp_path / "sd.pt")
+    for path in (tmp_path / "a.pt", tmp_path / "sd.pt"):
+        ours = load_clip(path, n_inter=2)
+        assert next(ours.parameters()).dtype == torch.float32 and not ours.training
+        with torch.no_grad():
+            assert_close(ours.encode_image(images), original.encode_image(images))
+            assert_close(ours.encode_text(text), original.encode_text(text))
+            if path.name == "sd.pt":  # the archive's pair parameters are freshly initialized on loading
+                assert_close(ours.encode_pair(images, images.flip(0))[0],
+                             original.encode_pair(images, images.flip(0))[0])
+
+
+def test_strict_load_of_openai_keys():
+    """OpenAI's key set (no pair parameters, plus the three scalars) loads with strict=True."""
+    sd = {k: v for k, v in M.CLIP(TINY).state_dict().items() if k not in M.PAIR_KEYS}
+    sd.update(input_resolution=torch.tensor(32), context_length=torch.tensor(77), vocab_size=torch.tensor(49408))
+    sd = {k: v for k, v in sd.items() if k not in clip_load.NON_PARAMETERS}
+    model = M.build_model(sd, n_inter=2)
+    model.load_state_dict(sd, strict=True)
+
+
+def test_authors_checkpoint_keys_load(tmp_path):
+    torch.manual_seed(1)
+    src = M.CLIP(TINY)
+    sd = {f"clip.{k}": v for k, v in src.state_dict().items()}  # the authors' released layout
+    sd["decoder.embeddings.weight"] = torch.randn(5, 4)  # their captioner's keys are ignored
+    torch.save(sd, tmp_path / "clip4idc.bin")
+    ours = load_clip(tmp_path / "clip4idc.bin", n_inter=2)
+    for k in ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding",
+              "visual.ln_mid.weight"):
+        assert torch.equal(ours.state_dict()[k], src.state_dict()[k]), k
 
 
 @pytest.mark.parametrize("make, what", [
@@ -292,6 +583,19 @@ def test_offline_download_is_a_clear_error(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())  # no half file left behind
 
 
+def test_a_corrupt_or_missing_shipped_file_is_a_clear_error(tmp_path, monkeypatch):
+    file, _ = clip_load.SHIPPED["mini-synth"]
+    damaged = bytearray((clip_load.ASSETS / file).read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    (tmp_path / file).write_bytes(damaged)
+    monkeypatch.setattr(clip_load, "ASSETS", tmp_path)
+    with pytest.raises(SystemExit, match=f"{re.escape(str(tmp_path / file))} has SHA256 .*git checkout"):
+        clip_load.load_clip("mini-synth")
+    (tmp_path / file).unlink()
+    with pytest.raises(SystemExit, match=f"{re.escape(str(tmp_path / file))} is missing"):
+        adapt.main(["--data-root", str(tmp_path), "--epochs", "1", "--preset", "mini"])
+
+
 def shared_captions():
     texts = []
     for f in sorted((SHARED / "data").glob("**/*.json")):
@@ -312,6 +616,7 @@ def test_tokenizer_known_ids_and_edge_cases():
     assert decode(tokenize("the small red metal cube changed to blue")[0]) == "the small red metal cube changed to blue"
 
 
+@pytest.mark.slow
 def test_tokenizer_roundtrips_real_captions():
     texts = shared_captions()
     if not texts:
@@ -390,45 +695,384 @@ def test_preprocess_keeps_channels_and_orientation():
 
 
 # -------------------------------------------------------------------------------------------------------------
-# data.py: loaders, synthetic set, errors, batching
+# data.py: dataset loaders (real annotation files), errors, the image cache and its races, batching
+
+def test_resolve_root_falls_back_to_synthetic_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    root = data.resolve_root("clevr", synth_pairs=5, synth_size=(48, 32), workers=1)
+    out = capsys.readouterr().out
+    assert root == Path(synth.SYNTH_ROOT) and "SYNTHETIC" in out and "README 'Data'" in out
+    assert len(data.load_items("clevr", root, "train", "semantic")) == 5 - 1 - 1
+    stamp = (root / "splits.json").stat().st_mtime_ns
+    assert data.resolve_root("clevr", synth_pairs=5, synth_size=(48, 32)) == root
+    assert (root / "splits.json").stat().st_mtime_ns == stamp  # cached, not rendered again
+    assert data.resolve_root("spot") == Path("data/spot_the_diff")
+    assert data.resolve_root("clevr", root="elsewhere") == Path("elsewhere")
 
 
-SIZE = (96, 64)  # tiny renders keep the tests fast
+# real annotation files with placeholder images
+@pytest.mark.skipif(not (SHARED / "data" / "spot_the_diff").is_dir(), reason="needs ../shared/data")
+def test_spot_the_diff_real_annotations(tmp_path):
+    root = tmp_path / "spot"
+    shutil.copytree(SHARED / "data" / "spot_the_diff", root / "annotations")
+    ids = {str(d["img_id"]) for d in json.loads((root / "annotations" / "test.json").read_text())}
+    placeholders([root / "resized_images" / f"{i}{s}.png" for i in ids for s in ("", "_2")])
+    items = data.load_items("spot", root, "test")
+    # 1,270 pairs and 2,107 sentences in the file; 7 sentences are empty, the only ones of their 7 pairs
+    assert len(items) == 1270 - 7 and sum(len(it.captions) for it in items) == 2107 - 7
+    assert all(it.change_type is None and it.after.endswith(f"{it.id}_2.png") for it in items)
+    with pytest.raises(SystemExit, match=r"image\(s\) of spot val missing, first .*resized_images.*README 'Data'"):
+        data.load_items("spot", root, "val")  # placeholders only for test
+    (root / "annotations" / "val.json").unlink()
+    with pytest.raises(SystemExit, match=r"missing .*val\.json.*README 'Data'"):
+        data.load_items("spot", root, "val")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def image_cache_in_tmp(tmp_path_factory):
-    """Decoded-image caches of the tests' throwaway sets go to a temporary folder, not the user's ~/.cache (the
-    variable reaches the stages run as subprocesses too)."""
-    old = os.environ.get("CLIP4IDC_IMAGE_CACHE")
-    os.environ["CLIP4IDC_IMAGE_CACHE"] = str(tmp_path_factory.mktemp("image_cache"))
-    yield
-    os.environ.pop("CLIP4IDC_IMAGE_CACHE") if old is None else os.environ.update(CLIP4IDC_IMAGE_CACHE=old)
+@pytest.mark.skipif(not (SHARED / "data" / "image_editing_request").is_dir(), reason="needs ../shared/data")
+def test_image_editing_request_real_annotations(tmp_path):
+    root = tmp_path / "ier"
+    shutil.copytree(SHARED / "data" / "image_editing_request", root)
+    for split in ("test", "valid"):
+        d = json.loads((root / f"{split}.json").read_text())
+        placeholders([root / "images" / x[k] for x in d for k in ("img0", "img1")])
+    test, val = data.load_items("ier", root, "test"), data.load_items("ier", root, "val")
+    assert (len(test), sum(len(it.captions) for it in test)) == (495, 1485)
+    assert len(val) == 383 and all(len(it.captions) == 3 for it in val)
+    assert test[0].id == "Reddit_1052" and test[0].before.endswith("Reddit.com_4wfxf2_4wfxf2.jpg")
 
 
-@pytest.fixture(scope="module")
-def synth_set(tmp_path_factory):
-    return synth.make_synth(tmp_path_factory.mktemp("synth") / "clevr", pairs=20, seed=0, size=SIZE, workers=2)
+@pytest.mark.skipif(not (SHARED / "data" / "clevr_change").is_dir(), reason="needs ../shared/data")
+def test_clevr_change_real_splits_and_types(tmp_path):
+    root = tmp_path / "clevr"
+    root.mkdir()
+    for f in ("splits.json", "type_mapping.json"):
+        shutil.copy(SHARED / "data" / "clevr_change" / f, root)
+    val = json.loads((root / "splits.json").read_text())["val"]
+    caps = {f"CLEVR_default_{i:06d}.png": ["a caption"] for i in val}
+    for f in ("change_captions.json", "no_change_captions.json"):
+        (root / f).write_text(json.dumps(caps))
+    placeholders([root / d / f"CLEVR_{n}_{i:06d}.png" for i in val for d, n in
+                  (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic"))])
+    items = data.load_items("clevr", root, "val", "total")
+    assert len(items) == 2 * 1988
+    counts = {t: sum(it.change_type == t for it in items) for t in synth.CHANGES + ("distractor",)}
+    assert sum(counts.values()) == len(items) and counts["distractor"] == 1988 and min(counts.values()) > 300
 
 
-def png_bytes(size=(8, 8)):
-    buf = io.BytesIO()
-    Image.new("RGB", size, (120, 30, 200)).save(buf, "PNG")
-    return buf.getvalue()
+# errors a person can act on
+def test_errors_name_the_path(synth_set, tmp_path):
+    with pytest.raises(SystemExit, match=r"no clevr dataset at .*nowhere.*README 'Data'"):
+        data.load_items("clevr", tmp_path / "nowhere", "train")
+    broken = tmp_path / "broken"
+    shutil.copytree(synth_set, broken)
+    (broken / "type_mapping.json").unlink()
+    with pytest.raises(SystemExit, match=r"lacks type_mapping\.json.*README 'Data'"):
+        data.load_items("clevr", broken, "train")
+    shutil.copy(synth_set / "type_mapping.json", broken)
+    victim = data.load_items("clevr", broken, "train", "semantic")[0]
+    Path(victim.after).unlink()
+    with pytest.raises(SystemExit, match=rf"missing, first {re.escape(victim.after)}.*--skip-missing"):
+        data.load_items("clevr", broken, "train", "semantic")
+    n = len(data.load_items("clevr", synth_set, "train", "semantic"))
+    assert len(data.load_items("clevr", broken, "train", "semantic", skip_missing=True)) == n - 1
+    shutil.copy(synth_set / "sc_images" / Path(victim.after).name, victim.after)
+    Path(victim.before).write_bytes(b"not a png")  # present but unreadable: fails when decoded, naming it
+    items = data.load_items("clevr", broken, "train", "total")
+    with pytest.raises(OSError, match=rf"{re.escape(victim.before)}.*README 'Data'"):
+        data.ImageDataset(items, 32)[0]
+    assert len(data.load_items("clevr", broken, "train", "total", skip_missing=True)) == len(items) - 2
+    with pytest.raises(SystemExit, match="unknown dataset"):
+        data.resolve_root("coco")
 
 
-def placeholders(paths):
-    """Tiny valid PNGs at every path (copied bytes: thousands per second)."""
-    blob = png_bytes()
-    for p in paths:
-        Path(p).parent.mkdir(parents=True, exist_ok=True)
-        Path(p).write_bytes(blob)
+# datasets and batching
+def test_datasets(synth_set):
+    items = data.load_items("clevr", synth_set, "train", "semantic")
+    ds = data.CaptionDataset(items, size=32, context_length=32)
+    assert len(ds) == sum(len(it.captions) for it in items)
+    before, after, tokens, i = ds[7]
+    assert before.shape == after.shape == (3, 32, 32) and before.dtype == torch.uint8  # normalized on the device
+    assert tokens.shape == (32,) and tokens[0] == 49406 and (i, 7) == (ds.samples[7][0], 7)
+    first = [k for k, (owner, _) in enumerate(ds.samples) if owner == i][0]  # the item's first caption's sample
+    assert torch.equal(tokens, tokenize(items[i].captions[7 - first], 32)[0])
+    assert torch.equal(clip_load.normalize(before), load_image(items[i].before, 32))  # what the model sees
+    swapped = data.CaptionDataset(items, size=32, swap_prob=1.0)[7][0]
+    assert torch.equal(clip_load.normalize(swapped), load_image(items[i].alt_before, 32))
+    b, a, i = data.ImageDataset(items, size=32)[2]
+    assert i == 2 and torch.equal(clip_load.normalize(a), load_image(items[2].after, 32))
 
 
-# -----------------------------------------------------------------------------
+def test_annotation_files_of_the_wrong_shape_say_so(tmp_path):
+    spot = tmp_path / "spot"
+    (spot / "annotations").mkdir(parents=True)
+    cases = {  # what the file holds -> what the message must say
+        '{"img_id": 1, "sentences": ["a"]}': "Spot-the-Diff annotations",  # not a list
+        '[{"sentences": ["a"]}]': "img_id",  # a missing key
+        '[{"img_id": 1, "sentences": "a car moved"}]': "sentences",  # captions not a list
+        '[{"img_id": 1, "sentences": [3]}]': "sentences",
+    }
+    for text, says in cases.items():
+        (spot / "annotations" / "train.json").write_text(text)
+        with pytest.raises(SystemExit, match=rf"train\.json is not in the expected format.*{says}"):
+            data.load_items("spot", spot, "train")
+    ier = tmp_path / "ier"
+    ier.mkdir()
+    (ier / "train.json").write_text('[{"img0": "a.jpg", "sents": ["x"], "uid": 1}]')
+    with pytest.raises(SystemExit, match=r"train\.json is not in the expected format.*img1"):
+        data.load_items("ier", ier, "train")
+    clevr = tmp_path / "clevr"
+    for d in ("images", "sc_images", "nsc_images"):
+        (clevr / d).mkdir(parents=True)
+    files = {"change_captions.json": {"CLEVR_default_000001.png": ["a cube moved"]},
+             "no_change_captions.json": {"CLEVR_default_000001.png": ["no change"]},
+             "type_mapping.json": {"move": ["000001.png"]}, "splits.json": {"train": ["1"], "val": [], "test": []}}
+    for f, obj in files.items():
+        (clevr / f).write_text(json.dumps(obj))
+    placeholders([clevr / d / f"CLEVR_{n}_000001.png" for d, n in
+                  (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic"))])
+    assert [it.id for it in data.load_items("clevr", clevr, "train")] == ["000001", "000001_n"]  # "1" is read as 1
+    for f, bad, says in (("splits.json", {"train": ["one"]}, "integer image ids"),
+                         ("splits.json", [1, 2], "split ids"),
+                         ("change_captions.json", {"CLEVR_default_000001.png": "a cube moved"}, "captions"),
+                         ("type_mapping.json", {"move": "000001.png"}, "change type")):
+        (clevr / f).write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=rf"{f.replace('.', '[.]')} is not in the expected format.*{says}"):
+            data.load_items("clevr", clevr, "train")
+        (clevr / f).write_text(json.dumps(files[f]))
+
+
+def test_levir_cc_layout(tmp_path):
+    root = tmp_path / "levir"
+    entries = [{"filename": f"{s}_{i:06d}.png", "split": s, "sentences": [{"raw": f" a road was built {i} .",
+                                                                           "tokens": ["a"]}, {"raw": " "}]}
+               for s, n in (("train", 3), ("val", 2), ("test", 1)) for i in range(n)]
+    root.mkdir()
+    (root / "LevirCCcaptions.json").write_text(json.dumps({"images": entries}))
+    rng = np.random.default_rng(0)
+    for e in entries:
+        for side in ("A", "B"):
+            (root / "images" / e["split"] / side).mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
+                root / "images" / e["split"] / side / e["filename"])
+    items = data.load_items("levir", root, "train")
+    assert [it.id for it in items] == ["train_000000", "train_000001", "train_000002"]
+    assert items[1].captions == ["a road was built 1 ."]  # raw text, stripped; the empty one left out
+    assert items[1].before.endswith("images/train/A/train_000001.png") and "/B/" in items[1].after
+    assert len(data.load_items("levir", root, "val")) == 2 and len(data.load_items("levir", root, "test")) == 1
+    b, a, _ = data.ImageDataset(items, 32)[0]
+    assert b.shape == a.shape == (3, 32, 32) and not torch.equal(a, b)
+    (root / "LevirCCcaptions.json").write_text(json.dumps({"images": [{"filename": "x.png", "split": "train"}]}))
+    with pytest.raises(SystemExit, match="LevirCCcaptions.json is not in the expected format"):
+        data.load_items("levir", root, "train")
+
+
+def test_empty_captions_are_not_trained_on(synth_set, tmp_path, capsys):
+    # Spot-the-Diff's case through its loader: empty strings are gone and a pair with none is left out, counted
+    spot = tmp_path / "spot"
+    (spot / "annotations").mkdir(parents=True)
+    (spot / "annotations" / "train.json").write_text(json.dumps([
+        {"img_id": 1, "sentences": ["", "the red car moved", " "]}, {"img_id": 2, "sentences": [""]},
+        {"img_id": 3, "sentences": ["a man left"]}]))
+    placeholders([spot / "resized_images" / f"{i}{s}.png" for i in (1, 2, 3) for s in ("", "_2")])
+    items = data.load_items("spot", spot, "train")
+    assert [(it.id, it.captions) for it in items] == [("1", ["the red car moved"]), ("3", ["a man left"])]
+    assert "3 empty caption(s) ignored; 1 pair(s) with no caption left out" in capsys.readouterr().out
+    assert [s for s in data.CaptionDataset(items, 16).samples] == [(0, 0), (1, 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_cache_build_stops_on_a_truncated_image(synth_set, tmp_path):
+    """A truncated PNG met while decoding into the ImageCache (a Pool of workers) ends the run within seconds with
+    a message naming the file; it used to end a worker and leave the pool waiting forever."""
+    broken = tmp_path / "broken"
+    shutil.copytree(synth_set, broken)
+    victim = data.load_items("clevr", broken, "val", "total")[1].after
+    Path(victim).write_bytes(Path(victim).read_bytes()[:300])
+    code = (f"import data; items = data.load_items('clevr', {str(broken)!r}, 'val', 'total'); "
+            f"data.ImageCache(items, 32, workers=2)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parent)
+    assert r.returncode != 0 and victim in r.stderr and "readable image" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("damage", ["truncated", "zero bytes", "text named .png"])
+def test_streaming_stops_on_a_bad_image(synth_set, tmp_path, damage):
+    """adapt.py streaming its images through 2 DataLoader workers meets an undecodable image: it ends within
+    seconds, naming the file and what to do, without a traceback; --skip-missing decodes every image first and
+    drops that pair, counted."""
+    broken = tmp_path / "broken"
+    shutil.copytree(synth_set, broken)
+    victim = data.load_items("clevr", broken, "train", "semantic")[2].after
+    raw = Path(victim).read_bytes()
+    Path(victim).write_bytes({"truncated": raw[:300], "zero bytes": b"", "text named .png": b"a caption\n"}[damage])
+    cmd = [sys.executable, "adapt.py", "--data-root", str(broken), *TINY_ADAPT, "--epochs", "1", "--workers", "2",
+           "--no-image-cache", "--out", str(tmp_path / "a.pt")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=Path(__file__).resolve().parent)
+    assert r.returncode != 0 and f"cannot read image {victim}" in r.stderr and "--skip-missing" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr  # one line: the message
+    if damage == "truncated":  # the header reads fine: only a full decode finds it
+        r = subprocess.run(cmd + ["--skip-missing"], capture_output=True, text=True, timeout=180,
+                           cwd=Path(__file__).resolve().parent)
+        assert r.returncode == 0 and "--skip-missing: dropped 1 of" in r.stdout, r.stderr[-2000:]
+
+
+def test_cache_equals_streaming(synth_set, tmp_path):
+    items = data.load_items("clevr", synth_set, "train", "total")
+    cache = data.ImageCache(items, size=48, workers=2, directory=tmp_path)
+    assert cache.built and cache.data.dtype == torch.uint8 and cache.data.shape[1:] == (3, 48, 48)
+    assert isinstance(cache.array, np.memmap)  # read from the file, not held in memory
+    streamed, cached = data.ImageDataset(items, 48), data.ImageDataset(items, 48, cache=cache)
+    for k in range(len(items)):
+        assert all(torch.equal(x, y) for x, y in zip(streamed[k][:2], cached[k][:2]))
+    # whole batches (one sorted read per column) equal sample by sample, in the sampler's order
+    keys = [5, 0, 3, 3, 1]
+    for batch, one_by_one in ((cached.__getitems__(keys), [cached[k] for k in keys]),
+                              (streamed.__getitems__(keys), [streamed[k] for k in keys])):
+        assert all(torch.equal(col, torch.stack([s[j] for s in one_by_one]) if j < 2 else torch.tensor(
+            [s[j] for s in one_by_one])) for j, col in enumerate(batch))
+    caps = data.CaptionDataset(items, 48, swap_prob=0.5, cache=cache)
+    keyed = [7, 2, 7]
+    for col, want in zip(caps.__getitems__(keyed), zip(*[caps[k] for k in keyed])):
+        assert torch.equal(col, torch.stack(want) if torch.is_tensor(want[0]) else torch.tensor(want))
+    # through a DataLoader with 2 workers: the same batches as streaming
+    batches = lambda ds: [b for b in data.make_loader(ds, 4, shuffle=True, workers=2, seed=3)]
+    for a, b in zip(batches(streamed), batches(cached)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_cache_is_reused_and_follows_its_images(synth_set, tmp_path):
+    items = data.load_items("clevr", synth_set, "test", "total")
+    first = data.ImageCache(items, 32, workers=2, directory=tmp_path)
+    again = data.ImageCache(items, 32, workers=2, directory=tmp_path)
+    assert first.built and not again.built and again.folder == first.folder
+    assert data.ImageCache(items, 24, workers=2, directory=tmp_path).folder != first.folder  # another size
+    copy = tmp_path / "copy"
+    shutil.copytree(synth_set, copy)
+    moved = data.load_items("clevr", copy, "test", "total")
+    assert data.ImageCache(moved, 32, workers=2, directory=tmp_path).folder != first.folder  # another root
+    victim = Path(moved[0].after)
+    Image.open(victim).transpose(Image.FLIP_LEFT_RIGHT).save(victim)  # the image changed: a new cache
+    changed = data.ImageCache(moved, 32, workers=2, directory=tmp_path)
+    assert changed.built and torch.equal(changed[str(victim)], data.ImageDataset(moved, 32)[0][1])
+
+
+def test_a_killed_cache_build_is_never_read(synth_set, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(synth_set, broken)
+    items = data.load_items("clevr", broken, "train", "total")
+    victim = Path(items[3].after)
+    good = victim.read_bytes()
+    victim.write_bytes(good[:200])  # the build stops halfway, on this file
+    with pytest.raises(SystemExit, match=re.escape(str(victim))):
+        data.ImageCache(items, 32, workers=2, directory=tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []  # nothing left that a later run could take for a cache
+    victim.write_bytes(good)
+    cache = data.ImageCache(items, 32, workers=2, directory=tmp_path / "cache")
+    assert cache.built and torch.equal(cache[str(victim)], data.ImageDataset(items, 32)[3][1])
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_cache_build_spares_a_live_build_and_takes_a_finished_one(synth_set, tmp_path):
+    """Two runs on one cache folder: a second run started long into a first one's build leaves that build alone
+    (writes through a memmap never update its folder's time, so age says nothing: its lock does); a build that
+    another process finished first is taken, not a crash; a killed build's leftovers go at once; and the folders
+    are readable by the machine's other users as the umask says (a shared --cache-dir), not mkdtemp's 0700."""
+    items = data.load_items("clevr", synth_set, "test", "total")
+    directory = tmp_path / "cache"
+    old_umask = os.umask(0o022)
+    live = None
+    try:
+        folder = data.ImageCache(items, 32, workers=1, directory=directory).folder
+        assert folder.stat().st_mode & 0o777 == 0o755
+        shutil.rmtree(folder)
+        code = ("import pathlib, sys, time, data; tmp, lock = data._start_build(pathlib.Path(sys.argv[1])); "
+                "print(tmp, flush=True); time.sleep(300)")
+        live = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True,
+                                cwd=Path(__file__).resolve().parent)
+        tmp = Path(live.stdout.readline().strip())
+        assert tmp.is_dir() and tmp.name.startswith(folder.name + ".tmp")
+        os.utime(tmp, (time.time() - 3600, time.time() - 3600))  # it started an hour ago
+        second = data.ImageCache(items, 32, workers=1, directory=directory)
+        assert second.built and tmp.is_dir()  # the live build is still there
+        # the first build finishes after the second: the cache is there already, and it is the same
+        paths = data.image_paths(items)
+        data._build_cache(folder, paths, 32, 1, 0)
+        assert np.array_equal(np.load(folder / "images.npy"), second.array)
+        assert sorted(p.name for p in directory.iterdir()) == sorted([folder.name, tmp.name])  # no new leftover
+        live.kill()  # SIGKILL: its lock goes with it, and the next build clears what it left
+        live.wait(timeout=30)
+        shutil.rmtree(folder)
+        data.ImageCache(items, 32, workers=1, directory=directory)
+        assert [p.name for p in directory.iterdir()] == [folder.name]
+    finally:
+        os.umask(old_umask)
+        if live is not None and live.poll() is None:
+            live.kill()
+
+
+def _cache_rank(rank, world, items, directory, out):
+    torch.distributed.init_process_group("gloo")
+    data.use_cache = lambda *args, **kwargs: rank == 0  # near the disk-space threshold: ranks see other room
+    cache = data.open_cache(items, 32, None, directory, world, rank, log=lambda m: None)
+    (Path(out) / str(rank)).write_text("cache" if cache is not None else "none")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.torchrun
+def test_cache_decision_is_rank_zeros(synth_set, tmp_path):
+    """Under torchrun the ranks use the cache or not together (rank 0 decides); deciding alone, one rank skips
+    the barrier the other waits in."""
+    items = data.load_items("clevr", synth_set, "test", "total")
+    run_ranks(_cache_rank, items, str(tmp_path / "cache"), str(tmp_path), timeout=120)
+    assert [(tmp_path / str(r)).read_text() for r in range(2)] == ["cache", "cache"]
+
+
+def test_loader_reproducible(synth_set):
+    items = data.load_items("clevr", synth_set, "train", "semantic")
+    ds = data.CaptionDataset(items, size=16, swap_prob=0.5)
+    batches = lambda loader: [torch.cat([b[0].flatten(1), b[2]], 1) for b in loader]
+    a = data.make_loader(ds, 8, shuffle=True, workers=0, seed=3)
+    b = data.make_loader(ds, 8, shuffle=True, workers=2, seed=3)  # workers draw the same swaps: (seed, epoch, index)
+    for epoch in (0, 1):
+        data.set_epoch(a, epoch)
+        data.set_epoch(b, epoch)
+        assert all(torch.equal(x, y) for x, y in zip(batches(a), batches(b)))
+    first = [x[3] for x in a]
+    data.set_epoch(a, 0)
+    assert not all(torch.equal(x, y) for x, y in zip(first, [x[3] for x in a]))  # a new order each epoch
+    swapped = lambda epoch: [ds.parts(k)[0][0] == items[ds.samples[k][0]].alt_before for k in range(len(ds))]
+    ds.epoch = 0
+    at0 = swapped(0)
+    ds.epoch = 1
+    assert at0 != swapped(1) and 0.3 < np.mean(at0) < 0.7  # about half swapped, anew each epoch
+    assert not b.pin_memory and data.make_loader(ds, 8, device="cuda").pin_memory
+    last = data.make_loader(ds, 8, drop_last=True)
+    assert len(last) == len(ds) // 8
+
+
+def test_sharded_batches_hold_the_global_batch():
+    """Under torchrun each process takes every world-th sample of the epoch's order, so the k-th batches of the
+    processes (batch b / world each) hold exactly the k-th batch of one process (batch b), with the same per-sample
+    seeds: what makes 2 processes equal 1."""
+    one = list(data.EpochSampler(50, shuffle=True, seed=3))
+    shards = [list(data.EpochSampler(50, shuffle=True, seed=3, rank=r, world=2)) for r in range(2)]
+    for k in range(len(one) // 8):
+        global_batch = one[8 * k:8 * (k + 1)]
+        local = [shard[4 * k:4 * (k + 1)] for shard in shards]
+        assert sorted(local[0] + local[1]) == sorted(global_batch)
+
+
+# -------------------------------------------------------------------------------------------------------------
+# synth.py: the synthetic set, its captions and scene descriptions, reading captions back
+
 # synthetic CLEVR-Change
-
-
 def test_synth_roundtrip(synth_set):
     splits = json.loads((synth_set / "splits.json").read_text())
     assert sorted(sum(splits.values(), [])) == list(range(20)) and all(splits.values())
@@ -555,386 +1199,56 @@ def test_judge_catches_wrong_captions():
     assert got["color"] == {"right type %": 50, "right object %": 50}
 
 
-def test_resolve_root_falls_back_to_synthetic_once(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    root = data.resolve_root("clevr", synth_pairs=5, synth_size=(48, 32), workers=1)
-    out = capsys.readouterr().out
-    assert root == Path(synth.SYNTH_ROOT) and "SYNTHETIC" in out and "README 'Data'" in out
-    assert len(data.load_items("clevr", root, "train", "semantic")) == 5 - 1 - 1
-    stamp = (root / "splits.json").stat().st_mtime_ns
-    assert data.resolve_root("clevr", synth_pairs=5, synth_size=(48, 32)) == root
-    assert (root / "splits.json").stat().st_mtime_ns == stamp  # cached, not rendered again
-    assert data.resolve_root("spot") == Path("data/spot_the_diff")
-    assert data.resolve_root("clevr", root="elsewhere") == Path("elsewhere")
+def object_words(text):
+    """The objects a description names, as sorted attribute tuples (read back with synth's own parser)."""
+    found = re.findall(r"\ban? ((?:\w+ ){3}\w+)(?=,| and|$| on)", text)
+    return sorted(tuple(synth._attributes(p)[a] for a in synth.ATTRS) for p in found)
 
 
-# -----------------------------------------------------------------------------
-# real annotation files with placeholder images
-
-
-@pytest.mark.skipif(not (SHARED / "data" / "spot_the_diff").is_dir(), reason="needs ../shared/data")
-def test_spot_the_diff_real_annotations(tmp_path):
-    root = tmp_path / "spot"
-    shutil.copytree(SHARED / "data" / "spot_the_diff", root / "annotations")
-    ids = {str(d["img_id"]) for d in json.loads((root / "annotations" / "test.json").read_text())}
-    placeholders([root / "resized_images" / f"{i}{s}.png" for i in ids for s in ("", "_2")])
-    items = data.load_items("spot", root, "test")
-    # 1,270 pairs and 2,107 sentences in the file; 7 sentences are empty, the only ones of their 7 pairs
-    assert len(items) == 1270 - 7 and sum(len(it.captions) for it in items) == 2107 - 7
-    assert all(it.change_type is None and it.after.endswith(f"{it.id}_2.png") for it in items)
-    with pytest.raises(SystemExit, match=r"image\(s\) of spot val missing, first .*resized_images.*README 'Data'"):
-        data.load_items("spot", root, "val")  # placeholders only for test
-    (root / "annotations" / "val.json").unlink()
-    with pytest.raises(SystemExit, match=r"missing .*val\.json.*README 'Data'"):
-        data.load_items("spot", root, "val")
-
-
-@pytest.mark.skipif(not (SHARED / "data" / "image_editing_request").is_dir(), reason="needs ../shared/data")
-def test_image_editing_request_real_annotations(tmp_path):
-    root = tmp_path / "ier"
-    shutil.copytree(SHARED / "data" / "image_editing_request", root)
-    for split in ("test", "valid"):
-        d = json.loads((root / f"{split}.json").read_text())
-        placeholders([root / "images" / x[k] for x in d for k in ("img0", "img1")])
-    test, val = data.load_items("ier", root, "test"), data.load_items("ier", root, "val")
-    assert (len(test), sum(len(it.captions) for it in test)) == (495, 1485)
-    assert len(val) == 383 and all(len(it.captions) == 3 for it in val)
-    assert test[0].id == "Reddit_1052" and test[0].before.endswith("Reddit.com_4wfxf2_4wfxf2.jpg")
-
-
-@pytest.mark.skipif(not (SHARED / "data" / "clevr_change").is_dir(), reason="needs ../shared/data")
-def test_clevr_change_real_splits_and_types(tmp_path):
-    root = tmp_path / "clevr"
-    root.mkdir()
-    for f in ("splits.json", "type_mapping.json"):
-        shutil.copy(SHARED / "data" / "clevr_change" / f, root)
-    val = json.loads((root / "splits.json").read_text())["val"]
-    caps = {f"CLEVR_default_{i:06d}.png": ["a caption"] for i in val}
-    for f in ("change_captions.json", "no_change_captions.json"):
-        (root / f).write_text(json.dumps(caps))
-    placeholders([root / d / f"CLEVR_{n}_{i:06d}.png" for i in val for d, n in
-                  (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic"))])
-    items = data.load_items("clevr", root, "val", "total")
-    assert len(items) == 2 * 1988
-    counts = {t: sum(it.change_type == t for it in items) for t in synth.CHANGES + ("distractor",)}
-    assert sum(counts.values()) == len(items) and counts["distractor"] == 1988 and min(counts.values()) > 300
-
-
-# -----------------------------------------------------------------------------
-# errors a person can act on
-
-
-def test_errors_name_the_path(synth_set, tmp_path):
-    with pytest.raises(SystemExit, match=r"no clevr dataset at .*nowhere.*README 'Data'"):
-        data.load_items("clevr", tmp_path / "nowhere", "train")
-    broken = tmp_path / "broken"
-    shutil.copytree(synth_set, broken)
-    (broken / "type_mapping.json").unlink()
-    with pytest.raises(SystemExit, match=r"lacks type_mapping\.json.*README 'Data'"):
-        data.load_items("clevr", broken, "train")
-    shutil.copy(synth_set / "type_mapping.json", broken)
-    victim = data.load_items("clevr", broken, "train", "semantic")[0]
-    Path(victim.after).unlink()
-    with pytest.raises(SystemExit, match=rf"missing, first {re.escape(victim.after)}.*--skip-missing"):
-        data.load_items("clevr", broken, "train", "semantic")
-    n = len(data.load_items("clevr", synth_set, "train", "semantic"))
-    assert len(data.load_items("clevr", broken, "train", "semantic", skip_missing=True)) == n - 1
-    shutil.copy(synth_set / "sc_images" / Path(victim.after).name, victim.after)
-    Path(victim.before).write_bytes(b"not a png")  # present but unreadable: fails when decoded, naming it
-    items = data.load_items("clevr", broken, "train", "total")
-    with pytest.raises(OSError, match=rf"{re.escape(victim.before)}.*README 'Data'"):
-        data.ImageDataset(items, 32)[0]
-    assert len(data.load_items("clevr", broken, "train", "total", skip_missing=True)) == len(items) - 2
-    with pytest.raises(SystemExit, match="unknown dataset"):
-        data.resolve_root("coco")
-
-
-# -----------------------------------------------------------------------------
-# datasets and batching
-
-
-def test_datasets(synth_set):
-    items = data.load_items("clevr", synth_set, "train", "semantic")
-    ds = data.CaptionDataset(items, size=32, context_length=32)
-    assert len(ds) == sum(len(it.captions) for it in items)
-    before, after, tokens, i = ds[7]
-    assert before.shape == after.shape == (3, 32, 32) and before.dtype == torch.uint8  # normalized on the device
-    assert tokens.shape == (32,) and tokens[0] == 49406 and (i, 7) == (ds.samples[7][0], 7)
-    first = [k for k, (owner, _) in enumerate(ds.samples) if owner == i][0]  # the item's first caption's sample
-    assert torch.equal(tokens, tokenize(items[i].captions[7 - first], 32)[0])
-    assert torch.equal(clip_load.normalize(before), load_image(items[i].before, 32))  # what the model sees
-    swapped = data.CaptionDataset(items, size=32, swap_prob=1.0)[7][0]
-    assert torch.equal(clip_load.normalize(swapped), load_image(items[i].alt_before, 32))
-    b, a, i = data.ImageDataset(items, size=32)[2]
-    assert i == 2 and torch.equal(clip_load.normalize(a), load_image(items[2].after, 32))
-
-
-def test_annotation_files_of_the_wrong_shape_say_so(tmp_path):
-    spot = tmp_path / "spot"
-    (spot / "annotations").mkdir(parents=True)
-    cases = {  # what the file holds -> what the message must say
-        '{"img_id": 1, "sentences": ["a"]}': "Spot-the-Diff annotations",  # not a list
-        '[{"sentences": ["a"]}]': "img_id",  # a missing key
-        '[{"img_id": 1, "sentences": "a car moved"}]': "sentences",  # captions not a list
-        '[{"img_id": 1, "sentences": [3]}]': "sentences",
-    }
-    for text, says in cases.items():
-        (spot / "annotations" / "train.json").write_text(text)
-        with pytest.raises(SystemExit, match=rf"train\.json is not in the expected format.*{says}"):
-            data.load_items("spot", spot, "train")
-    ier = tmp_path / "ier"
-    ier.mkdir()
-    (ier / "train.json").write_text('[{"img0": "a.jpg", "sents": ["x"], "uid": 1}]')
-    with pytest.raises(SystemExit, match=r"train\.json is not in the expected format.*img1"):
-        data.load_items("ier", ier, "train")
-    clevr = tmp_path / "clevr"
-    for d in ("images", "sc_images", "nsc_images"):
-        (clevr / d).mkdir(parents=True)
-    files = {"change_captions.json": {"CLEVR_default_000001.png": ["a cube moved"]},
-             "no_change_captions.json": {"CLEVR_default_000001.png": ["no change"]},
-             "type_mapping.json": {"move": ["000001.png"]}, "splits.json": {"train": ["1"], "val": [], "test": []}}
-    for f, obj in files.items():
-        (clevr / f).write_text(json.dumps(obj))
-    placeholders([clevr / d / f"CLEVR_{n}_000001.png" for d, n in
-                  (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic"))])
-    assert [it.id for it in data.load_items("clevr", clevr, "train")] == ["000001", "000001_n"]  # "1" is read as 1
-    for f, bad, says in (("splits.json", {"train": ["one"]}, "integer image ids"),
-                         ("splits.json", [1, 2], "split ids"),
-                         ("change_captions.json", {"CLEVR_default_000001.png": "a cube moved"}, "captions"),
-                         ("type_mapping.json", {"move": "000001.png"}, "change type")):
-        (clevr / f).write_text(json.dumps(bad))
-        with pytest.raises(SystemExit, match=rf"{f.replace('.', '[.]')} is not in the expected format.*{says}"):
-            data.load_items("clevr", clevr, "train")
-        (clevr / f).write_text(json.dumps(files[f]))
-
-
-def test_levir_cc_layout(tmp_path):
-    root = tmp_path / "levir"
-    entries = [{"filename": f"{s}_{i:06d}.png", "split": s, "sentences": [{"raw": f" a road was built {i} .",
-                                                                           "tokens": ["a"]}, {"raw": " "}]}
-               for s, n in (("train", 3), ("val", 2), ("test", 1)) for i in range(n)]
-    root.mkdir()
-    (root / "LevirCCcaptions.json").write_text(json.dumps({"images": entries}))
-    rng = np.random.default_rng(0)
-    for e in entries:
-        for side in ("A", "B"):
-            (root / "images" / e["split"] / side).mkdir(parents=True, exist_ok=True)
-            Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(
-                root / "images" / e["split"] / side / e["filename"])
-    items = data.load_items("levir", root, "train")
-    assert [it.id for it in items] == ["train_000000", "train_000001", "train_000002"]
-    assert items[1].captions == ["a road was built 1 ."]  # raw text, stripped; the empty one left out
-    assert items[1].before.endswith("images/train/A/train_000001.png") and "/B/" in items[1].after
-    assert len(data.load_items("levir", root, "val")) == 2 and len(data.load_items("levir", root, "test")) == 1
-    b, a, _ = data.ImageDataset(items, 32)[0]
-    assert b.shape == a.shape == (3, 32, 32) and not torch.equal(a, b)
-    (root / "LevirCCcaptions.json").write_text(json.dumps({"images": [{"filename": "x.png", "split": "train"}]}))
-    with pytest.raises(SystemExit, match="LevirCCcaptions.json is not in the expected format"):
-        data.load_items("levir", root, "train")
-
-
-def test_empty_captions_are_not_trained_on(synth_set, tmp_path, capsys):
-    # Spot-the-Diff's case through its loader: empty strings are gone and a pair with none is left out, counted
-    spot = tmp_path / "spot"
-    (spot / "annotations").mkdir(parents=True)
-    (spot / "annotations" / "train.json").write_text(json.dumps([
-        {"img_id": 1, "sentences": ["", "the red car moved", " "]}, {"img_id": 2, "sentences": [""]},
-        {"img_id": 3, "sentences": ["a man left"]}]))
-    placeholders([spot / "resized_images" / f"{i}{s}.png" for i in (1, 2, 3) for s in ("", "_2")])
-    items = data.load_items("spot", spot, "train")
-    assert [(it.id, it.captions) for it in items] == [("1", ["the red car moved"]), ("3", ["a man left"])]
-    assert "3 empty caption(s) ignored; 1 pair(s) with no caption left out" in capsys.readouterr().out
-    assert [s for s in data.CaptionDataset(items, 16).samples] == [(0, 0), (1, 1)]
-
-
-def test_cache_build_stops_on_a_truncated_image(synth_set, tmp_path):
-    """A truncated PNG met while decoding into the ImageCache (a Pool of workers) ends the run within seconds with
-    a message naming the file; it used to end a worker and leave the pool waiting forever."""
-    broken = tmp_path / "broken"
-    shutil.copytree(synth_set, broken)
-    victim = data.load_items("clevr", broken, "val", "total")[1].after
-    Path(victim).write_bytes(Path(victim).read_bytes()[:300])
-    code = (f"import data; items = data.load_items('clevr', {str(broken)!r}, 'val', 'total'); "
-            f"data.ImageCache(items, 32, workers=2)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parent)
-    assert r.returncode != 0 and victim in r.stderr and "readable image" in r.stderr, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
-
-
-@pytest.mark.parametrize("damage", ["truncated", "zero bytes", "text named .png"])
-def test_streaming_stops_on_a_bad_image(synth_set, tmp_path, damage):
-    """adapt.py streaming its images through 2 DataLoader workers meets an undecodable image: it ends within
-    seconds, naming the file and what to do, without a traceback; --skip-missing decodes every image first and
-    drops that pair, counted."""
-    broken = tmp_path / "broken"
-    shutil.copytree(synth_set, broken)
-    victim = data.load_items("clevr", broken, "train", "semantic")[2].after
-    raw = Path(victim).read_bytes()
-    Path(victim).write_bytes({"truncated": raw[:300], "zero bytes": b"", "text named .png": b"a caption\n"}[damage])
-    cmd = [sys.executable, "adapt.py", "--data-root", str(broken), *TINY_ADAPT, "--epochs", "1", "--workers", "2",
-           "--no-image-cache", "--out", str(tmp_path / "a.pt")]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=Path(__file__).resolve().parent)
-    assert r.returncode != 0 and f"cannot read image {victim}" in r.stderr and "--skip-missing" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr  # one line: the message
-    if damage == "truncated":  # the header reads fine: only a full decode finds it
-        r = subprocess.run(cmd + ["--skip-missing"], capture_output=True, text=True, timeout=180,
-                           cwd=Path(__file__).resolve().parent)
-        assert r.returncode == 0 and "--skip-missing: dropped 1 of" in r.stdout, r.stderr[-2000:]
-
-
-def test_cache_equals_streaming(synth_set, tmp_path):
-    items = data.load_items("clevr", synth_set, "train", "total")
-    cache = data.ImageCache(items, size=48, workers=2, directory=tmp_path)
-    assert cache.built and cache.data.dtype == torch.uint8 and cache.data.shape[1:] == (3, 48, 48)
-    assert isinstance(cache.array, np.memmap)  # read from the file, not held in memory
-    streamed, cached = data.ImageDataset(items, 48), data.ImageDataset(items, 48, cache=cache)
-    for k in range(len(items)):
-        assert all(torch.equal(x, y) for x, y in zip(streamed[k][:2], cached[k][:2]))
-    # whole batches (one sorted read per column) equal sample by sample, in the sampler's order
-    keys = [5, 0, 3, 3, 1]
-    for batch, one_by_one in ((cached.__getitems__(keys), [cached[k] for k in keys]),
-                              (streamed.__getitems__(keys), [streamed[k] for k in keys])):
-        assert all(torch.equal(col, torch.stack([s[j] for s in one_by_one]) if j < 2 else torch.tensor(
-            [s[j] for s in one_by_one])) for j, col in enumerate(batch))
-    caps = data.CaptionDataset(items, 48, swap_prob=0.5, cache=cache)
-    keyed = [7, 2, 7]
-    for col, want in zip(caps.__getitems__(keyed), zip(*[caps[k] for k in keyed])):
-        assert torch.equal(col, torch.stack(want) if torch.is_tensor(want[0]) else torch.tensor(want))
-    # through a DataLoader with 2 workers: the same batches as streaming
-    batches = lambda ds: [b for b in data.make_loader(ds, 4, shuffle=True, workers=2, seed=3)]
-    for a, b in zip(batches(streamed), batches(cached)):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def test_cache_is_reused_and_follows_its_images(synth_set, tmp_path):
-    items = data.load_items("clevr", synth_set, "test", "total")
-    first = data.ImageCache(items, 32, workers=2, directory=tmp_path)
-    again = data.ImageCache(items, 32, workers=2, directory=tmp_path)
-    assert first.built and not again.built and again.folder == first.folder
-    assert data.ImageCache(items, 24, workers=2, directory=tmp_path).folder != first.folder  # another size
-    copy = tmp_path / "copy"
-    shutil.copytree(synth_set, copy)
-    moved = data.load_items("clevr", copy, "test", "total")
-    assert data.ImageCache(moved, 32, workers=2, directory=tmp_path).folder != first.folder  # another root
-    victim = Path(moved[0].after)
-    Image.open(victim).transpose(Image.FLIP_LEFT_RIGHT).save(victim)  # the image changed: a new cache
-    changed = data.ImageCache(moved, 32, workers=2, directory=tmp_path)
-    assert changed.built and torch.equal(changed[str(victim)], data.ImageDataset(moved, 32)[0][1])
-
-
-def test_a_killed_cache_build_is_never_read(synth_set, tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(synth_set, broken)
-    items = data.load_items("clevr", broken, "train", "total")
-    victim = Path(items[3].after)
-    good = victim.read_bytes()
-    victim.write_bytes(good[:200])  # the build stops halfway, on this file
-    with pytest.raises(SystemExit, match=re.escape(str(victim))):
-        data.ImageCache(items, 32, workers=2, directory=tmp_path / "cache")
-    assert list((tmp_path / "cache").iterdir()) == []  # nothing left that a later run could take for a cache
-    victim.write_bytes(good)
-    cache = data.ImageCache(items, 32, workers=2, directory=tmp_path / "cache")
-    assert cache.built and torch.equal(cache[str(victim)], data.ImageDataset(items, 32)[3][1])
-
-
-def test_cache_build_spares_a_live_build_and_takes_a_finished_one(synth_set, tmp_path):
-    """Two runs on one cache folder: a second run started long into a first one's build leaves that build alone
-    (writes through a memmap never update its folder's time, so age says nothing: its lock does); a build that
-    another process finished first is taken, not a crash; a killed build's leftovers go at once; and the folders
-    are readable by the machine's other users as the umask says (a shared --cache-dir), not mkdtemp's 0700."""
-    items = data.load_items("clevr", synth_set, "test", "total")
-    directory = tmp_path / "cache"
-    old_umask = os.umask(0o022)
-    live = None
-    try:
-        folder = data.ImageCache(items, 32, workers=1, directory=directory).folder
-        assert folder.stat().st_mode & 0o777 == 0o755
-        shutil.rmtree(folder)
-        code = ("import pathlib, sys, time, data; tmp, lock = data._start_build(pathlib.Path(sys.argv[1])); "
-                "print(tmp, flush=True); time.sleep(300)")
-        live = subprocess.Popen([sys.executable, "-c", code, str(folder)], stdout=subprocess.PIPE, text=True,
-                                cwd=Path(__file__).resolve().parent)
-        tmp = Path(live.stdout.readline().strip())
-        assert tmp.is_dir() and tmp.name.startswith(folder.name + ".tmp")
-        os.utime(tmp, (time.time() - 3600, time.time() - 3600))  # it started an hour ago
-        second = data.ImageCache(items, 32, workers=1, directory=directory)
-        assert second.built and tmp.is_dir()  # the live build is still there
-        # the first build finishes after the second: the cache is there already, and it is the same
-        paths = data.image_paths(items)
-        data._build_cache(folder, paths, 32, 1, 0)
-        assert np.array_equal(np.load(folder / "images.npy"), second.array)
-        assert sorted(p.name for p in directory.iterdir()) == sorted([folder.name, tmp.name])  # no new leftover
-        live.kill()  # SIGKILL: its lock goes with it, and the next build clears what it left
-        live.wait(timeout=30)
-        shutil.rmtree(folder)
-        data.ImageCache(items, 32, workers=1, directory=directory)
-        assert [p.name for p in directory.iterdir()] == [folder.name]
-    finally:
-        os.umask(old_umask)
-        if live is not None and live.poll() is None:
-            live.kill()
-
-
-def _cache_rank(rank, world, items, directory, out):
-    torch.distributed.init_process_group("gloo")
-    data.use_cache = lambda *args, **kwargs: rank == 0  # near the disk-space threshold: ranks see other room
-    cache = data.open_cache(items, 32, None, directory, world, rank, log=lambda m: None)
-    (Path(out) / str(rank)).write_text("cache" if cache is not None else "none")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-
-
-def test_cache_decision_is_rank_zeros(synth_set, tmp_path):
-    """Under torchrun the ranks use the cache or not together (rank 0 decides); deciding alone, one rank skips
-    the barrier the other waits in."""
-    items = data.load_items("clevr", synth_set, "test", "total")
-    run_ranks(_cache_rank, items, str(tmp_path / "cache"), str(tmp_path), timeout=120)
-    assert [(tmp_path / str(r)).read_text() for r in range(2)] == ["cache", "cache"]
-
-
-def test_loader_reproducible(synth_set):
-    items = data.load_items("clevr", synth_set, "train", "semantic")
-    ds = data.CaptionDataset(items, size=16, swap_prob=0.5)
-    batches = lambda loader: [torch.cat([b[0].flatten(1), b[2]], 1) for b in loader]
-    a = data.make_loader(ds, 8, shuffle=True, workers=0, seed=3)
-    b = data.make_loader(ds, 8, shuffle=True, workers=2, seed=3)  # workers draw the same swaps: (seed, epoch, index)
-    for epoch in (0, 1):
-        data.set_epoch(a, epoch)
-        data.set_epoch(b, epoch)
-        assert all(torch.equal(x, y) for x, y in zip(batches(a), batches(b)))
-    first = [x[3] for x in a]
-    data.set_epoch(a, 0)
-    assert not all(torch.equal(x, y) for x, y in zip(first, [x[3] for x in a]))  # a new order each epoch
-    swapped = lambda epoch: [ds.parts(k)[0][0] == items[ds.samples[k][0]].alt_before for k in range(len(ds))]
-    ds.epoch = 0
-    at0 = swapped(0)
-    ds.epoch = 1
-    assert at0 != swapped(1) and 0.3 < np.mean(at0) < 0.7  # about half swapped, anew each epoch
-    assert not b.pin_memory and data.make_loader(ds, 8, device="cuda").pin_memory
-    last = data.make_loader(ds, 8, drop_last=True)
-    assert len(last) == len(ds) // 8
+def test_descriptions_name_every_object_and_negatives_differ_in_one_attribute():
+    rng, kinds = random.Random(0), set()
+    for i in range(12):
+        for objs in synth.views(i, 3).values():
+            if objs is None:
+                continue
+            objs = [o for o, _ in objs]
+            seed = rng.randrange(1000)
+            text = synth.description(objs, seed)
+            assert object_words(text) == sorted(tuple(o[a] for a in synth.ATTRS) for o in objs), text
+            neg = synth.hard_negative(rng, objs)
+            changed = [(k, a) for k, (o, n) in enumerate(zip(objs, neg)) for a in synth.ATTRS if o[a] != n[a]]
+            assert len(changed) in (1, 2) and len({a for _, a in changed}) == 1  # one attribute: changed or swapped
+            if len(changed) == 2:  # a swap keeps the scene's values, bound to other objects
+                (i1, a), (i2, _) = changed
+                assert (neg[i1][a], neg[i2][a]) == (objs[i2][a], objs[i1][a])
+            kinds.add(len(changed))
+            assert object_words(synth.description(neg, seed)) != object_words(text)
+            words, neg_words = text.split(), synth.description(neg, seed).split()  # worded alike but that
+            assert len(words) == len(neg_words) and 1 <= sum(a != b for a, b in zip(words, neg_words)) <= 2
+    assert kinds == {1, 2}
 
 
 # -------------------------------------------------------------------------------------------------------------
 # metrics.py: hand-checked cases and coco-caption agreement
 
-
 REFERENCE = SHARED / "reference"
+
+
 REFERENCE_SETS = sorted(REFERENCE.glob("*.json")) if REFERENCE.is_dir() else []
+
+
 needs_reference = pytest.mark.skipif(not REFERENCE_SETS, reason="../shared/reference (coco-caption's figures) absent")
+
+
 needs_synonyms = pytest.mark.skipif(metrics.load_synonyms() is None,
                                     reason="no synonym data (pip install pycocoevalcap)")
+
+
 METEOR_DATA = metrics.meteor_data()
+
+
 needs_meteor_data = pytest.mark.skipif(None in METEOR_DATA.values(),  # .ci/run fails when they are absent there
                                        reason="Meteor 1.5's data files absent (pip install -r requirements.txt)")
-
-
-@pytest.fixture(autouse=True)
-def quiet():  # "stage skipped" notices are expected here
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
 
 
 # --- tokenization: Stanford PTBTokenizer as coco-caption runs it (outputs checked against the CoreNLP 3.4.1 jar)
@@ -1190,6 +1504,7 @@ def test_evaluate_empty_candidate_scores_zero():
     assert items["CIDEr-D"][1] > 0
 
 
+@pytest.mark.subprocess
 def test_command_line(tmp_path):
     (tmp_path / "refs.json").write_text(json.dumps({"1": ["a red cube moved"], "2": ["nothing changed"]}))
     (tmp_path / "cands.json").write_text(json.dumps({"1": "a red cube moved", "2": "something moved"}))
@@ -1222,6 +1537,7 @@ def test_matches_coco_caption(path):
             assert items[m][i] == pytest.approx(score, abs=1e-9), (m, i)
 
 
+@pytest.mark.slow
 @needs_reference
 @needs_meteor_data
 @pytest.mark.parametrize("path", REFERENCE_SETS, ids=lambda p: p.stem)
@@ -1233,6 +1549,7 @@ def test_meteor_matches_coco_caption(path):
         assert np.abs([items["METEOR"][i] - s for i, s in ref["per_item"]["METEOR"].items()]).max() < 1e-9
 
 
+@pytest.mark.slow
 @needs_reference
 @pytest.mark.parametrize("wordnet", [True, False], ids=["wordnet-only", "exact-and-stem"])
 def test_meteor_fallbacks_say_so_and_stay_near(monkeypatch, fresh_meteor_sources, wordnet):
@@ -1257,36 +1574,422 @@ def test_meteor_fallbacks_say_so_and_stay_near(monkeypatch, fresh_meteor_sources
 
 
 # -------------------------------------------------------------------------------------------------------------
-# adapt.py: loss, retrieval metrics, training, resume, 2-process DDP
+# adapt.py: the contrastive loss, retrieval metrics, training, resume, divergence
+
+def test_retrieval_metrics_by_hand():
+    # 2 pairs, 3 captions: captions 0, 1 belong to pair 0, caption 2 to pair 1
+    owner = torch.tensor([0, 0, 1])
+    sim = torch.tensor([[0.1, 0.9, 0.5],
+                        [0.2, 0.3, 0.4]])
+    m = adapt.retrieval_metrics(sim, owner)
+    # pair 0: best own caption (0.9) is first -> rank 1; pair 1: its caption (0.4) is behind 0.2? no: ahead of
+    # 0.2 and 0.3 -> rank 1. text->pair: caption 0 -> pair 1 scores 0.2 > 0.1 -> rank 2; caption 1 -> rank 1;
+    # caption 2 -> pair 0 scores 0.5 > 0.4 -> rank 2
+    assert m["pair->text R@1"] == 100 and m["text->pair R@1"] == pytest.approx(100 / 3)
+    assert m["text->pair MnR"] == pytest.approx(5 / 3) and m["text->pair MdR"] == 2
+    const = adapt.retrieval_metrics(torch.zeros(2, 3), owner)  # ties rank pessimistically: no free rank 1
+    assert const["text->pair R@1"] == 0 and const["pair->text R@1"] == 0
+    chance = adapt.chance_metrics(owner, 2)
+    assert chance["text->pair R@1"] == 50 and chance["pair->text R@1"] == pytest.approx(100 * (2 / 3 + 1 / 3) / 2)
 
 
-def test_attention_weights_are_the_sdpa_paths():
-    """The weights drawn as heat maps are softmax(Q K^T / sqrt(d)) of the very inputs the SDPA path attends with:
-    applied to V they give its output (several heads, a non-square pair of token counts)."""
+def test_contrastive_loss_matches_definition():
     torch.manual_seed(0)
-    attn = model.MultiheadAttention(96, 3)
-    x = torch.randn(2, 20, 96)
-    w = model.attention_weights(attn, x)
-    assert w.shape == (2, 3, 20, 20) and torch.allclose(w.sum(-1), torch.ones(2, 3, 20))
-    q, k, v = (t.view(2, 20, 3, 32).transpose(1, 2) for t in F.linear(x, attn.in_proj_weight,
-                                                                        attn.in_proj_bias).split(96, dim=2))
-    torch.testing.assert_close(w @ v, F.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=1e-5)
-    cfg = M.CLIPConfig(embed_dim=32, image_resolution=48, vision_layers=3, vision_width=128, vision_patch_size=16,
-                       context_length=8, transformer_width=64, transformer_heads=1, transformer_layers=1, n_inter=2)
-    clip = M.CLIP(cfg).eval()
-    b, a = torch.randn(2, 3, 48, 48), torch.randn(2, 3, 48, 48)
-    seen = []  # each inter block's attention input, as the blocks see it
-    blocks = clip.visual.transformer.resblocks
-    hooks = [blk.attn.register_forward_pre_hook(lambda m, inp: seen.append((m, inp[0]))) for blk in blocks[1:]]
-    with torch.no_grad():
-        tokens, vec, weights = clip.visual.forward_pair(b, a, explain=True)
-    for h in hooks:
-        h.remove()
-    assert weights.shape == (2, 2, 20, 20) and torch.equal(tokens, clip.visual.forward_pair(b, a)[0])
-    first, last = (model.attention_weights(m, x) for m, x in seen)
-    torch.testing.assert_close(weights, last)  # the last inter block's, not the first's
-    assert (weights - first).abs().max() > 1e-3
+    v, g = torch.randn(4, 8), torch.randn(4, 8)
+    scale = torch.tensor(2.0)
+    loss = adapt.contrastive_loss(v, g, scale)
+    s = scale.exp() * torch.nn.functional.normalize(v, dim=-1) @ torch.nn.functional.normalize(g, dim=-1).t()
+    want = -(s.log_softmax(1).diag().mean() + s.log_softmax(0).diag().mean()) / 2
+    assert torch.allclose(loss, want, atol=1e-6)
+    # the logit scale is clamped at ln 100
+    assert adapt.contrastive_loss(v, g, torch.tensor(9.0)) == adapt.contrastive_loss(v, g, torch.tensor(4.7))
 
+
+def test_contrastive_logits_fp32_under_autocast():
+    """bf16 autocast (CUDA's path, here on the CPU) must not reach the logits: at scale 100 a bf16 matmul is off
+    by up to ~0.4 per logit."""
+    torch.manual_seed(0)
+    v, g = torch.randn(64, 128), torch.randn(64, 128)
+    g = v + 3 * g  # pairs near their captions: a loss of about 0.5, as in training
+    scale = torch.tensor(math.log(100))
+    want = adapt.contrastive_loss(v, g, scale)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = adapt.contrastive_loss(v, g, scale)
+    assert got.dtype == torch.float32 and abs(got.item() - want.item()) < 1e-5, (got.item(), want.item())
+
+
+@pytest.mark.slow
+def test_loss_decreases_on_synthetic_batches(adapt_synth):
+    args = adapt.get_args(TINY_ADAPT + ["--data-root", str(adapt_synth)])
+    torch.manual_seed(0)
+    model = adapt.new_model(args)
+    items = data.load_items("clevr", adapt_synth, "train", setting="semantic")[:8]
+    ds = data.CaptionDataset(items, 32, 32, swap_prob=0.5)
+    batch = next(iter(data.make_loader(ds, 8, shuffle=True)))
+    batch = [clip_load.normalize(batch[0]), clip_load.normalize(batch[1]), batch[2]]
+    train_utils.freeze(model.named_parameters(), adapt.lr_for(args))
+    opt = torch.optim.AdamW(adapt.param_groups(model.named_parameters(), adapt.lr_for(args), 0.0))
+    net = adapt.PairText(model)
+    losses = []
+    for _ in range(30):
+        loss = adapt.contrastive_loss(*net(*batch[:3]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.slow
+def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch):
+    base = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2"]
+    adapt.main(base + ["--out", str(tmp_path / "a.pt")])
+    full = torch.load(tmp_path / "a.last.pt", weights_only=False)
+    assert Image.open(tmp_path / "a.curves.png").size == (1280, 240)  # the training curves, after every epoch
+
+    real_epoch = ctrl_c_in_second_epoch(monkeypatch, adapt)
+    with pytest.raises(SystemExit) as stop:
+        adapt.main(base + ["--out", str(tmp_path / "b.pt")])
+    assert stop.value.code == 130 and torch.load(tmp_path / "b.last.pt", weights_only=False)["epoch"] == 1
+    monkeypatch.setattr(adapt, "train_epoch", real_epoch)
+    adapt.main(base + ["--out", str(tmp_path / "b.pt"), "--resume"])
+    resumed = torch.load(tmp_path / "b.last.pt", weights_only=False)
+    assert resumed["epoch"] == full["epoch"] == 2
+    for k, v in full["model"].items():
+        assert torch.equal(v, resumed["model"][k]), k
+    ckpt = torch.load(tmp_path / "b.pt", weights_only=False)
+    assert {"model", "config", "tokenizer", "metrics", "args"} <= set(ckpt)
+    assert "text->pair R@1" in ckpt["metrics"]["test"] and "val" in ckpt["metrics"]
+    assert ckpt["args"]["swap_prob"] == 0.0  # the synthetic set's default
+
+
+@pytest.mark.slow
+def test_a_diverged_evaluation_stops_the_run(adapt_synth, tmp_path, monkeypatch):
+    """Weights gone NaN in epoch 2 (the loss of its steps still finite): NaN similarities would rank every pair
+    first (R@mean 100) and be saved as the best model. The run stops instead, and epoch 1's model stays chosen."""
+    real_epoch = train_utils.train_epoch
+
+    def diverge(*a, **k):
+        loss = real_epoch(*a, **k)
+        if a[6].epoch == 1:  # the Progress argument's epoch: the second
+            with torch.no_grad():
+                dict(a[1].named_parameters())["clip.visual.proj"].fill_(float("nan"))
+        return loss
+    monkeypatch.setattr(adapt, "train_epoch", diverge)
+    with pytest.raises(SystemExit, match="after epoch 2: the encoder's features are NaN"):
+        adapt.main(TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2", "--out", str(tmp_path / "a.pt")])
+    assert torch.load(tmp_path / "a.pt", weights_only=False)["metrics"]["epoch"] == 1
+    assert torch.load(tmp_path / "a.last.pt", weights_only=False)["epoch"] == 1
+
+
+@pytest.mark.slow
+def test_swap_default_is_the_authors_on_real_clevr(adapt_synth, tmp_path, capsys):
+    real = tmp_path / "clevr"  # the same files without synth.json: what the real CLEVR-Change looks like
+    shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("synth.json"))
+    adapt.main(TINY_ADAPT + ["--data-root", str(real), "--epochs", "1", "--out", str(tmp_path / "a.pt")])
+    assert torch.load(tmp_path / "a.pt", weights_only=False)["args"]["swap_prob"] == 0.5
+    assert "distractor swap p=0.5" in capsys.readouterr().out
+
+
+# -------------------------------------------------------------------------------------------------------------
+# caption.py: the captioner, scoring, the constant baseline, the two-image CLI, resume
+
+def test_cider_by_change_type_scores_each_type_alone():
+    """Per-type CIDEr-D (paper Table 2): each type's items scored as a corpus of their own (their own document
+    frequencies), the right items in each type; a type's wrong captions lower that type only."""
+    caps = {"color": ["the red cube turned blue", "the small ball became green", "a cylinder changed its color"],
+            "drop": ["the gray cube is gone", "the metal ball disappeared", "someone removed the cylinder"],
+            "distractor": ["nothing has changed", "the scene is the same", "no change was made"]}
+    items = [data.Item(f"{t}{k}", "b.png", "a.png", [c], t) for t, cs in caps.items() for k, c in enumerate(cs)]
+    exact = {it.id: it.captions[0] for it in items}
+    _, by_type = caption.score(items, exact, by_type=True)
+    assert set(by_type) == set(caps) and all(v > 0 for v in by_type.values())
+    for t in caps:
+        alone = {it.id: [metrics.tokenize(it.captions[0])] for it in items if it.change_type == t}
+        assert by_type[t] == pytest.approx(100 * cider_d(alone, {i: r[0] for i, r in alone.items()})[0], abs=1e-9)
+    wrong = {**exact, "drop0": "the red cube turned blue", "drop1": "nothing has changed"}
+    _, worse = caption.score(items, wrong, by_type=True)
+    assert worse["drop"] < by_type["drop"] and worse["color"] == by_type["color"]
+    assert worse["distractor"] == by_type["distractor"]
+
+
+@pytest.mark.slow
+def test_overfit_exact_captions(trained):
+    tmp, results = trained
+    preds = {p["id"]: p["caption"] for p in results["predictions"]}
+    assert preds == {**{f"{i:06d}": c for i, (_, c) in CHANGES.items()}, **{f"{i:06d}_n": SAME for i in CHANGES}}
+    assert results["scores"]["CIDEr-D"] > results["baseline"]["scores"]["CIDEr-D"]
+    # the baseline is the best constant training caption, by a full CIDEr-D pass for each (not just any of them)
+    refs = {f"{i:06d}": [c] for i, (_, c) in CHANGES.items()} | {f"{i:06d}_n": [SAME] for i in CHANGES}
+    assert {p["id"]: p["references"] for p in results["predictions"]} == refs
+    full = {c: evaluate(refs, {i: c for i in refs})["CIDEr-D"] * 100 for c in [SAME] + [c for _, c in CHANGES.values()]}
+    assert results["baseline"]["caption"] == metrics.tokenize(max(full, key=full.get)) == SAME
+    assert results["baseline"]["scores"]["CIDEr-D"] == pytest.approx(max(full.values()), abs=1e-9)
+    assert set(results["scores_by_type"]) == {"color", "move", "add", "drop", "distractor"}
+    saved = torch.load(tmp / "captioner.pt", weights_only=True)
+    assert saved["stage"] == "caption" and saved["vocab"][:4] == caption.SPECIALS and "test" in saved["metrics"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not REAL.is_dir(), reason="needs ../shared/data/real_pairs")
+def test_two_image_cli(trained, capsys, tmp_path):
+    tmp, _ = trained
+    caption.main(["--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
+                  "--after", str(REAL / "CLEVR_new_000000_del.png")])
+    assert capsys.readouterr().out.strip() == CHANGES[0][1]
+    # any size and mode: 8-bit grey and 16-bit grey images of other sizes still give a caption of known words
+    grey = Image.open(REAL / "CLEVR_new_000000.png").convert("L").resize((200, 90))
+    grey.save(tmp_path / "grey.png")
+    Image.fromarray((np.asarray(grey).astype(np.uint16) * 257)).save(tmp_path / "grey16.png")
+    caption.main(["--ckpt", str(tmp / "captioner.pt"), "--before", str(tmp_path / "grey.png"),
+                  "--after", str(tmp_path / "grey16.png")])
+    vocab = set(torch.load(tmp / "captioner.pt", weights_only=True)["vocab"]) - set(caption.SPECIALS)
+    said = capsys.readouterr().out.split()
+    assert said and set(said) <= vocab  # words it learnt (an empty caption is no caption)
+    # evaluating a saved captioner (beam search) and drawing the gallery
+    out = caption.main(["--ckpt", str(tmp / "captioner.pt"), "--results", str(tmp_path / "r.json"), "--beam", "2",
+                        "--gallery", str(tmp_path / "g.png"), "--workers", "0"])
+    assert out["scores"]["CIDEr-D"] > 0 and Image.open(tmp_path / "g.png").size[1] > 100
+    # --explain: the caption, the two images and their heat maps in one PNG (two rows of 192 px images)
+    caption.main(["--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
+                  "--after", str(REAL / "CLEVR_new_000000_del.png"), "--explain", str(tmp_path / "why.png")])
+    w, h = Image.open(tmp_path / "why.png").size
+    assert h > 2 * 192 and w > 2 * 192 and CHANGES[0][1] in capsys.readouterr().out
+    assert Image.open(tmp / "captioner.curves.png").size == (1280, 240)  # written after every epoch
+    with pytest.raises(SystemExit, match="trained captioner"):
+        caption.main(["--ckpt", str(tmp / "adapted.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
+                      "--after", str(REAL / "CLEVR_new_000000_del.png")])
+
+
+@pytest.mark.slow
+def test_resume_equals_uninterrupted(trained, tmp_path, monkeypatch):
+    tmp, _ = trained
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        shutil.copy(tmp / "adapted.pt", tmp_path / d / "adapted.pt")
+    run(tmp_path / "a", epochs=3)
+    real_epoch = ctrl_c_in_second_epoch(monkeypatch, caption)
+    with pytest.raises(SystemExit):
+        run(tmp_path / "b", epochs=3)
+    monkeypatch.setattr(caption, "train_epoch", real_epoch)
+    run(tmp_path / "b", "--resume", epochs=3)
+    a, b = (torch.load(tmp_path / d / "captioner.last.pt", weights_only=False) for d in ("a", "b"))
+    assert a["epoch"] == b["epoch"] == 3 and a["history"] == b["history"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+@pytest.mark.slow
+def test_resume_after_early_stop_trains_no_more(trained, tmp_path, monkeypatch, capsys):
+    """A run resumed after its early stop (killed in its final test, or run again) tests the model it chose; it
+    does not train another epoch, which could choose another."""
+    shutil.copy(trained[0] / "adapted.pt", tmp_path / "adapted.pt")
+    scores, real = iter([50.0, 40.0]), caption.cider  # val CIDEr-D falls after epoch 1: patience 1 stops after 2
+    monkeypatch.setattr(caption, "cider", lambda items, preds: next(scores, None) or real(items, preds))
+    first = run(tmp_path, "--patience", "1", epochs=6)
+    chosen = torch.load(tmp_path / "captioner.pt", weights_only=False)
+    assert [h["epoch"] for h in chosen["metrics"]["history"]] == [1, 2] and chosen["metrics"]["epoch"] == 1
+    again = run(tmp_path, "--patience", "1", "--resume", epochs=6)
+    state, after = (torch.load(tmp_path / f, weights_only=False) for f in ("captioner.last.pt", "captioner.pt"))
+    assert state["epoch"] == 2 and after["metrics"]["epoch"] == 1 and again["scores"] == first["scores"]
+    assert all(torch.equal(after["captioner"][k], v) for k, v in chosen["captioner"].items())
+    assert "had stopped early after epoch 2" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_synthetic_run_reads_its_captions_back(adapt_synth, tmp_path, capsys):
+    """On a synthetic set caption.py parses every test caption against scenes.json, prints the figures and stores
+    them in the results; on a real-format set (no scenes.json) it stores None."""
+    tiny_encoder(tmp_path / "adapted.pt", adapt_synth)
+    results = run(tmp_path, epochs=1)
+    preds = {p["id"]: p["caption"] for p in results["predictions"]}
+    assert results["synthetic"] == synth.report(preds, synth.read_scenes(adapt_synth))
+    assert 0 <= results["attention"]["map on the change %"] <= 100 and 0 < results["attention"]["random patch %"] < 100
+    assert results["synthetic"]["change pairs"] == results["synthetic"]["distractor pairs"] == len(preds) // 2
+    assert "read back against the scenes" in capsys.readouterr().out
+    assert json.loads((tmp_path / "captions.json").read_text())["synthetic"] == results["synthetic"]
+    # the figures themselves: the references read back as all right, "no change" everywhere as no change at all
+    scenes, refs = synth.read_scenes(adapt_synth), {p["id"]: p["references"][0] for p in results["predictions"]}
+    right = synth.report(refs, scenes)
+    assert (right["change caption %"], right["right type %"], right["right object %"]) == (100.0, 100.0, 100.0)
+    assert right["no change on distractors %"] == 100.0 and right["change pairs"] == len(refs) // 2
+    types = Counter(scenes[i]["type"] for i in refs if not i.endswith("_n"))
+    assert {t: right[t]["right type %"] for t in types} == {t: 100.0 for t in types}
+    silent = synth.report({i: "there is no change" for i in refs}, scenes)
+    assert (silent["change caption %"], silent["right type %"], silent["no change on distractors %"]) == (0, 0, 100)
+    moved = synth.report({i: "the thing has moved" for i in refs}, scenes)  # a change, of one type, everywhere
+    assert moved["change caption %"] == 100 and moved["no change on distractors %"] == 0
+    assert moved["right type %"] == round(100 * types["move"] / sum(types.values()), 1) < 100
+    real = tmp_path / "real"
+    shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("scenes.json"))
+    tiny_encoder(tmp_path / "adapted.pt", real)
+    assert run(tmp_path, epochs=1)["synthetic"] is None
+
+
+def test_maps_on_the_change(synth_set):
+    """A map whose strongest patch holds the changed object counts; the chance figure is the share of patches it
+    covers."""
+    items = [it for it in data.load_items("clevr", synth_set, "train", "total") if not it.id.endswith("_n")]
+    g, maps = 6, []
+    for it in items:
+        region = synth.changed_region(synth_set, it.id)
+        side = "after" if region["before"] is None else "before"
+        x0, y0, x1, y1 = region[side]
+        m = {s: np.zeros((g, g)) for s in ("before", "after")}
+        m[side][int((y0 + y1) / 2 * g), int((x0 + x1) / 2 * g)] = 1.0
+        maps.append(m)
+    on, chance = caption.maps_on_change(maps, items, synth_set)
+    assert on == 100 and 0 < chance < 50
+    for m in maps:
+        for side in m:
+            m[side] = np.roll(m[side], (3, 3), axis=(0, 1))  # half a grid away
+    assert caption.maps_on_change(maps, items, synth_set)[0] < 50
+
+
+# -------------------------------------------------------------------------------------------------------------
+# probe.py: what an encoder knows about the change (diagnoses on synthetic sets)
+
+def test_probe_answers_are_the_changed_object(adapt_synth):
+    items = data.load_items("clevr", adapt_synth, "train", "semantic")
+    scenes = synth.read_scenes(adapt_synth)
+    y = probe.answers(items, scenes)
+    assert y.shape == (len(items), 5)
+    for it, row in zip(items, y.tolist()):
+        s = scenes[it.id]
+        said = {k: classes[i] for (k, classes), i in zip(probe.ANSWERS.items(), row)}
+        assert said["type"] == s["type"] == it.change_type
+        # the object before the change, except for "add" (it exists only after): the referring captions' object
+        o = s["after"][s["changed"]] if s["type"] == "add" else s["before"][s["changed"]]
+        assert all(said[k] == o[k] for k in ("color", "shape", "material", "size"))
+
+
+@pytest.mark.slow
+def test_linear_probe_reads_what_the_features_hold():
+    g = torch.Generator().manual_seed(0)
+    n = 300
+    y = torch.stack([torch.randint(len(c), (n,), generator=g) for c in probe.ANSWERS.values()], 1)
+    onehot = torch.cat([F.one_hot(y[:, j], len(c)).float() for j, c in enumerate(probe.ANSWERS.values())], 1)
+    spread = lambda h: h @ torch.randn(h.shape[1], 256, generator=g) + 0.5 * torch.randn(n, 256, generator=g)
+    x = spread(onehot)  # every answer, spread over many noisy features as in an encoder's tokens
+    train, test = probe.linear_probe(x[:200], y[:200], x[200:], y[200:])
+    assert min(test) > 0.95 and min(train) == 1.0
+    # features that hold only the colour: the colour is read, the rest stays near its most frequent class
+    colour = spread(F.one_hot(y[:, 1], 8).float())
+    _, test = probe.linear_probe(colour[:200], y[:200], colour[200:], y[200:])
+    assert test[1] > 0.95
+    for j in (0, 2, 3, 4):
+        assert test[j] < probe.majority(y[200:, j]) + 0.15
+
+
+@pytest.mark.slow
+def test_probe_commands_run_on_a_synthetic_set(adapt_synth, tmp_path, capsys):
+    hist = probe.main(["supervised", "--data-root", str(adapt_synth), "--epochs", "20", "--batch-size", "4",
+                       "--lr", "1e-3"])
+    assert len(hist) == 20 and all(len(acc) == 5 and all(0 <= a <= 1 for a in acc) for _, acc in hist)
+    assert hist[-1][0] < 0.7 * hist[0][0]  # it trains: 21 pairs' answers are learnt by heart
+    assert "epoch 20/20" in capsys.readouterr().out
+    early = probe.main(["supervised", "--fusion", "early", "--data-root", str(adapt_synth), "--epochs", "20",
+                        "--batch-size", "4", "--lr", "1e-3"])  # the 6-channel reference trains too
+    assert early[-1][0] < 0.7 * early[0][0]
+    mini = probe.main(["supervised", "--clip", "mini-synth", "--data-root", str(adapt_synth), "--epochs", "8",
+                       "--batch-size", "4", "--lr", "1e-3"])  # the shipped CLIP whole, trained as adapt.py does
+    assert mini[-1][0] < 0.7 * mini[0][0]
+    args = argparse.Namespace(clip="mini-synth", fusion="late", n_inter=2, lr=1e-3, lr_clip=1e-4)
+    rates = {n: probe.rate(n, args) for n in ("visual.conv1.weight", "visual.positional_embedding",
+                                              "visual.bef_embedding", "visual.ln_mid.weight",
+                                              "visual.transformer.resblocks.5.attn.in_proj_weight", "0.weight")}
+    assert rates == {"visual.conv1.weight": None, "visual.positional_embedding": None, "visual.bef_embedding": 1e-3,
+                     "visual.ln_mid.weight": 1e-3, "visual.transformer.resblocks.5.attn.in_proj_weight": 1e-4,
+                     "0.weight": 1e-3}
+    args.fusion = "early"  # the new 6-channel patch embedding learns; e1, e2, p, ln_mid are unused
+    assert (probe.rate("visual.conv1.weight", args), probe.rate("visual.bef_embedding", args)) == (1e-3, None)
+    tiny_encoder(tmp_path / "adapted.pt", adapt_synth)
+    test = probe.main(["linear", "--ckpt", str(tmp_path / "adapted.pt"), "--data-root", str(adapt_synth)])
+    assert "test:  type" in capsys.readouterr().out
+    torch.manual_seed(0)  # the same, by hand: the encoder's tokens of the train and test change pairs, probed
+    clip = clip_load.load_clip(tmp_path / "adapted.pt")
+    (b, a, y), (bt, at, yt) = (probe.split(adapt_synth, s, 32) for s in ("train", "test"))
+    _, want = probe.linear_probe(probe.encode(clip, b, a)[0].flatten(1), y, probe.encode(clip, bt, at)[0].flatten(1),
+                                 yt)
+    assert test == want and len(yt) == len(data.load_items("clevr", adapt_synth, "test", "semantic"))
+    real = tmp_path / "real"  # no scenes.json: a clear error, not a KeyError
+    shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("scenes.json"))
+    with pytest.raises(SystemExit, match="scenes.json"):
+        probe.main(["supervised", "--data-root", str(real), "--epochs", "1"])
+
+
+@pytest.mark.slow
+def test_probe_aligned_comparator_and_attention_weights(adapt_synth, tmp_path, capsys):
+    torch.manual_seed(0)  # 2 heads, 2 inter blocks of 3, a 4x4 grid
+    cfg = CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=3, vision_width=128, vision_patch_size=8,
+                     context_length=8, vocab_size=100, transformer_width=32, transformer_heads=1,
+                     transformer_layers=1, n_inter=2)
+    clip = CLIP(cfg).eval()
+    before, after = torch.randn(3, 3, 32, 32), torch.randn(3, 3, 32, 32)
+    rows = probe.attention(clip, before, after)
+    assert len(rows) == 2 and all(len(other) == len(own) == 2 for other, own in rows)
+    _, _, w = clip.visual.forward_pair(before, after, explain=True)  # the last inter block's weights
+    T = w.shape[-1]
+    n1 = T // 2
+    for h in range(2):  # written out: each patch i of either image, and its own position in the other image
+        other = sum(w[b, h, i, i + n1] + w[b, h, i + n1, i] for b in range(3) for i in range(1, n1))
+        own = sum(w[b, h, i, i] + w[b, h, i + n1, i + n1] for b in range(3) for i in range(1, n1))
+        assert math.isclose(rows[-1][0][h], other * T / (6 * (n1 - 1)), rel_tol=1e-4)
+        assert math.isclose(rows[-1][1][h], own * T / (6 * (n1 - 1)), rel_tol=1e-4)
+    assert rows[0][0] != rows[1][0]  # one row per block
+    torch.save({"model": clip.state_dict(), "config": asdict(cfg)}, tmp_path / "clip.pt")
+    for extra in ([], ["--random"]):
+        losses, acc = probe.main(["aligned", "--clip", str(tmp_path / "clip.pt"), "--data-root", str(adapt_synth),
+                                  "--epochs", "15", "--batch-size", "4"] + extra)
+        assert len(acc) == 5 and losses[-1] < 0.5 * losses[0], losses  # 21 pairs' answers learnt by heart
+    assert "block 1, 15 epochs" in capsys.readouterr().out  # the intra blocks: 3 - 2 inter
+
+
+# -------------------------------------------------------------------------------------------------------------
+# pretrain.py: CLIP in miniature (the run, its resume) and the small CLIP shipped in assets/
+
+@pytest.mark.slow
+def test_pretrain_lowers_its_loss_and_resumes_exactly(tmp_path, capsys):
+    args = TINY_PRETRAIN + ["--root", str(tmp_path / "scenes")]
+    full = pretrain.main(args + ["--out", str(tmp_path / "full.pt"), "--eval-every", "30"])
+    assert len(full) == 2 and full[-1]["loss"] < 0.9 * full[0]["loss"], [h["loss"] for h in full]
+    assert 0 <= full[-1]["hard-negative R@1"] <= 100 and all(f"probe {a}" in full[-1] for a in synth.ATTRS)
+    # stopped by --time-limit after its first evaluation (step 20, inside the run above's first 30 steps), then
+    # resumed: the same weights as the run that never stopped
+    part = pretrain.main(args + ["--out", str(tmp_path / "cut.pt"), "--time-limit", "0"])
+    assert len(part) == 1 and "continue with --resume" in capsys.readouterr().out
+    pretrain.main(args + ["--out", str(tmp_path / "cut.pt"), "--resume"])
+    a, b = (torch.load(tmp_path / f, weights_only=False)["model"] for f in ("full.pt", "cut.pt"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the shipped form: fp16, OpenAI's keys and no pair parameters, read by the loader of OpenAI's file
+    pretrain.main(args + ["--out", str(tmp_path / "full.pt"), "--export", str(tmp_path / "ship.pt")])
+    sd, _ = clip_load.read_state_dict(tmp_path / "ship.pt")
+    assert all(v.dtype == torch.float16 for v in sd.values()) and not any(k in sd for k in M.PAIR_KEYS)
+    loaded = clip_load.load_clip(tmp_path / "ship.pt", n_inter=1)
+    assert_close(loaded.state_dict()["visual.proj"], a["visual.proj"].half().float(), atol=0)
+
+
+def test_shipped_mini_clip_sees_objects(tmp_path):
+    path = clip_load.resolve("mini-synth")  # its SHA256 checked
+    assert path.stat().st_size <= 10 * 2 ** 20
+    clip = clip_load.load_clip("mini-synth")
+    assert clip.cfg.vision_width == 128 and clip.visual.conv1.weight.dtype == torch.float32
+    # scenes it never saw (another seed than its own): each image against every scene's description (chance 1/n)
+    synth.make_synth(tmp_path, 24, seed=99, workers=1)
+    images, texts = [], []
+    for i in range(24):
+        if (objs := synth.views(i, 99)["images/CLEVR_default"]) is not None:
+            images.append(load_image(tmp_path / f"images/CLEVR_default_{i:06d}.png", clip.cfg.image_resolution))
+            texts.append(synth.description([o for o, _ in objs], i))
+    with torch.no_grad():
+        img = F.normalize(clip.encode_image(torch.stack(images)), dim=-1)
+        txt = F.normalize(clip.encode_text(tokenize(texts, clip.cfg.context_length)), dim=-1)
+    right = ((img @ txt.t()).argmax(1) == torch.arange(len(texts))).float().mean().item()
+    assert len(texts) >= 16 and right >= 0.5, f"image -> description R@1 {right:.0%} among {len(texts)}"
+
+
+# -------------------------------------------------------------------------------------------------------------
+# plots.py: attention maps and pictures
 
 def test_pair_maps_and_pictures(tmp_path):
     g, heads = 3, 2
@@ -1314,25 +2017,8 @@ def test_pair_maps_and_pictures(tmp_path):
     assert best[best[:, 1] < 640, 1].min() > 500 and best[best[:, 1] >= 640, 1].min() > 1100  # epoch 5 in both
 
 
-def test_maps_on_the_change(synth_set):
-    """A map whose strongest patch holds the changed object counts; the chance figure is the share of patches it
-    covers."""
-    items = [it for it in data.load_items("clevr", synth_set, "train", "total") if not it.id.endswith("_n")]
-    g, maps = 6, []
-    for it in items:
-        region = synth.changed_region(synth_set, it.id)
-        side = "after" if region["before"] is None else "before"
-        x0, y0, x1, y1 = region[side]
-        m = {s: np.zeros((g, g)) for s in ("before", "after")}
-        m[side][int((y0 + y1) / 2 * g), int((x0 + x1) / 2 * g)] = 1.0
-        maps.append(m)
-    on, chance = caption.maps_on_change(maps, items, synth_set)
-    assert on == 100 and 0 < chance < 50
-    for m in maps:
-        for side in m:
-            m[side] = np.roll(m[side], (3, 3), axis=(0, 1))  # half a grid away
-    assert caption.maps_on_change(maps, items, synth_set)[0] < 50
-
+# -------------------------------------------------------------------------------------------------------------
+# train_utils.py: the training rule's table, the epoch loop, devices, processes
 
 def test_training_rule_in_plain_sight():
     """adapt.py's paper rule, printed as a table: the authors' frozen input embeddings, CLIP at 1e-7, the new pair
@@ -1352,59 +2038,7 @@ def test_training_rule_in_plain_sight():
     assert sum(int(r[-1].replace(",", "")) for r in rows.values()) == sum(p.numel() for p in m.parameters())
 
 
-TINY_ADAPT = ["--preset", "scratch", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
-              "--vision-layers", "2", "--n-inter", "1", "--text-width", "128", "--text-layers", "1",
-              "--embed-dim", "16", "--batch-size", "8", "--eval-batch-size", "16", "--log-every", "1"]  # 2 heads each
-
-
-@pytest.fixture(scope="module")
-def adapt_synth(tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapt_synth")
-    synth.make_synth(root, 24, seed=0, size=(120, 80), workers=1)
-    return root
-
-
-def test_retrieval_metrics_by_hand():
-    # 2 pairs, 3 captions: captions 0, 1 belong to pair 0, caption 2 to pair 1
-    owner = torch.tensor([0, 0, 1])
-    sim = torch.tensor([[0.1, 0.9, 0.5],
-                        [0.2, 0.3, 0.4]])
-    m = adapt.retrieval_metrics(sim, owner)
-    # pair 0: best own caption (0.9) is first -> rank 1; pair 1: its caption (0.4) is behind 0.2? no: ahead of
-    # 0.2 and 0.3 -> rank 1. text->pair: caption 0 -> pair 1 scores 0.2 > 0.1 -> rank 2; caption 1 -> rank 1;
-    # caption 2 -> pair 0 scores 0.5 > 0.4 -> rank 2
-    assert m["pair->text R@1"] == 100 and m["text->pair R@1"] == pytest.approx(100 / 3)
-    assert m["text->pair MnR"] == pytest.approx(5 / 3) and m["text->pair MdR"] == 2
-    const = adapt.retrieval_metrics(torch.zeros(2, 3), owner)  # ties rank pessimistically: no free rank 1
-    assert const["text->pair R@1"] == 0 and const["pair->text R@1"] == 0
-    chance = adapt.chance_metrics(owner, 2)
-    assert chance["text->pair R@1"] == 50 and chance["pair->text R@1"] == pytest.approx(100 * (2 / 3 + 1 / 3) / 2)
-
-
-def test_contrastive_loss_matches_definition():
-    torch.manual_seed(0)
-    v, g = torch.randn(4, 8), torch.randn(4, 8)
-    scale = torch.tensor(2.0)
-    loss = adapt.contrastive_loss(v, g, scale)
-    s = scale.exp() * torch.nn.functional.normalize(v, dim=-1) @ torch.nn.functional.normalize(g, dim=-1).t()
-    want = -(s.log_softmax(1).diag().mean() + s.log_softmax(0).diag().mean()) / 2
-    assert torch.allclose(loss, want, atol=1e-6)
-    assert adapt.contrastive_loss(v, g, torch.tensor(9.0)) == adapt.contrastive_loss(v, g, torch.tensor(4.7))  # ln 100 clamp
-
-
-def test_contrastive_logits_fp32_under_autocast():
-    """bf16 autocast (CUDA's path, here on the CPU) must not reach the logits: at scale 100 a bf16 matmul is off
-    by up to ~0.4 per logit."""
-    torch.manual_seed(0)
-    v, g = torch.randn(64, 128), torch.randn(64, 128)
-    g = v + 3 * g  # pairs near their captions: a loss of about 0.5, as in training
-    scale = torch.tensor(math.log(100))
-    want = adapt.contrastive_loss(v, g, scale)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = adapt.contrastive_loss(v, g, scale)
-    assert got.dtype == torch.float32 and abs(got.item() - want.item()) < 1e-5, (got.item(), want.item())
-
-
+@pytest.mark.slow
 def test_step_flops_match_torch_counter():
     """bench.adapt_step_flops (the MFU numerator) equals torch's FLOP counter on a pair step with several heads,
     non-square counts of intra/inter blocks and a frozen patch convolution (attention through the plain path,
@@ -1436,87 +2070,6 @@ def test_train_epoch_stops_on_nan():
     loss_fn = lambda b: (model(b).pow(2).mean(), len(b))
     with pytest.raises(SystemExit, match="loss became nan between steps 4 and 6 .*--resume"):
         train_utils.train_epoch(ctx, model, batches, loss_fn, opt, sched, train_utils.Progress(0, 1, 0, 7, 3))
-
-
-def test_loss_decreases_on_synthetic_batches(adapt_synth):
-    args = adapt.get_args(TINY_ADAPT + ["--data-root", str(adapt_synth)])
-    torch.manual_seed(0)
-    model = adapt.new_model(args)
-    items = data.load_items("clevr", adapt_synth, "train", setting="semantic")[:8]
-    ds = data.CaptionDataset(items, 32, 32, swap_prob=0.5)
-    batch = next(iter(data.make_loader(ds, 8, shuffle=True)))
-    batch = [clip_load.normalize(batch[0]), clip_load.normalize(batch[1]), batch[2]]
-    train_utils.freeze(model.named_parameters(), adapt.lr_for(args))
-    opt = torch.optim.AdamW(adapt.param_groups(model.named_parameters(), adapt.lr_for(args), 0.0))
-    net = adapt.PairText(model)
-    losses = []
-    for _ in range(30):
-        loss = adapt.contrastive_loss(*net(*batch[:3]))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.5 * losses[0], losses
-
-
-def ctrl_c_in_second_epoch(monkeypatch, stage):
-    """Make `stage` (adapt or caption) see a Ctrl-C when its second epoch starts; returns the real train_epoch."""
-    real_epoch = train_utils.train_epoch
-
-    def interrupt(*a, **k):
-        if a[6].epoch == 1:  # the Progress argument's epoch
-            raise KeyboardInterrupt
-        return real_epoch(*a, **k)
-    monkeypatch.setattr(stage, "train_epoch", interrupt)
-    return real_epoch
-
-
-def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch):
-    base = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2"]
-    adapt.main(base + ["--out", str(tmp_path / "a.pt")])
-    full = torch.load(tmp_path / "a.last.pt", weights_only=False)
-    assert Image.open(tmp_path / "a.curves.png").size == (1280, 240)  # the training curves, after every epoch
-
-    real_epoch = ctrl_c_in_second_epoch(monkeypatch, adapt)
-    with pytest.raises(SystemExit) as stop:
-        adapt.main(base + ["--out", str(tmp_path / "b.pt")])
-    assert stop.value.code == 130 and torch.load(tmp_path / "b.last.pt", weights_only=False)["epoch"] == 1
-    monkeypatch.setattr(adapt, "train_epoch", real_epoch)
-    adapt.main(base + ["--out", str(tmp_path / "b.pt"), "--resume"])
-    resumed = torch.load(tmp_path / "b.last.pt", weights_only=False)
-    assert resumed["epoch"] == full["epoch"] == 2
-    for k, v in full["model"].items():
-        assert torch.equal(v, resumed["model"][k]), k
-    ckpt = torch.load(tmp_path / "b.pt", weights_only=False)
-    assert {"model", "config", "tokenizer", "metrics", "args"} <= set(ckpt)
-    assert "text->pair R@1" in ckpt["metrics"]["test"] and "val" in ckpt["metrics"]
-    assert ckpt["args"]["swap_prob"] == 0.0  # the synthetic set's default
-
-
-def test_a_diverged_evaluation_stops_the_run(adapt_synth, tmp_path, monkeypatch):
-    """Weights gone NaN in epoch 2 (the loss of its steps still finite): NaN similarities would rank every pair
-    first (R@mean 100) and be saved as the best model. The run stops instead, and epoch 1's model stays chosen."""
-    real_epoch = train_utils.train_epoch
-
-    def diverge(*a, **k):
-        loss = real_epoch(*a, **k)
-        if a[6].epoch == 1:  # the Progress argument's epoch: the second
-            with torch.no_grad():
-                dict(a[1].named_parameters())["clip.visual.proj"].fill_(float("nan"))
-        return loss
-    monkeypatch.setattr(adapt, "train_epoch", diverge)
-    with pytest.raises(SystemExit, match="after epoch 2: the encoder's features are NaN"):
-        adapt.main(TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2", "--out", str(tmp_path / "a.pt")])
-    assert torch.load(tmp_path / "a.pt", weights_only=False)["metrics"]["epoch"] == 1
-    assert torch.load(tmp_path / "a.last.pt", weights_only=False)["epoch"] == 1
-
-
-def test_swap_default_is_the_authors_on_real_clevr(adapt_synth, tmp_path, capsys):
-    real = tmp_path / "clevr"  # the same files without synth.json: what the real CLEVR-Change looks like
-    shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("synth.json"))
-    adapt.main(TINY_ADAPT + ["--data-root", str(real), "--epochs", "1", "--out", str(tmp_path / "a.pt")])
-    assert torch.load(tmp_path / "a.pt", weights_only=False)["args"]["swap_prob"] == 0.5
-    assert "distractor swap p=0.5" in capsys.readouterr().out
 
 
 def test_device_cuda_names_this_processs_gpu(monkeypatch):
@@ -1565,6 +2118,8 @@ def _ddp_problem():
     return model, (before, after, ids)
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_two_processes_equal_one_on_the_global_batch(tmp_path):
     run_ranks(_ddp_worker, str(tmp_path / "ddp.pt"), timeout=120)
     got = torch.load(tmp_path / "ddp.pt", weights_only=False)
@@ -1576,222 +2131,11 @@ def test_two_processes_equal_one_on_the_global_batch(tmp_path):
         assert torch.allclose(got["grads"][k], p.grad, atol=1e-6, rtol=1e-4), k
 
 
-# --- probe.py: what an encoder knows about the change (a diagnosis on synthetic sets)
-
-
-def test_probe_answers_are_the_changed_object(adapt_synth):
-    items = data.load_items("clevr", adapt_synth, "train", "semantic")
-    scenes = synth.read_scenes(adapt_synth)
-    y = probe.answers(items, scenes)
-    assert y.shape == (len(items), 5)
-    for it, row in zip(items, y.tolist()):
-        s = scenes[it.id]
-        said = {k: classes[i] for (k, classes), i in zip(probe.ANSWERS.items(), row)}
-        assert said["type"] == s["type"] == it.change_type
-        # the object before the change, except for "add" (it exists only after): the referring captions' object
-        o = s["after"][s["changed"]] if s["type"] == "add" else s["before"][s["changed"]]
-        assert all(said[k] == o[k] for k in ("color", "shape", "material", "size"))
-
-
-def test_linear_probe_reads_what_the_features_hold():
-    g = torch.Generator().manual_seed(0)
-    n = 300
-    y = torch.stack([torch.randint(len(c), (n,), generator=g) for c in probe.ANSWERS.values()], 1)
-    onehot = torch.cat([F.one_hot(y[:, j], len(c)).float() for j, c in enumerate(probe.ANSWERS.values())], 1)
-    spread = lambda h: h @ torch.randn(h.shape[1], 256, generator=g) + 0.5 * torch.randn(n, 256, generator=g)
-    x = spread(onehot)  # every answer, spread over many noisy features as in an encoder's tokens
-    train, test = probe.linear_probe(x[:200], y[:200], x[200:], y[200:])
-    assert min(test) > 0.95 and min(train) == 1.0
-    # features that hold only the colour: the colour is read, the rest stays near its most frequent class
-    colour = spread(F.one_hot(y[:, 1], 8).float())
-    _, test = probe.linear_probe(colour[:200], y[:200], colour[200:], y[200:])
-    assert test[1] > 0.95
-    for j in (0, 2, 3, 4):
-        assert test[j] < probe.majority(y[200:, j]) + 0.15
-
-
-def test_probe_commands_run_on_a_synthetic_set(adapt_synth, tmp_path, capsys):
-    hist = probe.main(["supervised", "--data-root", str(adapt_synth), "--epochs", "20", "--batch-size", "4",
-                       "--lr", "1e-3"])
-    assert len(hist) == 20 and all(len(acc) == 5 and all(0 <= a <= 1 for a in acc) for _, acc in hist)
-    assert hist[-1][0] < 0.7 * hist[0][0]  # it trains: 21 pairs' answers are learnt by heart
-    assert "epoch 20/20" in capsys.readouterr().out
-    early = probe.main(["supervised", "--fusion", "early", "--data-root", str(adapt_synth), "--epochs", "20",
-                        "--batch-size", "4", "--lr", "1e-3"])  # the 6-channel reference trains too
-    assert early[-1][0] < 0.7 * early[0][0]
-    mini = probe.main(["supervised", "--clip", "mini-synth", "--data-root", str(adapt_synth), "--epochs", "20",
-                       "--batch-size", "4", "--lr", "1e-3"])  # the shipped CLIP whole, trained as adapt.py does
-    assert mini[-1][0] < 0.7 * mini[0][0]
-    args = argparse.Namespace(clip="mini-synth", fusion="late", n_inter=2, lr=1e-3, lr_clip=1e-4)
-    rates = {n: probe.rate(n, args) for n in ("visual.conv1.weight", "visual.positional_embedding",
-                                              "visual.bef_embedding", "visual.ln_mid.weight",
-                                              "visual.transformer.resblocks.5.attn.in_proj_weight", "0.weight")}
-    assert rates == {"visual.conv1.weight": None, "visual.positional_embedding": None, "visual.bef_embedding": 1e-3,
-                     "visual.ln_mid.weight": 1e-3, "visual.transformer.resblocks.5.attn.in_proj_weight": 1e-4,
-                     "0.weight": 1e-3}
-    args.fusion = "early"  # the new 6-channel patch embedding learns; e1, e2, p, ln_mid are unused
-    assert (probe.rate("visual.conv1.weight", args), probe.rate("visual.bef_embedding", args)) == (1e-3, None)
-    tiny_encoder(tmp_path / "adapted.pt", adapt_synth)
-    test = probe.main(["linear", "--ckpt", str(tmp_path / "adapted.pt"), "--data-root", str(adapt_synth)])
-    assert "test:  type" in capsys.readouterr().out
-    torch.manual_seed(0)  # the same, by hand: the encoder's tokens of the train and test change pairs, probed
-    clip = clip_load.load_clip(tmp_path / "adapted.pt")
-    (b, a, y), (bt, at, yt) = (probe.split(adapt_synth, s, 32) for s in ("train", "test"))
-    _, want = probe.linear_probe(probe.encode(clip, b, a)[0].flatten(1), y, probe.encode(clip, bt, at)[0].flatten(1),
-                                 yt)
-    assert test == want and len(yt) == len(data.load_items("clevr", adapt_synth, "test", "semantic"))
-    real = tmp_path / "real"  # no scenes.json: a clear error, not a KeyError
-    shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("scenes.json"))
-    with pytest.raises(SystemExit, match="scenes.json"):
-        probe.main(["supervised", "--data-root", str(real), "--epochs", "1"])
-
-
-def test_probe_aligned_comparator_and_attention_weights(adapt_synth, tmp_path, capsys):
-    torch.manual_seed(0)  # 2 heads, 2 inter blocks of 3, a 4x4 grid
-    cfg = CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=3, vision_width=128, vision_patch_size=8,
-                     context_length=8, vocab_size=100, transformer_width=32, transformer_heads=1,
-                     transformer_layers=1, n_inter=2)
-    clip = CLIP(cfg).eval()
-    before, after = torch.randn(3, 3, 32, 32), torch.randn(3, 3, 32, 32)
-    rows = probe.attention(clip, before, after)
-    assert len(rows) == 2 and all(len(other) == len(own) == 2 for other, own in rows)
-    _, _, w = clip.visual.forward_pair(before, after, explain=True)  # the last inter block's weights
-    T = w.shape[-1]
-    n1 = T // 2
-    for h in range(2):  # written out: each patch i of either image, and its own position in the other image
-        other = sum(w[b, h, i, i + n1] + w[b, h, i + n1, i] for b in range(3) for i in range(1, n1))
-        own = sum(w[b, h, i, i] + w[b, h, i + n1, i + n1] for b in range(3) for i in range(1, n1))
-        assert math.isclose(rows[-1][0][h], other * T / (6 * (n1 - 1)), rel_tol=1e-4)
-        assert math.isclose(rows[-1][1][h], own * T / (6 * (n1 - 1)), rel_tol=1e-4)
-    assert rows[0][0] != rows[1][0]  # one row per block
-    torch.save({"model": clip.state_dict(), "config": asdict(cfg)}, tmp_path / "clip.pt")
-    for extra in ([], ["--random"]):
-        losses, acc = probe.main(["aligned", "--clip", str(tmp_path / "clip.pt"), "--data-root", str(adapt_synth),
-                                  "--epochs", "15", "--batch-size", "4"] + extra)
-        assert len(acc) == 5 and losses[-1] < 0.5 * losses[0], losses  # 21 pairs' answers learnt by heart
-    assert "block 1, 15 epochs" in capsys.readouterr().out  # the intra blocks: 3 - 2 inter
-
-
 # -------------------------------------------------------------------------------------------------------------
-# pretrain.py: CLIP in miniature (descriptions, hard negatives, the run) and the small CLIP shipped in assets/
+# paths that span stages: the paper path through both mains (an OpenAI-format CLIP with several heads, the
+# authors' frozen set, two learning rates), presets, ablations, bf16, torchrun, killed runs
 
-
-def object_words(text):
-    """The objects a description names, as sorted attribute tuples (read back with synth's own parser)."""
-    found = re.findall(r"\ban? ((?:\w+ ){3}\w+)(?=,| and|$| on)", text)
-    return sorted(tuple(synth._attributes(p)[a] for a in synth.ATTRS) for p in found)
-
-
-def test_descriptions_name_every_object_and_negatives_differ_in_one_attribute():
-    rng, kinds = random.Random(0), set()
-    for i in range(12):
-        for objs in synth.views(i, 3).values():
-            if objs is None:
-                continue
-            objs = [o for o, _ in objs]
-            seed = rng.randrange(1000)
-            text = synth.description(objs, seed)
-            assert object_words(text) == sorted(tuple(o[a] for a in synth.ATTRS) for o in objs), text
-            neg = synth.hard_negative(rng, objs)
-            changed = [(k, a) for k, (o, n) in enumerate(zip(objs, neg)) for a in synth.ATTRS if o[a] != n[a]]
-            assert len(changed) in (1, 2) and len({a for _, a in changed}) == 1  # one attribute: changed or swapped
-            if len(changed) == 2:  # a swap keeps the scene's values, bound to other objects
-                (i1, a), (i2, _) = changed
-                assert (neg[i1][a], neg[i2][a]) == (objs[i2][a], objs[i1][a])
-            kinds.add(len(changed))
-            assert object_words(synth.description(neg, seed)) != object_words(text)
-            words, neg_words = text.split(), synth.description(neg, seed).split()  # worded alike but that
-            assert len(words) == len(neg_words) and 1 <= sum(a != b for a, b in zip(words, neg_words)) <= 2
-    assert kinds == {1, 2}
-
-
-TINY_PRETRAIN = ["--scenes", "30", "--image-size", "32", "--patch-size", "16", "--vision-width", "64",
-                 "--vision-layers", "2", "--text-width", "64", "--text-layers", "1", "--embed-dim", "32",
-                 "--batch-size", "16", "--samples", "960", "--eval-every", "20", "--eval-images", "20", "--lr", "2e-3",
-                 "--workers", "1", "--log-every", "5"]
-
-
-def test_pretrain_lowers_its_loss_and_resumes_exactly(tmp_path, capsys):
-    args = TINY_PRETRAIN + ["--root", str(tmp_path / "scenes")]
-    full = pretrain.main(args + ["--out", str(tmp_path / "full.pt"), "--eval-every", "30"])
-    assert len(full) == 2 and full[-1]["loss"] < 0.9 * full[0]["loss"], [h["loss"] for h in full]
-    assert 0 <= full[-1]["hard-negative R@1"] <= 100 and all(f"probe {a}" in full[-1] for a in synth.ATTRS)
-    # stopped by --time-limit after its first evaluation (step 20, inside the run above's first 30 steps), then
-    # resumed: the same weights as the run that never stopped
-    part = pretrain.main(args + ["--out", str(tmp_path / "cut.pt"), "--time-limit", "0"])
-    assert len(part) == 1 and "continue with --resume" in capsys.readouterr().out
-    pretrain.main(args + ["--out", str(tmp_path / "cut.pt"), "--resume"])
-    a, b = (torch.load(tmp_path / f, weights_only=False)["model"] for f in ("full.pt", "cut.pt"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    # the shipped form: fp16, OpenAI's keys and no pair parameters, read by the loader of OpenAI's file
-    pretrain.main(args + ["--out", str(tmp_path / "full.pt"), "--export", str(tmp_path / "ship.pt")])
-    sd, _ = clip_load.read_state_dict(tmp_path / "ship.pt")
-    assert all(v.dtype == torch.float16 for v in sd.values()) and not any(k in sd for k in M.PAIR_KEYS)
-    loaded = clip_load.load_clip(tmp_path / "ship.pt", n_inter=1)
-    assert_close(loaded.state_dict()["visual.proj"], a["visual.proj"].half().float(), atol=0)
-
-
-def test_shipped_mini_clip_sees_objects(tmp_path):
-    path = clip_load.resolve("mini-synth")  # its SHA256 checked
-    assert path.stat().st_size <= 10 * 2 ** 20
-    clip = clip_load.load_clip("mini-synth")
-    assert clip.cfg.vision_width == 128 and clip.visual.conv1.weight.dtype == torch.float32
-    # scenes it never saw (another seed than its own): each image against every scene's description (chance 1/n)
-    synth.make_synth(tmp_path, 24, seed=99, workers=1)
-    images, texts = [], []
-    for i in range(24):
-        if (objs := synth.views(i, 99)["images/CLEVR_default"]) is not None:
-            images.append(load_image(tmp_path / f"images/CLEVR_default_{i:06d}.png", clip.cfg.image_resolution))
-            texts.append(synth.description([o for o, _ in objs], i))
-    with torch.no_grad():
-        img = F.normalize(clip.encode_image(torch.stack(images)), dim=-1)
-        txt = F.normalize(clip.encode_text(tokenize(texts, clip.cfg.context_length)), dim=-1)
-    right = ((img @ txt.t()).argmax(1) == torch.arange(len(texts))).float().mean().item()
-    assert len(texts) >= 16 and right >= 0.5, f"image -> description R@1 {right:.0%} among {len(texts)}"
-
-
-def test_a_corrupt_or_missing_shipped_file_is_a_clear_error(tmp_path, monkeypatch):
-    file, _ = clip_load.SHIPPED["mini-synth"]
-    damaged = bytearray((clip_load.ASSETS / file).read_bytes())
-    damaged[len(damaged) // 2] ^= 0xFF
-    (tmp_path / file).write_bytes(damaged)
-    monkeypatch.setattr(clip_load, "ASSETS", tmp_path)
-    with pytest.raises(SystemExit, match=f"{re.escape(str(tmp_path / file))} has SHA256 .*git checkout"):
-        clip_load.load_clip("mini-synth")
-    (tmp_path / file).unlink()
-    with pytest.raises(SystemExit, match=f"{re.escape(str(tmp_path / file))} is missing"):
-        adapt.main(["--data-root", str(tmp_path), "--epochs", "1", "--preset", "mini"])
-
-
-# -------------------------------------------------------------------------------------------------------------
-# the paper path through both stages' main: an OpenAI-format CLIP with several heads, the authors' frozen set and
-# two learning rates, bf16 autocast, torchrun (2 gloo processes)
-
-
-MH = M.CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
-                  context_length=77, vocab_size=49408, transformer_width=128, transformer_heads=2,
-                  transformer_layers=2)  # 2 heads per tower; the paper's n_inter=3 leaves 1 intra block
-FAST = ["--epochs", "1", "--batch-size", "8", "--eval-batch-size", "16", "--workers", "0", "--log-every", "1"]
-
-
-@pytest.fixture(scope="module")
-def openai_archive(tmp_path_factory):
-    path = tmp_path_factory.mktemp("clip_cache") / "ViT-B-32.pt"
-    torch.manual_seed(0)
-    clip_load.save_archive(M.CLIP(MH), path)
-    return path
-
-
-def as_cached_release(monkeypatch, archive):
-    """`archive` becomes ~/.cache/clip/ViT-B-32.pt, its SHA256 standing in for the release's."""
-    monkeypatch.setattr(clip_load, "CACHE", archive.parent)
-    monkeypatch.setitem(clip_load.MODELS, "ViT-B/32", f"https://example.invalid/{clip_load.sha256(archive)}/ViT-B-32.pt")
-
-
-def max_change(a, b, keys):
-    return {k: (a[k].float() - b[k].float()).abs().max().item() for k in keys}
-
-
+@pytest.mark.slow
 def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypatch, capsys):
     # adaptation: the paper preset chosen because ViT-B-32.pt is in the cache; its input size follows the CLIP
     monkeypatch.setattr(clip_load, "CACHE", tmp_path)
@@ -1842,6 +2186,7 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     assert capsys.readouterr().out.strip() == first[0]["caption"]
 
 
+@pytest.mark.slow
 def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(clip_load, "CACHE", tmp_path)  # no ViT-B-32.pt anywhere
     out = tmp_path / "adapted.pt"
@@ -1857,6 +2202,7 @@ def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch,
     assert all(not torch.equal(adapted[k], start[k]) for k in trained)  # CLIP's other weights learn, slowly
 
 
+@pytest.mark.slow
 def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
     # 12/0: no inter blocks, so e1, e2, p, ln_mid take no part and are never trained
     out = tmp_path / "adapted_12_0.pt"
@@ -1885,82 +2231,7 @@ def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
     assert all(res["scores"][m] == pytest.approx(100 * want[m], abs=1e-9) for m in metrics.METRICS)
 
 
-KILLABLE = """
-import io, os, signal, sys
-import torch
-at, real, calls = int(os.environ["KILL_AT_SAVE"]), torch.save, [0]
-
-def save(obj, f, *args, **kwargs):  # SIGKILL halfway through writing the at-th checkpoint
-    calls[0] += 1
-    if calls[0] == at:
-        buf = io.BytesIO()
-        real(obj, buf)
-        with open(f, "wb") as out:
-            out.write(buf.getvalue()[:buf.tell() // 2])
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(obj, f, *args, **kwargs)
-
-torch.save = save
-torch.set_num_threads(1)
-__import__(sys.argv[1]).main(sys.argv[2:])
-"""
-
-
-def run_killable(stage, argv, kill_at_line=None, kill_at_save=0, timeout=300):
-    """`stage`.main(argv) as a real process, SIGKILLed at the third line of its output that holds `kill_at_line`
-    or halfway through writing its `kill_at_save`-th checkpoint -> (return code, -9 when killed; its output)."""
-    p = subprocess.Popen([sys.executable, "-c", KILLABLE, stage, *argv], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parent,
-                         env={**os.environ, "KILL_AT_SAVE": str(kill_at_save)})
-    watchdog = threading.Timer(timeout, p.kill)  # a hang fails the test below instead of stalling the suite
-    watchdog.start()
-    try:
-        out, seen = [], 0
-        for line in p.stdout:
-            out.append(line)
-            seen += bool(kill_at_line) and kill_at_line in line
-            if seen == 3:
-                p.kill()
-        rc = p.wait()
-    finally:
-        watchdog.cancel()
-        p.kill()
-    assert watchdog.is_alive() or rc == -9 and (kill_at_line or kill_at_save), "".join(out)[-3000:]
-    return rc, "".join(out)
-
-
-def test_sigkilled_runs_resume_to_the_same_weights(adapt_synth, tmp_path):
-    """Both stages as real processes, killed (SIGKILL: no handler runs) mid-epoch or halfway through writing a
-    checkpoint, then resumed: the final weights and the chosen model equal those of a run never stopped."""
-    stages = {
-        "adapt": TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "3", "--workers", "0"],
-        "caption": ["--ckpt", str(tmp_path / "full_adapt.pt"), "--preset", "small", "--width", "64", "--heads", "2",
-                    "--enc-layers", "1", "--dec-layers", "1", "--epochs", "3", "--batch-size", "8", "--workers", "0",
-                    "--patience", "100", "--log-every", "1"],
-    }
-    for stage, argv in stages.items():
-        out = lambda name: ["--out", str(tmp_path / f"{name}_{stage}.pt")] + (
-            ["--results", str(tmp_path / f"{name}.json")] if stage == "caption" else [])
-        rc, log_full = run_killable(stage, argv + out("full"))
-        assert rc == 0, log_full[-3000:]
-        full = torch.load(tmp_path / f"full_{stage}.last.pt", weights_only=False)
-        for name, kill in (("mid_epoch", {"kill_at_line": "epoch 2/3 step "}), ("mid_write", {"kill_at_save": 3})):
-            rc, _ = run_killable(stage, argv + out(name), **kill)
-            assert rc == -9, (stage, name)
-            assert torch.load(tmp_path / f"{name}_{stage}.last.pt", weights_only=False)["epoch"] == 1
-            rc, log = run_killable(stage, argv + out(name) + ["--resume"])
-            assert rc == 0 and "resumed from" in log, log[-3000:]
-            resumed = torch.load(tmp_path / f"{name}_{stage}.last.pt", weights_only=False)
-            assert resumed["epoch"] == 3 and resumed["history"] == full["history"], (stage, name)
-            for k in full["model"]:
-                assert torch.equal(full["model"][k], resumed["model"][k]), (stage, name, k)
-            chosen = [torch.load(tmp_path / f"{n}_{stage}.pt", weights_only=False) for n in ("full", name)]
-            key = "model" if stage == "adapt" else "captioner"
-            assert chosen[0]["metrics"]["epoch"] == chosen[1]["metrics"]["epoch"]
-            assert all(torch.equal(v, chosen[1][key][k]) for k, v in chosen[0][key].items()), (stage, name)
-        assert not list(tmp_path.glob("*.tmp*"))  # the killed writes' partial files went with the next save
-
-
+@pytest.mark.slow
 def test_bf16_autocast_through_main(adapt_synth, tmp_path):
     """One epoch of each stage with bf16 autocast on the CPU: the code path a CUDA run takes (train_utils.autocast
     decides it in one place). The training loss stays within 2 % of fp32's."""
@@ -1978,38 +2249,8 @@ def test_bf16_autocast_through_main(adapt_synth, tmp_path):
         assert abs(loss[stage, "bf16"] - loss[stage, "off"]) < 0.02 * loss[stage, "off"], loss
 
 
-def _stage_worker(rank, world, stage, argv, skew=False, ctrl_c=False):
-    if ctrl_c:  # Ctrl-C as the second epoch starts, on every process (as a terminal sends it to all)
-        real_epoch = train_utils.train_epoch
-        stage_module = {"adapt": adapt, "caption": caption}[stage]
-        stage_module.train_epoch = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()) if a[6].epoch == 1 \
-            else real_epoch(*a, **k)
-        with pytest.raises(SystemExit, match="130"):
-            {"adapt": adapt.main, "caption": caption.main}[stage](argv)
-        return
-    if skew:  # rank 0 sees no val CIDEr-D gain after the first epoch; rank 1 a gain every epoch
-        scores = iter(range(100, 10_000)) if rank else None
-        caption.cider = lambda items, preds: float(next(scores)) if scores else 0.0
-    {"adapt": adapt.main, "caption": caption.main}[stage](argv)
-
-
-def torchrun(stage, argv, world=2, timeout=300, skew=False, ctrl_c=False):
-    """`stage`.main(argv) in `world` gloo processes, as torchrun starts them; a hang fails the test."""
-    run_ranks(_stage_worker, stage, argv, skew, ctrl_c, world=world, timeout=timeout)
-
-
-def test_sharded_batches_hold_the_global_batch():
-    """Under torchrun each process takes every world-th sample of the epoch's order, so the k-th batches of the
-    processes (batch b / world each) hold exactly the k-th batch of one process (batch b), with the same per-sample
-    seeds: what makes 2 processes equal 1."""
-    one = list(data.EpochSampler(50, shuffle=True, seed=3))
-    shards = [list(data.EpochSampler(50, shuffle=True, seed=3, rank=r, world=2)) for r in range(2)]
-    for k in range(len(one) // 8):
-        global_batch = one[8 * k:8 * (k + 1)]
-        local = [shard[4 * k:4 * (k + 1)] for shard in shards]
-        assert sorted(local[0] + local[1]) == sorted(global_batch)
-
-
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_torchrun_equals_one_process(adapt_synth, openai_archive, tmp_path):
     """2 processes with half the batch each = 1 process with the whole batch (EpochSampler gives the two halves
     the same samples), for adaptation and for captioning; early stopping ends both processes together. The
@@ -2032,6 +2273,8 @@ def test_torchrun_equals_one_process(adapt_synth, openai_archive, tmp_path):
         assert torch.allclose(one["captioner"][k], two["captioner"][k], atol=1e-5, rtol=1e-4), k
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_torchrun_resume_gives_each_process_its_own_random_stream(adapt_synth, openai_archive, tmp_path):
     """Dropout on, 2 processes: a run stopped by Ctrl-C after epoch 1 and resumed ends with the weights of one
     that never stopped, because each process gets back its own random stream (not rank 0's: the same masks on
@@ -2049,6 +2292,8 @@ def test_torchrun_resume_gives_each_process_its_own_random_stream(adapt_synth, o
         assert torch.equal(a["model"][k], b["model"][k]), k
 
 
+@pytest.mark.slow
+@pytest.mark.torchrun
 def test_torchrun_early_stop_is_one_decision(adapt_synth, openai_archive, tmp_path):
     """Were each process to decide early stopping from its own val figure, one that disagrees would leave the
     loop while the other waits in the next collective, forever; rank 0's decision is shared."""
@@ -2059,235 +2304,37 @@ def test_torchrun_early_stop_is_one_decision(adapt_synth, openai_archive, tmp_pa
     assert len(torch.load(tmp_path / "cap.pt", weights_only=False)["metrics"]["history"]) == 2  # rank 0's stop
 
 
-# -------------------------------------------------------------------------------------------------------------
-# caption.py + captioner: cache, overfit, two-image CLI, resume
-
-
-REAL = SHARED / "data" / "real_pairs"
-CHANGES = {  # scene -> (change type, change caption); scene 0 is the real render pair when ../shared is there
-    0: ("drop", "the large gray sphere made of rubber is missing"),
-    1: ("color", "the small red cube changed to blue"),
-    2: ("move", "the green cylinder has moved"),
-    3: ("add", "a purple metal sphere has been added"),
-}
-SAME = "nothing has changed"
-
-
-def tiny_clevr(root):
-    """A CLEVR-Change-format dataset of 4 scenes, the same in train, val and test: memorization is the point."""
-    rng = np.random.default_rng(0)
-    for d in ("images", "sc_images", "nsc_images"):
-        (root / d).mkdir(parents=True)
-    for i in CHANGES:
-        if i == 0 and REAL.is_dir():
-            before, after = Image.open(REAL / "CLEVR_new_000000.png"), Image.open(REAL / "CLEVR_new_000000_del.png")
-        else:
-            before, after = (Image.fromarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8)) for _ in range(2))
-        before.save(root / "images" / f"CLEVR_default_{i:06d}.png")
-        after.save(root / "sc_images" / f"CLEVR_semantic_{i:06d}.png")
-        # the distractor: the same scene seen from elsewhere (mirrored) and lit differently
-        moved = np.asarray(before.convert("RGB"))[:, ::-1].astype(int) + rng.integers(-25, 25, (1, 1, 3))
-        Image.fromarray(np.clip(moved, 0, 255).astype(np.uint8)).save(root / "nsc_images" / f"CLEVR_nonsemantic_{i:06d}.png")
-    key = "CLEVR_default_{:06d}.png".format
-    (root / "change_captions.json").write_text(json.dumps({key(i): [c] for i, (_, c) in CHANGES.items()}))
-    (root / "no_change_captions.json").write_text(json.dumps({key(i): [SAME] for i in CHANGES}))
-    splits = {"train": list(CHANGES) * 4, "val": list(CHANGES), "test": list(CHANGES)}  # 4 passes per epoch
-    (root / "splits.json").write_text(json.dumps(splits))
-    types = {}
-    for i, (t, _) in CHANGES.items():
-        types.setdefault(t, []).append(f"{i:06d}.png")
-    (root / "type_mapping.json").write_text(json.dumps(types))
-
-
-def tiny_encoder(path, root):
-    """An adapt.py-style checkpoint of a tiny random CLIP (2 vision blocks, the last one inter; 2 heads)."""
-    torch.manual_seed(0)
-    cfg = CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=2, vision_width=128, vision_patch_size=8,
-                     context_length=8, vocab_size=100, transformer_width=128, transformer_heads=2,
-                     transformer_layers=1, n_inter=1)  # 2 heads in each tower
-    torch.save({"model": CLIP(cfg).state_dict(), "config": asdict(cfg), "stage": "adapt",
-                "data": {"name": "clevr", "root": str(root), "image_size": 32}}, path)
-
-
-def run(tmp, *extra, epochs):
-    return caption.main(["--ckpt", str(tmp / "adapted.pt"), "--out", str(tmp / "captioner.pt"), "--results",
-                         str(tmp / "captions.json"), "--preset", "small", "--width", "64", "--heads", "2",
-                         "--enc-layers", "1", "--dec-layers", "1", "--epochs", str(epochs), "--batch-size", "4",
-                         "--lr", "2e-3", "--patience", "100", "--workers", "0", "--log-every", "1000", *extra])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and on a busy machine two threads run them ~10x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, one_thread):
-    tmp = tmp_path_factory.mktemp("caption")
-    tiny_clevr(tmp / "clevr")
-    tiny_encoder(tmp / "adapted.pt", tmp / "clevr")
-    results = run(tmp, "--dropout", "0", epochs=15)
-    return tmp, results
-
-
-def test_cache_equals_no_cache():
-    torch.manual_seed(0)
-    cap = Captioner(CaptionerConfig(vocab_size=50, memory_dim=32, memory_len=10, width=64, heads=4, enc_layers=2,
-                                    dec_layers=2, max_len=12)).eval()
-    memory = torch.randn(16, 10, 32)
-    cached, full = cap.generate(memory, 1, 2, use_cache=True), cap.generate(memory, 1, 2, use_cache=False)
-    assert torch.equal(cached, full)
-    # the cached step's logits are the full prefix's last-position logits
-    caches, mem = [{} for _ in cap.decoder], cap.encode(memory)
-    steps = [cap.decode(full[:, t - 1:t] if t else torch.ones(16, 1, dtype=torch.long), mem, caches, start=t)[:, -1]
-             for t in range(5)]
-    prefix = torch.cat([torch.ones(16, 1, dtype=torch.long), full[:, :4]], dim=1)
-    torch.testing.assert_close(torch.stack(steps, 1), cap.decode(prefix, mem), atol=1e-5, rtol=1e-5)
-    try:  # the plain softmax attention path decodes the same
-        model.USE_SDPA = False
-        assert torch.equal(cap.generate(memory, 1, 2), cached)
-    finally:
-        model.USE_SDPA = True
-    assert torch.equal(cap.beam_search(memory, 1, 2, beam=1), cached)  # a beam of one is greedy
-    assert cap.beam_search(memory, 1, 2, beam=3).shape[0] == 16
-    # several new positions after a cached prefix (queries aligned at the end of the keys), in both attention paths
-    for sdpa in (True, False):
-        model.USE_SDPA = sdpa
-        try:
-            caches = [{} for _ in cap.decoder]
-            head = cap.decode(prefix[:, :2], mem, caches)
-            tail = cap.decode(prefix[:, 2:], mem, caches, start=2)  # 3 positions at once, after 2 cached ones
-            torch.testing.assert_close(torch.cat([head, tail], 1), cap.decode(prefix, mem), atol=1e-5, rtol=1e-5)
-        finally:
-            model.USE_SDPA = True
-
-
-def test_cider_by_change_type_scores_each_type_alone():
-    """Per-type CIDEr-D (paper Table 2): each type's items scored as a corpus of their own (their own document
-    frequencies), the right items in each type; a type's wrong captions lower that type only."""
-    caps = {"color": ["the red cube turned blue", "the small ball became green", "a cylinder changed its color"],
-            "drop": ["the gray cube is gone", "the metal ball disappeared", "someone removed the cylinder"],
-            "distractor": ["nothing has changed", "the scene is the same", "no change was made"]}
-    items = [data.Item(f"{t}{k}", "b.png", "a.png", [c], t) for t, cs in caps.items() for k, c in enumerate(cs)]
-    exact = {it.id: it.captions[0] for it in items}
-    _, by_type = caption.score(items, exact, by_type=True)
-    assert set(by_type) == set(caps) and all(v > 0 for v in by_type.values())
-    for t in caps:
-        alone = {it.id: [metrics.tokenize(it.captions[0])] for it in items if it.change_type == t}
-        assert by_type[t] == pytest.approx(100 * cider_d(alone, {i: r[0] for i, r in alone.items()})[0], abs=1e-9)
-    wrong = {**exact, "drop0": "the red cube turned blue", "drop1": "nothing has changed"}
-    _, worse = caption.score(items, wrong, by_type=True)
-    assert worse["drop"] < by_type["drop"] and worse["color"] == by_type["color"]
-    assert worse["distractor"] == by_type["distractor"]
-
-
-def test_overfit_exact_captions(trained):
-    tmp, results = trained
-    preds = {p["id"]: p["caption"] for p in results["predictions"]}
-    assert preds == {**{f"{i:06d}": c for i, (_, c) in CHANGES.items()}, **{f"{i:06d}_n": SAME for i in CHANGES}}
-    assert results["scores"]["CIDEr-D"] > results["baseline"]["scores"]["CIDEr-D"]
-    # the baseline is the best constant training caption, by a full CIDEr-D pass for each (not just any of them)
-    refs = {f"{i:06d}": [c] for i, (_, c) in CHANGES.items()} | {f"{i:06d}_n": [SAME] for i in CHANGES}
-    assert {p["id"]: p["references"] for p in results["predictions"]} == refs
-    full = {c: evaluate(refs, {i: c for i in refs})["CIDEr-D"] * 100 for c in [SAME] + [c for _, c in CHANGES.values()]}
-    assert results["baseline"]["caption"] == metrics.tokenize(max(full, key=full.get)) == SAME
-    assert results["baseline"]["scores"]["CIDEr-D"] == pytest.approx(max(full.values()), abs=1e-9)
-    assert set(results["scores_by_type"]) == {"color", "move", "add", "drop", "distractor"}
-    saved = torch.load(tmp / "captioner.pt", weights_only=True)
-    assert saved["stage"] == "caption" and saved["vocab"][:4] == caption.SPECIALS and "test" in saved["metrics"]
-
-
-@pytest.mark.skipif(not REAL.is_dir(), reason="needs ../shared/data/real_pairs")
-def test_two_image_cli(trained, capsys, tmp_path):
-    tmp, _ = trained
-    caption.main(["--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
-                  "--after", str(REAL / "CLEVR_new_000000_del.png")])
-    assert capsys.readouterr().out.strip() == CHANGES[0][1]
-    # any size and mode: 8-bit grey and 16-bit grey images of other sizes still give a caption of known words
-    grey = Image.open(REAL / "CLEVR_new_000000.png").convert("L").resize((200, 90))
-    grey.save(tmp_path / "grey.png")
-    Image.fromarray((np.asarray(grey).astype(np.uint16) * 257)).save(tmp_path / "grey16.png")
-    caption.main(["--ckpt", str(tmp / "captioner.pt"), "--before", str(tmp_path / "grey.png"),
-                  "--after", str(tmp_path / "grey16.png")])
-    vocab = set(torch.load(tmp / "captioner.pt", weights_only=True)["vocab"]) - set(caption.SPECIALS)
-    said = capsys.readouterr().out.split()
-    assert said and set(said) <= vocab  # words it learnt (an empty caption is no caption)
-    # evaluating a saved captioner (beam search) and drawing the gallery
-    out = caption.main(["--ckpt", str(tmp / "captioner.pt"), "--results", str(tmp_path / "r.json"), "--beam", "2",
-                        "--gallery", str(tmp_path / "g.png"), "--workers", "0"])
-    assert out["scores"]["CIDEr-D"] > 0 and Image.open(tmp_path / "g.png").size[1] > 100
-    # --explain: the caption, the two images and their heat maps in one PNG (two rows of 192 px images)
-    caption.main(["--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
-                  "--after", str(REAL / "CLEVR_new_000000_del.png"), "--explain", str(tmp_path / "why.png")])
-    w, h = Image.open(tmp_path / "why.png").size
-    assert h > 2 * 192 and w > 2 * 192 and CHANGES[0][1] in capsys.readouterr().out
-    assert Image.open(tmp / "captioner.curves.png").size == (1280, 240)  # written after every epoch
-    with pytest.raises(SystemExit, match="trained captioner"):
-        caption.main(["--ckpt", str(tmp / "adapted.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
-                      "--after", str(REAL / "CLEVR_new_000000_del.png")])
-
-
-def test_resume_equals_uninterrupted(trained, tmp_path, monkeypatch):
-    tmp, _ = trained
-    for d in ("a", "b"):
-        (tmp_path / d).mkdir()
-        shutil.copy(tmp / "adapted.pt", tmp_path / d / "adapted.pt")
-    run(tmp_path / "a", epochs=3)
-    real_epoch = ctrl_c_in_second_epoch(monkeypatch, caption)
-    with pytest.raises(SystemExit):
-        run(tmp_path / "b", epochs=3)
-    monkeypatch.setattr(caption, "train_epoch", real_epoch)
-    run(tmp_path / "b", "--resume", epochs=3)
-    a, b = (torch.load(tmp_path / d / "captioner.last.pt", weights_only=False) for d in ("a", "b"))
-    assert a["epoch"] == b["epoch"] == 3 and a["history"] == b["history"]
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-
-
-def test_resume_after_early_stop_trains_no_more(trained, tmp_path, monkeypatch, capsys):
-    """A run resumed after its early stop (killed in its final test, or run again) tests the model it chose; it
-    does not train another epoch, which could choose another."""
-    shutil.copy(trained[0] / "adapted.pt", tmp_path / "adapted.pt")
-    scores, real = iter([50.0, 40.0]), caption.cider  # val CIDEr-D falls after epoch 1: patience 1 stops after 2
-    monkeypatch.setattr(caption, "cider", lambda items, preds: next(scores, None) or real(items, preds))
-    first = run(tmp_path, "--patience", "1", epochs=6)
-    chosen = torch.load(tmp_path / "captioner.pt", weights_only=False)
-    assert [h["epoch"] for h in chosen["metrics"]["history"]] == [1, 2] and chosen["metrics"]["epoch"] == 1
-    again = run(tmp_path, "--patience", "1", "--resume", epochs=6)
-    state, after = (torch.load(tmp_path / f, weights_only=False) for f in ("captioner.last.pt", "captioner.pt"))
-    assert state["epoch"] == 2 and after["metrics"]["epoch"] == 1 and again["scores"] == first["scores"]
-    assert all(torch.equal(after["captioner"][k], v) for k, v in chosen["captioner"].items())
-    assert "had stopped early after epoch 2" in capsys.readouterr().out
-
-
-def test_synthetic_run_reads_its_captions_back(adapt_synth, tmp_path, capsys):
-    """On a synthetic set caption.py parses every test caption against scenes.json, prints the figures and stores
-    them in the results; on a real-format set (no scenes.json) it stores None."""
-    tiny_encoder(tmp_path / "adapted.pt", adapt_synth)
-    results = run(tmp_path, epochs=1)
-    preds = {p["id"]: p["caption"] for p in results["predictions"]}
-    assert results["synthetic"] == synth.report(preds, synth.read_scenes(adapt_synth))
-    assert 0 <= results["attention"]["map on the change %"] <= 100 and 0 < results["attention"]["random patch %"] < 100
-    assert results["synthetic"]["change pairs"] == results["synthetic"]["distractor pairs"] == len(preds) // 2
-    assert "read back against the scenes" in capsys.readouterr().out
-    assert json.loads((tmp_path / "captions.json").read_text())["synthetic"] == results["synthetic"]
-    # the figures themselves: the references read back as all right, "no change" everywhere as no change at all
-    scenes, refs = synth.read_scenes(adapt_synth), {p["id"]: p["references"][0] for p in results["predictions"]}
-    right = synth.report(refs, scenes)
-    assert (right["change caption %"], right["right type %"], right["right object %"]) == (100.0, 100.0, 100.0)
-    assert right["no change on distractors %"] == 100.0 and right["change pairs"] == len(refs) // 2
-    types = Counter(scenes[i]["type"] for i in refs if not i.endswith("_n"))
-    assert {t: right[t]["right type %"] for t in types} == {t: 100.0 for t in types}
-    silent = synth.report({i: "there is no change" for i in refs}, scenes)
-    assert (silent["change caption %"], silent["right type %"], silent["no change on distractors %"]) == (0, 0, 100)
-    moved = synth.report({i: "the thing has moved" for i in refs}, scenes)  # a change, of one type, everywhere
-    assert moved["change caption %"] == 100 and moved["no change on distractors %"] == 0
-    assert moved["right type %"] == round(100 * types["move"] / sum(types.values()), 1) < 100
-    real = tmp_path / "real"
-    shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("scenes.json"))
-    tiny_encoder(tmp_path / "adapted.pt", real)
-    assert run(tmp_path, epochs=1)["synthetic"] is None
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_sigkilled_runs_resume_to_the_same_weights(adapt_synth, tmp_path):
+    """Both stages as real processes, killed (SIGKILL: no handler runs) mid-epoch or halfway through writing a
+    checkpoint, then resumed: the final weights and the chosen model equal those of a run never stopped."""
+    stages = {
+        "adapt": TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2", "--workers", "0"],
+        "caption": ["--ckpt", str(tmp_path / "full_adapt.pt"), "--preset", "small", "--width", "64", "--heads", "2",
+                    "--enc-layers", "1", "--dec-layers", "1", "--epochs", "2", "--batch-size", "8", "--workers", "0",
+                    "--patience", "100", "--log-every", "1"],
+    }
+    kills = {"mid_epoch": {"kill_at_line": "epoch 2/2 step "}, "mid_write": {"kill_at_save": 3}}
+    side_by_side = lambda fn: list(ThreadPoolExecutor(2).map(fn, kills))  # the two ways of dying, on 2 cores
+    for stage, argv in stages.items():
+        out = lambda name: ["--out", str(tmp_path / f"{name}_{stage}.pt")] + (
+            ["--results", str(tmp_path / f"{name}.json")] if stage == "caption" else [])
+        rc, log_full = run_killable(stage, argv + out("full"))
+        assert rc == 0, log_full[-3000:]
+        full = torch.load(tmp_path / f"full_{stage}.last.pt", weights_only=False)
+        assert side_by_side(lambda name: run_killable(stage, argv + out(name), **kills[name])[0]) == [-9, -9]
+        for name in kills:
+            assert torch.load(tmp_path / f"{name}_{stage}.last.pt", weights_only=False)["epoch"] == 1
+        again = side_by_side(lambda name: run_killable(stage, argv + out(name) + ["--resume"]))
+        for name, (rc, log) in zip(kills, again):
+            assert rc == 0 and "resumed from" in log, log[-3000:]
+            resumed = torch.load(tmp_path / f"{name}_{stage}.last.pt", weights_only=False)
+            assert resumed["epoch"] == 2 and resumed["history"] == full["history"], (stage, name)
+            for k in full["model"]:
+                assert torch.equal(full["model"][k], resumed["model"][k]), (stage, name, k)
+            chosen = [torch.load(tmp_path / f"{n}_{stage}.pt", weights_only=False) for n in ("full", name)]
+            key = "model" if stage == "adapt" else "captioner"
+            assert chosen[0]["metrics"]["epoch"] == chosen[1]["metrics"]["epoch"]
+            assert all(torch.equal(v, chosen[1][key][k]) for k, v in chosen[0][key].items()), (stage, name)
+        assert not list(tmp_path.glob("*.tmp*"))  # the killed writes' partial files went with the next save
