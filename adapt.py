@@ -105,7 +105,8 @@ def get_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training step (CUDA), with static "
+                                                          "shapes: captions padded to --context-length")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
                    help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
     p.add_argument("--eval-batch-size", type=int, default=None, help="pairs per batch when encoding for eval")
@@ -258,6 +259,13 @@ def fmt(m):
             f"{m['text->pair R@5']:.1f}/{m['text->pair R@10']:.1f} MdR {m['text->pair MdR']:.0f}")
 
 
+def trim(ids, static=False):
+    """Caption ids (B, context_length) -> up to the batch's longest caption's end token: the same caption features
+    (the text tower is causal and reads the end token), less work. With static shapes (--compile) the full length:
+    one compiled graph serves every step, instead of one per caption length."""
+    return ids if static else ids[:, :int(ids.argmax(-1).max()) + 1]
+
+
 # -----------------------------------------------------------------------------
 # the run
 
@@ -333,8 +341,7 @@ def main(argv=None):
 
     def loss_fn(batch):
         before, after, ids, _ = batch
-        ids = ids[:, :int(ids.argmax(-1).max()) + 1]  # drop the padding after the longest caption: same features
-        # (trimmed on the CPU: on the GPU, reading the length back would make the CPU wait for every step)
+        ids = trim(ids, static=args.compile)  # on the CPU: on the GPU, reading the length would make the CPU wait
         before, after, ids = (t.to(ctx.device, non_blocking=True) for t in (before, after, ids))
         before, after = clip_load.normalize(before), clip_load.normalize(after)  # uint8 -> CLIP's input, on device
         return contrastive_loss(*net(before, after, ids)), len(ids)

@@ -194,7 +194,7 @@ def paper_adapt_args(n_inter=3):
 def our_adapt_step(device, amp, compile=False, batch=128, text_len=32):
     """adapt.py's training step on a random-weight ViT-B/32: its frozen set, two learning rates, fused AdamW,
     schedule and clipping (train_utils.train_step), images arriving as uint8 and normalized on the device."""
-    from adapt import PairText, contrastive_loss, lr_for
+    from adapt import PairText, contrastive_loss, lr_for, trim
     import clip_load
     args = paper_adapt_args()
     model = vit_b32(device).train()
@@ -212,8 +212,8 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32):
     def loss_fn(b):  # b: a loader's (before uint8, after uint8, ids, index), or None for the fixed batch above
         if b is None:  # the paper's 32 tokens
             before, after, text = images[0], images[1], ids
-        else:  # as adapt.py: no padding past the longest caption, trimmed on the CPU
-            text = b[2][:, :int(b[2].argmax(-1).max()) + 1]
+        else:  # as adapt.py: trimmed to the longest caption on the CPU, or (compiled) static shapes, all 32 tokens
+            text = trim(b[2], static=compile)
             before, after, text = (t.to(device, non_blocking=True) for t in (b[0], b[1], text))
         return contrastive_loss(*net(clip_load.normalize(before), clip_load.normalize(after), text)), len(text)
     step = lambda b=None: train_step(ctx, net, b, loss_fn, optimizer, scheduler, params, args.grad_clip)[0]
@@ -599,7 +599,7 @@ def bench_e2e(args):
                 model, step = our_adapt_step(device, amp, args.compile, args.batch)
             fixed = args.batch / throughput(step, device, 5, 3)
             batches = args.stream_batches if name == "authors" else args.batches
-            warmup = 6 if name == "ours" and args.compile else 1  # compiling, then again for the varying lengths
+            warmup = 3 if name == "ours" and args.compile else 1  # compiling (one graph: static caption length)
             rate, busy = loop_rate(loaders[name](), step, device, batches, warmup)
             results[name].update(step=fixed, loop=rate, busy=busy)
             print(f"  {name:<16} model step alone: {fixed:8.0f} pairs/s | whole loop: {rate:8.0f} pairs/s, GPU "

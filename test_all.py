@@ -1618,6 +1618,27 @@ def test_contrastive_logits_fp32_under_autocast():
     assert got.dtype == torch.float32 and abs(got.item() - want.item()) < 1e-5, (got.item(), want.item())
 
 
+def test_static_caption_length_gives_the_same_loss_and_gradients():
+    """--compile pads every caption to the context length (static shapes: one compiled graph); the default trims the
+    batch to its longest caption. The text tower is causal and reads the end token, so both give the same loss and
+    gradients."""
+    torch.manual_seed(0)
+    model = M.CLIP(TINY)
+    before, after = torch.randn(4, 3, 32, 32), torch.randn(4, 3, 32, 32)
+    ids = tokenize(["a red cube moved", "the small metal sphere is gone", "no change", "a thing"], 32)
+    assert adapt.trim(ids).shape[1] < adapt.trim(ids, static=True).shape[1] == 32
+    out = {}
+    for static in (False, True):
+        model.zero_grad()
+        loss = adapt.contrastive_loss(*adapt.PairText(model)(before, after, adapt.trim(ids, static)))
+        loss.backward()
+        out[static] = loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-6, rtol=1e-6)
+    assert out[True][1].keys() == out[False][1].keys() and "token_embedding.weight" in out[True][1]
+    for k, g in out[False][1].items():
+        torch.testing.assert_close(out[True][1][k], g, atol=1e-5, rtol=1e-4, msg=k)  # float noise only
+
+
 @pytest.mark.slow
 def test_loss_decreases_on_synthetic_batches(adapt_synth):
     args = adapt.get_args(TINY_ADAPT + ["--data-root", str(adapt_synth)])
