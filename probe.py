@@ -4,6 +4,7 @@
     python probe.py supervised --epochs 8         # a bound: the small encoder trained on the answers themselves
     python probe.py supervised --fusion early     # reference: both images stacked as 6 channels (not CLIP4IDC)
     python probe.py supervised --clip mini-synth  # the pretrained small CLIP whole, adapted.py's policy
+    python probe.py supervised --clip mini-synth --align-bias 8   # ... with attention that lines up the images
     python probe.py aligned --clip mini-synth     # frozen per-image tokens + a position-aligned comparator
     python probe.py attention --clip mini-synth   # where the pair encoder's patch tokens look
 
@@ -26,10 +27,14 @@ MLP shared by all positions, the maximum over positions, five heads. If it reads
 hold it and what the pair encoder lacks is the comparison (`--random`: the same architecture, random weights).
 `attention` runs the pair encoder (eq. 2-5, fresh pair parameters) and reports, per inter block, how much
 weight a patch gives the patch at its own position in the other image and itself, relative to uniform attention:
-CLIP4IDC's inter blocks compare the two images only if such weights stand out. Diagnoses only: no stage uses them.
+CLIP4IDC's inter blocks compare the two images only if such weights stand out. `supervised --align-bias B`
+supplies such attention by hand (not CLIP4IDC): in the joint sequence each patch's logits toward itself and toward
+the patch at its own position in the other image get +B, [CLS] rows are left alone; what pretrained attention
+would have to provide. Diagnoses only: no stage uses them.
 """
 import argparse
 import time
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
@@ -115,6 +120,29 @@ def rate(name, args):
 def pair_vector(clip, before, after, early):
     """CLIP4IDC's pair vector v (eq. 5), or with early fusion the [CLS] feature of the 6-channel stack."""
     return clip.visual(torch.cat([before, after], dim=1)) if early else clip.encode_pair(before, after)[1]
+
+
+@contextmanager
+def aligned_attention(beta, n1):
+    """While active, every non-causal attention over 2 * n1 keys (a joint pair sequence of two n1-token images)
+    adds beta to each patch's logits toward itself and toward the patch at its own position in the other image;
+    the [CLS] rows (0 and n1) keep their own attention, so that they can still pool the patches."""
+    real = M.attention
+
+    def biased(q, k, v, causal=False):
+        T = k.shape[2]
+        if causal or T != 2 * n1 or q.shape[2] != T:
+            return real(q, k, v, causal)
+        rows = torch.tensor([t for t in range(T) if t % n1], device=q.device)
+        bias = torch.zeros(T, T, dtype=q.dtype, device=q.device)
+        bias[rows, rows] = beta
+        bias[rows, (rows + n1) % T] = beta
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    M.attention = biased
+    try:
+        yield
+    finally:
+        M.attention = real
 
 
 def supervised(train, test, args):
@@ -244,6 +272,8 @@ def main(argv=None):
     sup.add_argument("--lr-clip", type=float, default=1e-4, help="with --clip: the lr of CLIP's own weights")
     sup.add_argument("--n-inter", type=int, default=None, help="inter blocks (default: 3 of the scratch preset's "
                                                                "12, 2 of mini-synth's 6)")
+    sup.add_argument("--align-bias", type=float, default=0.0, help="late fusion: add this to each patch's "
+                     "attention logits toward itself and its own position in the other image (0: off)")
     sup.add_argument("--fusion", default="late", choices=["late", "early"],
                      help="late: CLIP4IDC's pair encoder; early: both images stacked as 6 channels (a reference)")
     ali = cmd.add_parser("aligned", formatter_class=fmt, help="frozen per-image tokens, a position-aligned "
@@ -289,8 +319,11 @@ def main(argv=None):
     preset = adapt.PRESETS["mini" if args.clip else "scratch"]
     if args.n_inter is None:
         args.n_inter = preset["n_inter"]
-    size = clip_load.load_clip(args.clip).cfg.image_resolution if args.clip else preset["image_size"]
-    return supervised(split(args.data_root, "train", size), split(args.data_root, "test", size), args)
+    cfg = clip_load.load_clip(args.clip).cfg if args.clip else None
+    size, patch = (cfg.image_resolution, cfg.vision_patch_size) if cfg else (preset["image_size"], preset["patch_size"])
+    train, test = split(args.data_root, "train", size), split(args.data_root, "test", size)
+    with aligned_attention(args.align_bias, (size // patch) ** 2 + 1) if args.align_bias else nullcontext():
+        return supervised(train, test, args)
 
 
 if __name__ == "__main__":

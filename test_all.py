@@ -1902,6 +1902,26 @@ def test_linear_probe_reads_what_the_features_hold():
         assert test[j] < probe.majority(y[200:, j]) + 0.15
 
 
+def test_aligned_attention_lines_up_the_two_images():
+    """probe.py --align-bias: with a large bias every patch of the joint sequence attends only to itself and to
+    its own position in the other image, so a change in one patch reaches that position of both images and the
+    [CLS] tokens (which keep their attention), nothing else; without it, it spreads everywhere."""
+    torch.manual_seed(0)
+    clip = M.CLIP(M.CLIPConfig(**{**TINY.__dict__, "vision_layers": 2, "n_inter": 2})).eval()  # all blocks joint
+    before, after, real = torch.randn(1, 3, 32, 32), torch.randn(1, 3, 32, 32), M.attention
+    moved = after.clone()
+    moved[:, :, 8:16, 16:24] += 1.0  # patch 6 of the 4x4 grid: token 7 of each image's 17
+    with torch.no_grad():
+        with probe.aligned_attention(30.0, 17):
+            diff = (clip.encode_pair(before, moved)[0] - clip.encode_pair(before, after)[0]).abs().amax(-1)[0]
+        plain = (clip.encode_pair(before, moved)[0] - clip.encode_pair(before, after)[0]).abs().amax(-1)[0]
+    touched = {0, 7, 17, 24}  # the two [CLS] and position 7 in both images
+    assert all(diff[t] > 1e-3 for t in touched)
+    assert all(diff[t] < 1e-5 for t in range(34) if t not in touched), diff
+    assert all(plain[t] > 1e-3 for t in range(34))
+    assert M.attention is real  # put back on leaving
+
+
 @pytest.mark.slow
 def test_probe_commands_run_on_a_synthetic_set(adapt_synth, tmp_path, capsys):
     hist = probe.main(["supervised", "--data-root", str(adapt_synth), "--epochs", "20", "--batch-size", "4",
