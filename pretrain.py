@@ -18,6 +18,10 @@ that does not know which object is red. So each image also meets hard negatives 
 same (synth.hard_negative). Held-out figures, printed at every evaluation: image -> description R@1 among its
 hard negatives, retrieval among all held-out descriptions, and a linear probe of each object attribute read from
 the patch token under the object (what the pair encoder's inter blocks and the captioner get to see).
+
+CLIP's loss trains the path into [CLS]; the patch tokens learn objects only as far as that path needs them.
+`--object-loss W` adds a per-object term in the manner of FILIP and RegionCLIP: the output token of the patch under
+each object, against the phrases of all 96 objects CLEVR can make ("a big red shiny cube"), must pick its own.
 """
 import argparse
 import json
@@ -62,6 +66,8 @@ def get_args(argv=None):
     for name, what in (("lr", "peak learning rate (AdamW)"), ("weight-decay", "AdamW weight decay (matrices)"),
                        ("warmup", "fraction of the steps of linear warmup, then cosine")):
         p.add_argument(f"--{name}", type=float, default=d[name.replace("-", "_")], help=what)
+    p.add_argument("--object-loss", type=float, default=0.0, help="weight of the per-object loss (0: off): the "
+                   f"patch token under each object must pick its phrase among all {len(OBJECTS)} objects CLEVR has")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
     p.add_argument("--samples", type=int, default=d["samples"], help="training images seen in all (the schedule)")
     p.add_argument("--eval-every", type=int, default=d["eval_every"], help="steps between held-out evaluations "
@@ -108,13 +114,21 @@ def scene_images(root, split, workers=None):
             for i, v in zip(ids, seen) for name, objs in v.items() if objs is not None]
 
 
+OBJECTS = [(s, c, m, h) for s in synth.SIZES for c in synth.COLORS for m in synth.MATERIALS for h in synth.SHAPES]
+
+
+def cell(u, v, grid):
+    """The token index (after [CLS]) of the patch at (u, v), fractions of the image's width and height."""
+    return 1 + min(grid - 1, int(v * grid)) * grid + min(grid - 1, int(u * grid))
+
+
 class Descriptions(torch.utils.data.Dataset):
     """Image k -> (uint8 image [3, S, S], its description, `negatives` hard-negative descriptions). Wording and
     negatives are drawn from (seed, epoch, k) (data.sample_rng), so a resumed run sees the same text."""
 
-    def __init__(self, images, cache, negatives, context_length, seed=0):
+    def __init__(self, images, cache, negatives, context_length, patch_size, seed=0):
         self.images, self.cache, self.negatives, self.context_length = images, cache, negatives, context_length
-        self.seed = seed
+        self.patch_size, self.seed = patch_size, seed
 
     def __len__(self):
         return len(self.images)
@@ -128,11 +142,18 @@ class Descriptions(torch.utils.data.Dataset):
 
     def batch(self, keys, epoch):
         """-> images (B, 3, S, S) uint8, token ids (B * (1 + negatives), L): the B descriptions first, then the
-        first negative of each image, then the second..."""
+        first negative of each image, then the second...; and the objects: (image in batch, patch cell, index in
+        OBJECTS) rows (N_objects, 3), with OBJECTS' phrases worded for this step (len(OBJECTS), L)."""
         images = self.cache.batch([self.images[k][0] for k in keys])
         texts = [self.texts(k, epoch) for k in keys]
         ordered = [t[j] for j in range(1 + self.negatives) for t in texts]
-        return images, clip_load.tokenize(ordered, self.context_length, truncate=True)
+        grid = self.cache.data.shape[-1] // self.patch_size
+        objects = torch.tensor([(b, cell(u, v, grid), OBJECTS.index(tuple(o[a] for a in synth.ATTRS)))
+                                for b, k in enumerate(keys) for o, (u, v) in self.images[k][1]])
+        rng = random.Random(f"objects-{self.seed}-{epoch}-{keys[0]}")  # the wording, again the same on resume
+        phrases = ["a " + " ".join(rng.choice(synth.SAY.get(w, (w,))) for w in o) for o in OBJECTS]
+        return (images, clip_load.tokenize(ordered, self.context_length, truncate=True), objects,
+                clip_load.tokenize(phrases, self.context_length))
 
 
 class Steps:
@@ -171,6 +192,13 @@ def clip_loss(img, txt, logit_scale):
     return (F.cross_entropy(logits, labels) + F.cross_entropy(logits[:, :B].t(), labels)) / 2
 
 
+def object_loss(obj, phrases, target, logit_scale):
+    """obj (N, D): the patch token under each object; phrases (len(OBJECTS), D): every object CLEVR can have, named.
+    Cross entropy of each token over all the phrases: the token must say which object stands there."""
+    obj, phrases = F.normalize(obj.float(), dim=-1), F.normalize(phrases.float(), dim=-1)
+    return F.cross_entropy(logit_scale.float().clamp(max=math.log(100)).exp() * obj @ phrases.t(), target)
+
+
 # -----------------------------------------------------------------------------
 # held-out evaluation
 
@@ -194,8 +222,7 @@ def encode_images(model, images, cache, size, ctx, batch=256):
         clip_feats.append(F.normalize(tok[:, 0], dim=-1))
         for b, (_, objs) in enumerate(chunk):
             for o, (u, v) in objs:
-                cell = 1 + min(grid - 1, int(v * grid)) * grid + min(grid - 1, int(u * grid))
-                feats.append(tok[b, cell])
+                feats.append(tok[b, cell(u, v, grid)])
                 for a in PROBE_ATTRS:
                     attrs[a].append(o[a])
     return torch.cat(clip_feats), torch.stack(feats), attrs
@@ -325,7 +352,7 @@ def main(argv=None):
     optimizer = make_optimizer(groups, ctx.device)
     total = max(1, args.samples // args.batch_size)
     scheduler = warmup_cosine(optimizer, total, args.warmup)
-    ds = Descriptions(train, cache, args.negatives, args.context_length, args.seed)
+    ds = Descriptions(train, cache, args.negatives, args.context_length, args.patch_size, args.seed)
     n_params = sum(p.numel() for g in groups for p in g["params"])
     log(ctx, f"   model: {n_params / 1e6:.2f}M parameters trained (vision {args.vision_layers}x{args.vision_width}, "
              f"text {args.text_layers}x{args.text_width}); {total} steps of {args.batch_size} images, each with "
@@ -338,10 +365,17 @@ def main(argv=None):
         log(ctx, f"   resumed from {last_path(args.out)} at step {step}")
 
     def loss_fn(batch):
-        images, ids = batch
+        images, ids, objects, phrases = batch
         ids = ids[:, :int(ids.argmax(-1).max()) + 1]  # up to the longest text's end token
         images, ids = clip_load.normalize(images.to(ctx.device)), ids.to(ctx.device)
-        return clip_loss(model.encode_image(images), model.encode_text(ids), model.logit_scale), len(images)
+        if not args.object_loss:
+            return clip_loss(model.encode_image(images), model.encode_text(ids), model.logit_scale), len(images)
+        tokens = image_tokens(model.visual, images)  # token 0 is encode_image's output
+        loss = clip_loss(tokens[:, 0], model.encode_text(ids), model.logit_scale)
+        objects, phrases = objects.to(ctx.device), phrases[:, :int(phrases.argmax(-1).max()) + 1].to(ctx.device)
+        loss = loss + args.object_loss * object_loss(tokens[objects[:, 0], objects[:, 1]], model.encode_text(phrases),
+                                                     objects[:, 2], model.logit_scale)
+        return loss, len(images)
 
     rounds, t_start = math.ceil(total / args.eval_every), time.time()
     while step < total:

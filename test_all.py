@@ -2010,6 +2010,37 @@ def test_pretrain_lowers_its_loss_and_resumes_exactly(tmp_path, capsys):
     assert_close(loaded.state_dict()["visual.proj"], a["visual.proj"].half().float(), atol=0)
 
 
+@pytest.mark.slow
+def test_object_loss_names_the_object_under_each_patch(tmp_path):
+    """--object-loss: each object's row points at the patch its centre falls in (row = v, column = u) and at its
+    own attributes, the phrases follow OBJECTS' order, the loss prefers a token's own phrase, and a run through
+    main adds it to CLIP's loss and lowers both."""
+    root = tmp_path / "scenes"
+    synth.make_synth(root, 6, seed=5, workers=1)
+    images = pretrain.scene_images(root, "train", 1)
+    cache = data.ImageCache([data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(images)], 48, 1,
+                            directory=tmp_path / "cache")
+    ds = pretrain.Descriptions(images, cache, 1, 77, patch_size=16)  # a 3 x 3 grid
+    _, _, objects, phrases = ds.batch(list(range(len(images))), epoch=0)
+    want = [(b, 1 + 3 * math.floor(3 * v) + math.floor(3 * u), tuple(o[a] for a in synth.ATTRS))
+            for b, (_, objs) in enumerate(images) for o, (u, v) in objs]
+    assert [(b, c, pretrain.OBJECTS[i]) for b, c, i in objects.tolist()] == want
+    assert any((c - 1) // 3 != (c - 1) % 3 for _, c, _ in want)  # an object off the diagonal: u, v told apart
+    named = [tuple(synth.WORD.get(w, w) for w in clip_load.decode(ids).split()[1:]) for ids in phrases]
+    assert named == pretrain.OBJECTS and len(named) == 96
+    gen = torch.Generator().manual_seed(0)
+    text, target = torch.randn(96, 32, generator=gen), torch.randint(96, (40,), generator=gen)
+    own, shuffled = (pretrain.object_loss(text[t], text, target, torch.tensor(math.log(10))) for t in
+                     (target, target.roll(1)))
+    assert own < shuffled - 1, (own, shuffled)
+    args = TINY_PRETRAIN + ["--root", str(root), "--scenes", "6", "--samples", "320", "--eval-every", "10",
+                            "--batch-size", "8", "--eval-images", "8"]
+    plain = pretrain.main(args + ["--out", str(tmp_path / "plain.pt")])
+    both = pretrain.main(args + ["--out", str(tmp_path / "both.pt"), "--object-loss", "1"])
+    assert both[0]["loss"] > plain[0]["loss"] + 1  # the object term (about ln 96 at first) is in the loss
+    assert both[-1]["loss"] < 0.9 * both[0]["loss"], [h["loss"] for h in both]
+
+
 def test_shipped_mini_clip_sees_objects(tmp_path):
     path = clip_load.resolve("mini-synth")  # its SHA256 checked
     assert path.stat().st_size <= 10 * 2 ** 20
