@@ -29,9 +29,9 @@ import clip_load
 import data
 import model as M
 import plots
-from train_utils import (Progress, freeze, gather, interrupted, last_path, local_batch, log, make_optimizer,
-                         param_groups, policy_table, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch,
-                         warmup_cosine, where)
+from train_utils import (Progress, freeze, gather, interrupted, last_path, load_resume, local_batch, log,
+                         make_optimizer, param_groups, policy_table, restore, rng_state, save_atomic, seed_ranks, setup,
+                         train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
@@ -330,7 +330,7 @@ def main(argv=None):
 
     start, step, best, history = 0, 0, -1.0, []
     if args.resume:
-        state = restore(args.out, model, optimizer, scheduler, ctx)
+        state = restore(load_resume(args.out), model, optimizer, scheduler, ctx)
         start, step, best, history = state["epoch"], state["step"], state["best"], state["history"]
         log(ctx, f"   resumed from {last_path(args.out)} after epoch {start} (best val R@mean {best:.2f})")
     net = PairText(model)

@@ -32,7 +32,7 @@ from data import (BadImage, EpochSampler, ImageDataset, exit_message, load_items
                   resolve_root, sample_rng, set_epoch)
 from model import PAIR_KEYS, Captioner, CaptionerConfig
 from train_utils import (Progress, fmt_time, freeze, interrupted, last_path, load_resume, local_batch, log,
-                         make_optimizer, param_groups, policy_table, rng_state, save_atomic, seed_ranks, set_rng_state,
+                         make_optimizer, param_groups, policy_table, restore, rng_state, save_atomic, seed_ranks,
                          setup, train_epoch, unwrap, warmup_cosine, where)
 
 PRESETS = {
@@ -541,10 +541,7 @@ def train(args, extra):
 
     start, step, best, best_epoch, bad, history = 0, 0, -1.0, -1, 0, []
     if resume:
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scheduler.load_state_dict(resume["scheduler"])
-        set_rng_state(resume["rng"], ctx)
+        restore(resume, model, optimizer, scheduler, ctx)
         start, step, best, best_epoch, bad, history = (resume[k] for k in
                                                        ("epoch", "step", "best", "best_epoch", "bad", "history"))
         log(ctx, f"resumed from {last_path(args.out)} at epoch {start + 1} (best val CIDEr-D {best:.1f})")

@@ -39,8 +39,8 @@ import clip_load
 import data
 import model as M
 import synth
-from train_utils import (Progress, fmt_time, last_path, log, make_optimizer, param_groups, restore, rng_state,
-                         save_atomic, setup, train_epoch, warmup_cosine, where)
+from train_utils import (Progress, fmt_time, last_path, load_resume, log, make_optimizer, param_groups, restore,
+                         rng_state, save_atomic, setup, train_epoch, warmup_cosine, where)
 
 ROOT = "data/clevr_pretrain"
 # the text tower is 64 wide: its token embedding (49,408 BPE ids x width) is most of the file, 6.3 MB in fp16
@@ -360,7 +360,7 @@ def main(argv=None):
 
     step, history = 0, []
     if args.resume:
-        state = restore(args.out, model, optimizer, scheduler)
+        state = restore(load_resume(args.out), model, optimizer, scheduler)
         step, history = state["step"], state["history"]
         log(ctx, f"   resumed from {last_path(args.out)} at step {step}")
 

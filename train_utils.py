@@ -293,10 +293,9 @@ def load_resume(out, device="cpu"):
         raise SystemExit(f"--resume: cannot read {path} ({type(e).__name__}: {e}); start without --resume") from None
 
 
-def restore(out, model, optimizer, scheduler, ctx=None):
-    """--resume: the resumable state of the run writing `out` put back into the model, optimizer, scheduler and
-    this process's random streams -> that state (the stage reads its own counters from it)."""
-    state = load_resume(out)
+def restore(state, model, optimizer, scheduler, ctx=None):
+    """--resume: a resumable state (load_resume) put back into the model, optimizer, scheduler and this process's
+    random streams -> that state (the stage reads its own counters from it)."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
