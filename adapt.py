@@ -259,13 +259,6 @@ def fmt(m):
             f"{m['text->pair R@5']:.1f}/{m['text->pair R@10']:.1f} MdR {m['text->pair MdR']:.0f}")
 
 
-def trim(ids, static=False):
-    """Caption ids (B, context_length) -> up to the batch's longest caption's end token: the same caption features
-    (the text tower is causal and reads the end token), less work. With static shapes (--compile) the full length:
-    one compiled graph serves every step, instead of one per caption length."""
-    return ids if static else ids[:, :int(ids.argmax(-1).max()) + 1]
-
-
 # -----------------------------------------------------------------------------
 # the run
 
@@ -341,7 +334,7 @@ def main(argv=None):
 
     def loss_fn(batch):
         before, after, ids, _ = batch
-        ids = trim(ids, static=args.compile)  # on the CPU: on the GPU, reading the length would make the CPU wait
+        ids = clip_load.trim(ids, static=args.compile)  # on the CPU: on a GPU, reading the length makes the CPU wait
         before, after, ids = (t.to(ctx.device, non_blocking=True) for t in (before, after, ids))
         before, after = clip_load.normalize(before), clip_load.normalize(after)  # uint8 -> CLIP's input, on device
         return contrastive_loss(*net(before, after, ids)), len(ids)

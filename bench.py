@@ -194,7 +194,7 @@ def paper_adapt_args(n_inter=3):
 def our_adapt_step(device, amp, compile=False, batch=128, text_len=32):
     """adapt.py's training step on a random-weight ViT-B/32: its frozen set, two learning rates, fused AdamW,
     schedule and clipping (train_utils.train_step), images arriving as uint8 and normalized on the device."""
-    from adapt import PairText, contrastive_loss, lr_for, trim
+    from adapt import PairText, contrastive_loss, lr_for
     import clip_load
     args = paper_adapt_args()
     model = vit_b32(device).train()
@@ -213,7 +213,7 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32):
         if b is None:  # the paper's 32 tokens
             before, after, text = images[0], images[1], ids
         else:  # as adapt.py: trimmed to the longest caption on the CPU, or (compiled) static shapes, all 32 tokens
-            text = trim(b[2], static=compile)
+            text = clip_load.trim(b[2], static=compile)
             before, after, text = (t.to(device, non_blocking=True) for t in (b[0], b[1], text))
         return contrastive_loss(*net(clip_load.normalize(before), clip_load.normalize(after), text)), len(text)
     step = lambda b=None: train_step(ctx, net, b, loss_fn, optimizer, scheduler, params, args.grad_clip)[0]

@@ -281,6 +281,13 @@ def tokenize(texts, context_length=77, truncate=False):
     return out
 
 
+def trim(ids, static=False):
+    """Token ids (B, context_length) -> up to the batch's longest text's end token: the same text features (the
+    text tower is causal and reads the end token), less work. With static shapes (adapt.py --compile) the full
+    length: one compiled graph serves every step, instead of one per text length."""
+    return ids if static else ids[:, :int(ids.argmax(-1).max()) + 1]
+
+
 def decode(ids):
     """Token ids (list or 1-D tensor) -> text; stops at EOT (padding follows it), skips SOT. Id 0 is "!"."""
     decoder = {i: t for t, i in vocab()[0].items()}

@@ -1626,11 +1626,11 @@ def test_static_caption_length_gives_the_same_loss_and_gradients():
     model = M.CLIP(TINY)
     before, after = torch.randn(4, 3, 32, 32), torch.randn(4, 3, 32, 32)
     ids = tokenize(["a red cube moved", "the small metal sphere is gone", "no change", "a thing"], 32)
-    assert adapt.trim(ids).shape[1] < adapt.trim(ids, static=True).shape[1] == 32
+    assert clip_load.trim(ids).shape[1] < clip_load.trim(ids, static=True).shape[1] == 32
     out = {}
     for static in (False, True):
         model.zero_grad()
-        loss = adapt.contrastive_loss(*adapt.PairText(model)(before, after, adapt.trim(ids, static)))
+        loss = adapt.contrastive_loss(*adapt.PairText(model)(before, after, clip_load.trim(ids, static)))
         loss.backward()
         out[static] = loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     torch.testing.assert_close(out[True][0], out[False][0], atol=1e-6, rtol=1e-6)
@@ -2020,7 +2020,7 @@ def test_object_loss_names_the_object_under_each_patch(tmp_path):
     images = pretrain.scene_images(root, "train", 1)
     cache = data.ImageCache([data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(images)], 48, 1,
                             directory=tmp_path / "cache")
-    ds = pretrain.Descriptions(images, cache, 1, 77, patch_size=16)  # a 3 x 3 grid
+    ds = pretrain.Descriptions(images, cache, 1, 77, patch_size=16, objects=True)  # a 3 x 3 grid
     _, _, objects, phrases = ds.batch(list(range(len(images))), epoch=0)
     want = [(b, 1 + 3 * math.floor(3 * v) + math.floor(3 * u), tuple(o[a] for a in synth.ATTRS))
             for b, (_, objs) in enumerate(images) for o, (u, v) in objs]
