@@ -30,8 +30,8 @@ import data
 import model as M
 import plots
 from train_utils import (Progress, freeze, gather, interrupted, last_path, load_resume, local_batch, log,
-                         make_optimizer, param_groups, policy_table, restore, rng_state, save_atomic, seed_ranks, setup,
-                         train_epoch, warmup_cosine, where)
+                         make_optimizer, param_groups, policy_table, rank0_first, restore, rng_state, save_atomic,
+                         seed_ranks, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
@@ -56,7 +56,6 @@ PRESETS = {
                     eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
                     text_layers=3, embed_dim=128),
 }
-NEW_PARAMS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding", "visual.ln_mid.")
 # the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
 FROZEN = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
           "visual.positional_embedding", "visual.ln_pre.")
@@ -147,7 +146,7 @@ def new_model(args):
 def lr_for(args):
     """New pair parameters at lr_new, CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP."""
     def lr(name):
-        if name.startswith(NEW_PARAMS):
+        if name.startswith(M.PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # 12/0: e1, e2, p, ln_mid are never used
 
         if args.clip and name.startswith(FROZEN):
@@ -260,22 +259,11 @@ def fmt(m):
 
 
 # -----------------------------------------------------------------------------
-# the run
+# the run: the pieces of main(), in the order it uses them
 
 
-def main(argv=None):
-    args = get_args(argv)
-    ctx = setup(args.seed, args.device, args.amp)
-    # data first, so that every default is settled before the banner: one sample per caption, the CLEVR distractor
-    # swap; val/test pairs with all their captions
-    root = data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs) if ctx.main else None
-    if ctx.world > 1:  # rank 0 may have generated the synthetic set; the others wait for it
-        torch.distributed.barrier()
-        root = data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs)
-    if args.swap_prob is None:  # the authors' 0.5; on our synthetic set it cost 20 val CIDEr-D downstream (RESULTS.md)
-        args.swap_prob = 0.0 if (root / "synth.json").is_file() else 0.5
-    if args.data != "clevr":
-        args.swap_prob = 0.0  # only CLEVR-Change has distractor images to swap in
+def banner(ctx, args):
+    """What is being adapted, said plainly, and every setting."""
     log(ctx, f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
     if args.preset == "mini":
         log(ctx, "   adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that ships in assets/ (pretrain.py; a CPU "
@@ -287,27 +275,72 @@ def main(argv=None):
                  "results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip (README 'Weights').")
     log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
 
-    # the model first: a CLIP file decides the input size (the preset's 224 is ViT-B/32's)
-    model = new_model(args).to(ctx.device)
+
+def load_data(args, root, ctx):
+    """The splits (pairs with all their captions), the image cache and the training loader: one sample per
+    caption (data.CaptionDataset), CLEVR's distractor swap, each process its share of a (seed, epoch) order."""
+    split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
+    splits = {s: split(s) for s in ("train", "val", "test")}
+    # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
+    cache = data.open_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache,
+                            args.cache_dir, ctx.world, ctx.rank, log=lambda m: log(ctx, m))
+    train = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
+                                cache=cache, seed=args.seed)
+    sampler = data.EpochSampler(len(train), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)
+    loader = data.make_loader(train, local_batch(ctx, args.batch_size), workers=args.workers, device=ctx.device,
+                              sampler=sampler, drop_last=True)
+    log(ctx, f"   {args.data} at {root}: train {len(splits['train'])} pairs / {len(train)} captions, "
+             f"val {len(splits['val'])} pairs, test {len(splits['test'])} pairs" +
+             (f" | distractor swap p={args.swap_prob:g}" if args.data == "clevr" else ""))
+    return splits, cache, loader
+
+
+def save_epoch(model, optimizer, scheduler, rng, args, root, val, epoch, step, best, history):
+    """After an epoch (rank 0): the model when val improved (--out), and always the resumable state (*.last.pt)."""
+    if val["R@mean"] > best:
+        best = val["R@mean"]
+        save_atomic(checkpoint(model, args, root, {"val": val, "epoch": epoch}), args.out)
+    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "rng": rng, "epoch": epoch, "step": step, "best": best, "history": history, "args": vars(args)},
+                last_path(args.out))
+    plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, "R@mean")  # val, which selects
+    return best
+
+
+def test_best(model, test_items, args, ctx, cache, history, t_start):
+    """The best-on-val weights from --out, evaluated once on test; the figures are added to --out."""
+    ckpt = torch.load(args.out, map_location="cpu", weights_only=False)
+    model.load_state_dict(ckpt["model"])
+    test = evaluate(model, test_items, args, ctx, cache)
+    if test is None:
+        raise SystemExit(diverged(ckpt["metrics"]["epoch"]) + " (on test)")
+    chance = chance_metrics(torch.tensor([i for i, it in enumerate(test_items) for _ in it.captions]), len(test_items))
+    ckpt["metrics"].update(test=test, chance=chance, history=history)
+    save_atomic(ckpt, args.out)
+    log(ctx, f"test (best val epoch {ckpt['metrics']['epoch']}): {fmt(test)}")
+    log(ctx, f"chance:   {fmt({**chance, 'pair->text MdR': float('nan')})}")
+    r1 = {d: f"{test[d + ' R@1']:.1f} ({test[d + ' R@1'] / chance[d + ' R@1']:.0f}x chance)"
+          for d in ("text->pair", "pair->text")}
+    log(ctx, f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx)}): test text->pair R@1 "
+             f"{r1['text->pair']}, pair->text R@1 {r1['pair->text']} -> {args.out}")
+
+
+def main(argv=None):
+    args = get_args(argv)
+    ctx = setup(args.seed, args.device, args.amp)
+    root = rank0_first(ctx, lambda: data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs))
+    if args.swap_prob is None:  # the authors' 0.5; on our synthetic set it cost 20 val CIDEr-D downstream (RESULTS.md)
+        args.swap_prob = 0.0 if (root / "synth.json").is_file() else 0.5
+    if args.data != "clevr":
+        args.swap_prob = 0.0  # only CLEVR-Change has distractor images to swap in
+    banner(ctx, args)
+    model = new_model(args).to(ctx.device)  # the model first: a CLIP file decides the input size
     if args.clip and args.image_size != model.cfg.image_resolution:
         log(ctx, f"   {args.clip} takes {model.cfg.image_resolution}px images: --image-size {args.image_size} -> "
                  f"{model.cfg.image_resolution}")
         args.image_size = model.cfg.image_resolution
     seed_ranks(ctx, args.seed)
-    split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
-    train_items, val_items, test_items = split("train"), split("val"), split("test")
-    # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
-    cache = data.open_cache(train_items + val_items + test_items, args.image_size, args.image_cache, args.cache_dir,
-                            ctx.world, ctx.rank, log=lambda m: log(ctx, m))
-    train_ds = data.CaptionDataset(train_items, args.image_size, args.context_length,
-                                   swap_prob=args.swap_prob, cache=cache, seed=args.seed)
-    sampler = data.EpochSampler(len(train_ds), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)
-    per_process = local_batch(ctx, args.batch_size)
-    loader = data.make_loader(train_ds, per_process, workers=args.workers, device=ctx.device, sampler=sampler,
-                              drop_last=True)
-    log(ctx, f"   {args.data} at {root}: train {len(train_items)} pairs / {len(train_ds)} captions, "
-             f"val {len(val_items)} pairs, test {len(test_items)} pairs" +
-             (f" | distractor swap p={args.swap_prob:g}" if args.data == "clevr" else ""))
+    splits, cache, loader = load_data(args, root, ctx)
 
     # what trains at which rate (lr_for, above), the optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
     freeze(model.named_parameters(), lr_for(args))
@@ -320,7 +353,6 @@ def main(argv=None):
     log(ctx, f"   model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({n_train / 1e6:.1f}M "
              f"trained), vision {model.cfg.vision_layers - model.cfg.n_inter} intra + {model.cfg.n_inter} inter "
              f"blocks, {model.cfg.image_resolution}px; {total_steps} steps of {args.batch_size} pairs")
-
     start, step, best, history = 0, 0, -1.0, []
     if args.resume:
         state = restore(load_resume(args.out), model, optimizer, scheduler, ctx)
@@ -328,18 +360,19 @@ def main(argv=None):
         log(ctx, f"   resumed from {last_path(args.out)} after epoch {start} (best val R@mean {best:.2f})")
     net = PairText(model)
     if ctx.world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(net, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+        net = torch.nn.parallel.DistributedDataParallel(
+            net, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
     if args.compile:
         net = torch.compile(net)
 
-    def loss_fn(batch):
+    def loss_fn(batch):  # eq. (6)-(8) on a batch of (before, after, caption ids, item index)
         before, after, ids, _ = batch
         ids = clip_load.trim(ids, static=args.compile)  # on the CPU: on a GPU, reading the length makes the CPU wait
         before, after, ids = (t.to(ctx.device, non_blocking=True) for t in (before, after, ids))
         before, after = clip_load.normalize(before), clip_load.normalize(after)  # uint8 -> CLIP's input, on device
         return contrastive_loss(*net(before, after, ids)), len(ids)
 
-    chance = chance_metrics(torch.tensor([i for i, it in enumerate(test_items) for _ in it.captions]), len(test_items))
+    # training: select on val R@mean (never on test)
     t_start = time.time()
     try:
         for epoch in range(start, args.epochs):
@@ -348,10 +381,8 @@ def main(argv=None):
             progress = Progress(epoch, args.epochs, step, total_steps, args.log_every)
             loss = train_epoch(ctx, net, loader, loss_fn, optimizer, scheduler, progress, args.grad_clip)
             step = progress.step
-            stop = [None]
-            if ctx.main:  # select on val, never on test
-                val = evaluate(model, val_items, args, ctx, cache)
-                stop = [diverged(epoch + 1) if val is None else None]
+            val = evaluate(model, splits["val"], args, ctx, cache) if ctx.main else None
+            stop = [diverged(epoch + 1) if ctx.main and val is None else None]
             if ctx.world > 1:  # rank 0's verdict, shared: every process stops, or none (also the epoch's barrier)
                 torch.distributed.broadcast_object_list(stop, src=0)
             if stop[0]:
@@ -359,39 +390,16 @@ def main(argv=None):
             rng = rng_state(ctx)  # every process's streams (a collective), saved by rank 0
             if ctx.main:
                 history.append({"epoch": epoch + 1, "loss": loss, **val})
-                improved = val["R@mean"] > best
                 log(ctx, f"epoch {epoch + 1}/{args.epochs} done in {time.time() - t0:.0f}s | loss {loss:.4f} | "
-                         f"val {fmt(val)}{' | best so far: saved' if improved else ''}")
-                if improved:
-                    best = val["R@mean"]
-                    save_atomic(checkpoint(model, args, root, {"val": val, "epoch": epoch + 1}), args.out)
-                save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "rng": rng, "epoch": epoch + 1,
-                             "step": step, "best": best, "history": history, "args": vars(args)},
-                            last_path(args.out))
-                plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, "R@mean")  # val, selects
+                         f"val {fmt(val)}{' | best so far: saved' if val['R@mean'] > best else ''}")
+                best = save_epoch(model, optimizer, scheduler, rng, args, root, val, epoch + 1, step, best, history)
     except KeyboardInterrupt:
         interrupted(ctx, args.out)
-
     if ctx.world > 1:  # training is over: the other processes leave, rank 0 alone tests
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-
-    # final: the best-on-val weights, evaluated once on test
     if ctx.main:
-        ckpt = torch.load(args.out, map_location="cpu", weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        test = evaluate(model, test_items, args, ctx, cache)
-        if test is None:
-            raise SystemExit(diverged(ckpt["metrics"]["epoch"]) + " (on test)")
-        ckpt["metrics"].update(test=test, chance=chance, history=history)
-        save_atomic(ckpt, args.out)
-        log(ctx, f"test (best val epoch {ckpt['metrics']['epoch']}): {fmt(test)}")
-        log(ctx, f"chance:   {fmt({**chance, 'pair->text MdR': float('nan')})}")
-        r1 = {d: f"{test[d + ' R@1']:.1f} ({test[d + ' R@1'] / chance[d + ' R@1']:.0f}x chance)"
-              for d in ("text->pair", "pair->text")}
-        log(ctx, f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx)}): test text->pair R@1 "
-                 f"{r1['text->pair']}, pair->text R@1 {r1['pair->text']} -> {args.out}")
+        test_best(model, splits["test"], args, ctx, cache, history, t_start)
 
 
 def checkpoint(model, args, root, metrics):

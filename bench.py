@@ -433,7 +433,7 @@ def cosine64(x, y):
 def bench_caption(args):
     """caption.py's paper preset step: ViT-B/32 9/3 fine-tuned at 1e-7, a 3+3-layer 512-wide captioner at 1e-4,
     word-level cross entropy, images arriving as uint8."""
-    from caption import IDC, PRESETS, caption_loss, learning_rates
+    from caption import IDC, PRESETS, caption_loss, lr_for
     device, amp, where = device_and_amp(args)
     p = PRESETS["paper"]
     cfg = CaptionerConfig(vocab_size=args.vocab, memory_dim=512, memory_len=100, width=p["width"],
@@ -442,11 +442,11 @@ def bench_caption(args):
           f"captioner, captions of {args.caption_len} tokens, {where}, torch {torch.__version__}")
     for batch in args.batches:
         model = IDC(vit_b32(device), Captioner(cfg)).to(device).train()
-        rule = learning_rates(SimpleNamespace(lr=p["lr"], encoder_lr=p["encoder_lr"], freeze_encoder=False), 3)
+        rule = lr_for(SimpleNamespace(lr=p["lr"], encoder_lr=p["encoder_lr"], freeze_encoder=False), 3)
         freeze(model.named_parameters(), rule)
-        groups = param_groups(model.named_parameters(), rule, 0.01)
+        groups = param_groups(model.named_parameters(), rule, p["weight_decay"])
         optimizer = make_optimizer(groups, device)
-        scheduler = warmup_cosine(optimizer, 1000)
+        scheduler = warmup_cosine(optimizer, 1000, p["warmup"])
         params = [q for g in groups for q in g["params"]]
         g = torch.Generator().manual_seed(0)
         images = torch.randint(0, 256, (2, batch, 3, 224, 224), dtype=torch.uint8, generator=g).to(device)

@@ -28,12 +28,12 @@ import metrics
 import plots
 import synth
 from clip_load import MODELS, SHIPPED, load_clip, load_image, normalize, open_image, resolve, to_rgb
-from data import (BadImage, EpochSampler, ImageDataset, exit_message, load_items, make_loader, open_cache,
-                  resolve_root, sample_rng, set_epoch)
+from data import (BadImage, CaptionDataset, EpochSampler, ImageDataset, exit_message, load_items, make_loader,
+                  open_cache, resolve_root, set_epoch)
 from model import PAIR_KEYS, Captioner, CaptionerConfig
 from train_utils import (Progress, fmt_time, freeze, interrupted, last_path, load_resume, local_batch, log,
-                         make_optimizer, param_groups, policy_table, restore, rng_state, save_atomic, seed_ranks,
-                         setup, train_epoch, unwrap, warmup_cosine, where)
+                         make_optimizer, param_groups, policy_table, rank0_first, restore, rng_state, save_atomic,
+                         seed_ranks, setup, train_epoch, unwrap, warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoders (mini, scratch), frozen (its tokens computed once per pair): a decoder that
@@ -41,10 +41,10 @@ PRESETS = {
     # encoder's inter blocks already mix the two images). Fine-tuning the from-scratch encoder at 3e-4 collapsed
     # to "no change" on every pair (val CIDEr-D 62.9). RESULTS.md "Quickstart trade-offs"
     "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
-                  freeze_encoder=True, epochs=20),
+                  freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=20),
     # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
-                  freeze_encoder=False, epochs=50),
+                  freeze_encoder=False, weight_decay=0.01, warmup=0.1, epochs=50),
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
@@ -65,16 +65,14 @@ def build_vocab(captions, min_count=1):
 
 
 def encode_captions(items, vocab, max_len):
-    """All captions of all items -> ids (N_captions, max_len + 1) = <bos> words <eos> <pad>..., and per item the
-    first row and the count of its captions."""
+    """All captions of all items, in order -> word ids (N_captions, max_len + 1) = <bos> words <eos> <pad>..."""
     index = {w: i for i, w in enumerate(vocab)}
     rows = []
     for it in items:
         for c in it.captions:
             ids = [BOS] + [index.get(w, UNK) for w in words(c)][:max_len - 1] + [EOS]
             rows.append(ids + [PAD] * (max_len + 1 - len(ids)))
-    counts = torch.tensor([len(it.captions) for it in items])
-    return torch.tensor(rows), torch.cumsum(counts, 0) - counts, counts
+    return torch.tensor(rows)
 
 
 def to_text(ids, vocab):
@@ -127,14 +125,13 @@ class IDC(nn.Module):
         return self.captioner.generate(mem, BOS, EOS)
 
 
-def model_inputs(batch, device):
-    """A batch of either loader -> (IDC's inputs on the device, item indices): ImageDataset gives (before, after,
-    index), uint8 images normalized on the device; the frozen encoder's cached tokens give (tokens, index)."""
-    *x, idx = batch
-    x = [t.to(device, non_blocking=True) for t in x]
-    if len(x) == 2:
-        return {"before": normalize(x[0]), "after": normalize(x[1])}, idx
-    return {"tokens": x[0]}, idx
+def model_inputs(batch, device, frozen):
+    """IDC's inputs on the device from a batch's leading entries: a frozen encoder's tokens (the datasets'
+    `features`), else the two uint8 images, normalized here."""
+    if frozen:
+        return {"tokens": batch[0].to(device, non_blocking=True)}
+    before, after = (normalize(x.to(device, non_blocking=True)) for x in batch[:2])
+    return {"before": before, "after": after}
 
 
 @torch.no_grad()
@@ -142,9 +139,8 @@ def encode_all(model, loader, ctx):
     """Images -> pair-encoder tokens for every item, stored in fp16 (half the memory, far below the noise)."""
     out = []
     for batch in loader:
-        inputs, _ = model_inputs(batch, ctx.device)
         with ctx.amp:
-            out.append(model.memory(**inputs).half().cpu())
+            out.append(model.memory(**model_inputs(batch, ctx.device, False)).half().cpu())
     return torch.cat(out)
 
 
@@ -167,7 +163,7 @@ def read_extra(path):
     return {k: v for k, v in obj.items() if k != "model"} if isinstance(obj, dict) and "model" in obj else {}
 
 
-def learning_rates(args, n_inter):
+def lr_for(args, n_inter):
     """The training rule: parameter name -> learning rate, or None for frozen. One case per line, with its reason."""
     unused = PAIR_KEYS if n_inter == 0 else ()
 
@@ -193,13 +189,12 @@ def learning_rates(args, n_inter):
 @torch.no_grad()
 def predict(model, loader, items, vocab, ctx, beam=1):
     """Captions of every item the loader yields -> {item id: caption}."""
-    model = unwrap(model).eval()
+    model, frozen = unwrap(model).eval(), loader.dataset.features is not None
     out = {}
     for batch in loader:
-        inputs, idx = model_inputs(batch, ctx.device)
         with ctx.amp:
-            ids = model.caption(beam, **inputs)
-        for i, row in zip(idx.tolist(), ids.tolist()):
+            ids = model.caption(beam, **model_inputs(batch, ctx.device, frozen))
+        for i, row in zip(batch[-1].tolist(), ids.tolist()):
             out[items[i].id] = to_text(row, vocab)
     return out
 
@@ -244,12 +239,12 @@ def summary(scores):
 @torch.no_grad()
 def encoder_maps(model, pairs, size, device, batch=64):
     """[(before path, after path)] -> their attention maps {"before": (g, g), "after": (g, g)}, through the
-    plain-softmax path (forward_pair(explain=True)), `batch` pairs at a time."""
+    plain-softmax path (model.VisionTransformer.pair_attention), `batch` pairs at a time."""
     grid = size // model.clip.cfg.vision_patch_size
     out = []
     for i in range(0, len(pairs), batch):
         b, a = (torch.stack([load_image(p, size) for p in paths]).to(device) for paths in zip(*pairs[i:i + batch]))
-        weights = model.clip.visual.forward_pair(b, a, explain=True)[2].float().cpu()
+        weights = model.clip.visual.pair_attention(b, a).float().cpu()
         out += [plots.pair_maps(w, grid) for w in weights]
     return out
 
@@ -282,11 +277,71 @@ def draw_gallery(path, items, preds, model=None, size=None, device="cpu", n=8):
     print(f"gallery of {len(rows)} test pairs -> {path}")
 
 
+def attention_on_change(model, items, root, device):
+    """On the synthetic set: how often the last inter block's map has its strongest patch on the changed object,
+    over the change pairs (distractors have none), and what a patch drawn at random gives (maps_on_change)."""
+    changes = [it for it in items if it.change_type != "distractor"]
+    maps = encoder_maps(model, [(it.before, it.after) for it in changes], model.clip.cfg.image_resolution, device)
+    return dict(zip(("map on the change %", "random patch %"), maps_on_change(maps, changes, root)))
+
+
+# -----------------------------------------------------------------------------
+# the test, once: scores, the read-back and attention figures (final_test), the log lines (report), the gallery
+
+
+def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
+    """The chosen captioner on test, once -> results: the scores (per change type on CLEVR), the constant-caption
+    baseline and every prediction; on the synthetic set also each caption read back against the scenes and the
+    attention figure. Written to --results, logged (report), drawn (--gallery)."""
+    t0 = time.time()
+    preds = predict(model, loader, items, vocab, ctx, args.beam)
+    scores, by_type = score(items, preds, by_type=name == "clevr")
+    seconds = time.time() - t0
+    scenes = synth.read_scenes(root) if name == "clevr" else None  # the renderer's record: what really changed
+    explained = bool(scenes) and model.clip.cfg.n_inter > 0 and ctx.main  # 12/0 has no inter block to look at
+    results = {"scores": scores, "scores_by_type": by_type,
+               "baseline": constant_baseline(train_items, items, args.baseline_candidates),
+               "synthetic": synth.report(preds, scenes) if scenes else None,
+               "attention": attention_on_change(model, items, root, ctx.device) if explained else None,
+               "predictions": [{"id": it.id, "before": it.before, "after": it.after, "caption": preds[it.id],
+                                "references": it.captions} for it in items]}
+    if ctx.main:
+        with open(args.results + ".tmp", "w") as f:
+            json.dump(results, f, indent=1)
+        os.replace(args.results + ".tmp", args.results)
+        report(ctx, results, args, len(items), seconds)
+        if args.gallery:
+            draw_gallery(args.gallery, items, preds, model, model.clip.cfg.image_resolution, ctx.device,
+                         args.gallery_n)
+    return results
+
+
+def report(ctx, results, args, n, seconds):
+    """The test results in a few lines: scores, the baseline, and on the synthetic set the read-back and the
+    attention figure."""
+    scores, baseline, judged, attention = (results[k] for k in ("scores", "baseline", "synthetic", "attention"))
+    types = " ".join(f"{t} {v:.1f}" for t, v in results["scores_by_type"].items())
+    log(ctx, f"test ({n} pairs, {'beam ' + str(args.beam) if args.beam > 1 else 'greedy'}, {seconds:.0f}s): "
+             f"{summary(scores)}" + (f" | CIDEr-D by type: {types}" if types else ""))
+    log(ctx, f"constant-caption baseline {baseline['caption']!r}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} "
+             f"(model / baseline = {scores['CIDEr-D'] / max(baseline['scores']['CIDEr-D'], 1e-9):.1f}x) "
+             f"-> {args.results}")
+    if judged:
+        log(ctx, f"read back against the scenes: {judged['change caption %']:.0f}% of {judged['change pairs']} "
+                 f"change pairs get a change caption, {judged['right type %']:.0f}% the right change type, "
+                 f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}% "
+                 f"of {judged['distractor pairs']} distractors get \"no change\"")
+    if attention:
+        log(ctx, f"attention: the strongest patch of the last inter block's [CLS] map falls on the changed object "
+                 f"in {attention['map on the change %']:.0f}% of change pairs (a random patch: "
+                 f"{attention['random patch %']:.0f}%)")
+
+
 # -----------------------------------------------------------------------------
 # arguments
 
 
-def parse_args(argv=None):
+def get_args(argv=None):
     class Formatter(argparse.RawDescriptionHelpFormatter):  # shows the defaults that are not None/False
         def _get_help_string(self, action):
             shown = action.default not in (None, False, argparse.SUPPRESS)
@@ -334,7 +389,10 @@ def parse_args(argv=None):
                    help=f"pair-encoder learning rate, 0 = frozen {pre('encoder_lr')}")
     p.add_argument("--freeze-encoder", action=argparse.BooleanOptionalAction, default=None,
                    help=f"keep the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (matrices only)")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help=f"AdamW weight decay, matrices only {pre('weight_decay')}")
+    p.add_argument("--warmup", type=float, default=None,
+                   help=f"fraction of the steps of linear warmup, then cosine {pre('warmup')}")
     p.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
     p.add_argument("--patience", type=int, default=10, help="stop after this many epochs without val CIDEr-D gain")
     p.add_argument("--seed", type=int, default=0, help="random seed")
@@ -397,85 +455,149 @@ def caption_images(args):
     return text
 
 
-def data_source(args, extra, ctx):
-    """Dataset name and directory: the flags, else what the encoder was adapted on."""
-    info = extra.get("data") or {}
-    name = args.data or info.get("name", "clevr")
-    root = args.data_root or (info.get("root") if info.get("name") == name else None)
-    if ctx.world > 1 and not ctx.main:  # rank 0 may be rendering the synthetic set: wait for it
-        torch.distributed.barrier()
-    root = resolve_root(name, root)
-    if ctx.world > 1 and ctx.main:
-        torch.distributed.barrier()
-    return name, root
-
-
-def loader_for(items, args, ctx, size, feats=None, shuffle=False, batch=None, cache=None):
-    """Batches of (encoder tokens, item index) from `feats`, else (before, after, item index): in order, or (for
-    training) shuffled as a function of (seed, epoch) by an EpochSampler, each process its share under torchrun,
-    so that a resumed run sees the same batches (call data.set_epoch(loader, e) before each epoch)."""
-    if feats is not None:  # a frozen encoder's tokens, computed once: (tokens, item index)
-        dataset = torch.utils.data.TensorDataset(feats, torch.arange(len(feats)))
-    else:
-        dataset = ImageDataset(items, size, cache=cache)
-    share = dict(rank=ctx.rank, world=ctx.world) if shuffle else {}  # evaluation: every process sees everything
-    sampler = EpochSampler(len(dataset), shuffle, args.seed, **share)
-    return make_loader(dataset, batch or args.eval_batch_size, shuffle, 0 if feats is not None else args.workers,
-                       ctx.device, sampler=sampler, drop_last=shuffle and len(dataset) > (batch or 1))
-
-
-def test_and_report(model, test_loader, train_items, test_items, vocab, args, ctx, name, root):
-    t0 = time.time()
-    preds = predict(model, test_loader, test_items, vocab, ctx, args.beam)
-    scores, by_type = score(test_items, preds, by_type=name == "clevr")
-    seconds = time.time() - t0
-    baseline = constant_baseline(train_items, test_items, args.baseline_candidates)
-    # on the synthetic set the renderer's scene records say what really changed: read each caption back
-    scenes = synth.read_scenes(root) if name == "clevr" else None
-    judged = synth.report(preds, scenes) if scenes else None
-    size, enc = model.clip.cfg.image_resolution, model.clip.cfg
-    attention = None
-    if judged and enc.n_inter > 0 and ctx.main:  # and does the encoder look at the change?
-        changes = [it for it in test_items if not it.id.endswith("_n")]
-        maps = encoder_maps(model, [(it.before, it.after) for it in changes], size, ctx.device)
-        attention = dict(zip(("map on the change %", "random patch %"), maps_on_change(maps, changes, root)))
-    results = {"scores": scores, "scores_by_type": by_type, "baseline": baseline, "synthetic": judged,
-               "attention": attention,
-               "predictions": [{"id": it.id, "before": it.before, "after": it.after, "caption": preds[it.id],
-                                "references": it.captions} for it in test_items]}
-    if ctx.main:
-        with open(args.results + ".tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(args.results + ".tmp", args.results)
-        types = " ".join(f"{t} {v:.1f}" for t, v in by_type.items())
-        log(ctx, f"test ({len(test_items)} pairs, {'beam ' + str(args.beam) if args.beam > 1 else 'greedy'}, "
-                 f"{seconds:.0f}s): {summary(scores)}" + (f" | CIDEr-D by type: {types}" if types else ""))
-        log(ctx, f"constant-caption baseline {baseline['caption']!r}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} "
-                 f"(model / baseline = {scores['CIDEr-D'] / max(baseline['scores']['CIDEr-D'], 1e-9):.1f}x) "
-                 f"-> {args.results}")
-        if judged:
-            log(ctx, f"read back against the scenes: {judged['change caption %']:.0f}% of {judged['change pairs']} "
-                     f"change pairs get a change caption, {judged['right type %']:.0f}% the right change type, "
-                     f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}%"
-                     f" of {judged['distractor pairs']} distractors get \"no change\"")
-        if attention:
-            log(ctx, f"attention: the strongest patch of the last inter block's [CLS] map falls on the changed object "
-                     f"in {attention['map on the change %']:.0f}% of change pairs (a random patch: "
-                     f"{attention['random patch %']:.0f}%)")
-        if args.gallery:
-            draw_gallery(args.gallery, test_items, preds, model, size, ctx.device, args.gallery_n)
-    return results
-
-
 def evaluate_captioner(args, extra):
     """--ckpt captioner.pt without --before: test scores, baseline, predictions (and --gallery) of that model."""
     ctx = setup(args.seed, args.device, args.amp)
     model, vocab = build(args.ckpt, ctx.device, extra=extra)
     name, root = data_source(args, extra, ctx)
     train_items, test_items = (load_items(name, root, s, "total", args.skip_missing) for s in ("train", "test"))
+    loader = loader_for(ImageDataset(test_items, model.clip.cfg.image_resolution), args, ctx)
+    return final_test(model, loader, train_items, test_items, vocab, args, ctx, name, root)
+
+
+# -----------------------------------------------------------------------------
+# training: the pieces of train(), in the order it uses them
+
+
+def data_source(args, extra, ctx):
+    """Dataset name and directory: the flags, else what the encoder was adapted on (rank 0 first: it may be
+    rendering the synthetic set)."""
+    info = extra.get("data") or {}
+    name = args.data or info.get("name", "clevr")
+    root = args.data_root or (info.get("root") if info.get("name") == name else None)
+    return name, rank0_first(ctx, lambda: resolve_root(name, root))
+
+
+def load_data(args, extra, resume, ctx):
+    """The dataset in the "total" setting (CLEVR-Change: change pairs + distractor pairs) -> (name, root, splits,
+    vocabulary (a resumed run's own), every training caption's word ids)."""
+    name, root = data_source(args, extra, ctx)
+    splits = {s: load_items(name, root, s, "total", args.skip_missing) for s in ("train", "val", "test")}
+    vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions],
+                                                       args.min_count)
+    captions = encode_captions(splits["train"], vocab, args.max_len)
+    log(ctx, f"data: {name} at {root} | pairs train {len(splits['train'])} val {len(splits['val'])} test "
+             f"{len(splits['test'])} | vocabulary {len(vocab)} words | {len(captions)} training captions")
+    return name, root, splits, vocab, captions
+
+
+def new_model(args, extra, vocab, ctx):
+    """The pair encoder from --ckpt and a fresh captioner over its 2(n+1) tokens, in one module."""
+    clip = load_clip(args.ckpt, ctx.device, args.n_inter)
+    if extra.get("stage") != "adapt":
+        log(ctx, f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
+                 f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")
+    n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size) ** 2
+    cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
+                          width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
+                          max_len=args.max_len, dropout=args.dropout)
+    return IDC(clip, Captioner(cfg)).to(ctx.device)  # every process builds the same (setup seeds them alike)
+
+
+def describe(ctx, model, rule, optimizer, args):
+    """What trains at which rate (the rule, as a table) and the model in one line."""
+    clip, cfg = model.clip.cfg, model.captioner.cfg
+    log(ctx, "what trains:\n" + policy_table(model.named_parameters(), rule))
+    n_train = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+    log(ctx, f"model: pair encoder {clip.vision_layers - clip.n_inter}/{clip.n_inter} "
+             f"({'frozen' if args.freeze_encoder else f'lr {args.encoder_lr:g}'}), memory {cfg.memory_len} tokens "
+             f"x {cfg.memory_dim} | captioner {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
+             f"{n_train / 1e6:.2f}M trainable parameters")
+
+
+def loader_for(dataset, args, ctx, shuffle=False, batch=None):
+    """Batches of `dataset` in order, or (for training) shuffled as a function of (seed, epoch) by an EpochSampler,
+    each process its share under torchrun, so that a resumed run sees the same batches (call data.set_epoch(loader,
+    e) before each epoch). Image-loading processes only when there are images to load."""
+    share = dict(rank=ctx.rank, world=ctx.world) if shuffle else {}  # evaluation: every process sees everything
+    sampler = EpochSampler(len(dataset), shuffle, args.seed, **share)
+    workers = 0 if dataset.features is not None else args.workers
+    return make_loader(dataset, batch or args.eval_batch_size, shuffle, workers, ctx.device, sampler=sampler,
+                       drop_last=shuffle and len(dataset) > (batch or 1))
+
+
+def loaders(model, splits, captions, args, ctx):
+    """Training (shuffled; each pair with one of its captions, drawn per epoch), val and test loaders. The images
+    are decoded once (the cache adapt.py built, when it used the same images and size); a frozen encoder then runs
+    once per pair, here, and the loaders give its tokens; a fine-tuned one reads the images at every step."""
     size = model.clip.cfg.image_resolution
-    return test_and_report(model, loader_for(test_items, args, ctx, size), train_items, test_items, vocab,
-                           args, ctx, name, root)
+    cache = open_cache([it for v in splits.values() for it in v], size, args.image_cache, args.cache_dir, ctx.world,
+                       ctx.rank, log=lambda m: log(ctx, m))
+    feats = {}
+    if args.freeze_encoder:
+        t0 = time.time()
+        feats = {s: encode_all(model, loader_for(ImageDataset(items, size, cache), args, ctx), ctx)
+                 for s, items in splits.items()}
+        log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
+    train = CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=captions, draw=True,
+                           features=feats.get("train"))
+    return (loader_for(train, args, ctx, shuffle=True, batch=local_batch(ctx, args.batch_size)),
+            *(loader_for(ImageDataset(splits[s], size, cache, feats.get(s)), args, ctx) for s in ("val", "test")))
+
+
+def validate(model, loader, items, vocab, scenes, ctx):
+    """Val CIDEr-D, which selects the model; on the synthetic set also what the captions get right, read back
+    against the scenes. Under torchrun rank 0's CIDEr-D decides for all: a split decision would hang the next
+    collective."""
+    preds = predict(model, loader, items, vocab, ctx)
+    val = {"CIDEr-D": cider(items, preds)}
+    if scenes:
+        judged = synth.report(preds, scenes)
+        val.update({k: judged[k + " %"] for k in ("right type", "right object")})
+    if ctx.world > 1:
+        shared = torch.tensor([val["CIDEr-D"]], dtype=torch.float64, device=ctx.device)
+        torch.distributed.broadcast(shared, 0)
+        val["CIDEr-D"] = shared.item()
+    return val
+
+
+def checkpoint(model, vocab, source, args, metrics_):
+    """What `--ckpt captioner.pt` needs to rebuild the captioner (build), plus what produced it."""
+    return {"model": model.clip.state_dict(), "captioner": model.captioner.state_dict(),
+            "config": asdict(model.clip.cfg), "captioner_config": asdict(model.captioner.cfg), "vocab": vocab,
+            "data": source, "args": vars(args), "metrics": metrics_, "stage": "caption"}
+
+
+RUN = ("epoch", "step", "best", "best_epoch", "bad", "history")  # where a run stands, in its resumable file
+
+
+def resume_from(state, model, optimizer, scheduler, args, ctx):
+    """Where the run starts: (epochs done, the epoch to stop at, steps done, best val CIDEr-D, its epoch, epochs
+    without gain, history); from --out's resumable file with --resume (model, optimizer, schedule, RNG put back)."""
+    if state is None:
+        return 0, args.epochs, 0, -1.0, -1, 0, []
+    restore(state, model, optimizer, scheduler, ctx)
+    start, step, best, best_epoch, bad, history = (state[k] for k in RUN)
+    log(ctx, f"resumed from {last_path(args.out)} at epoch {start + 1} (best val CIDEr-D {best:.1f})")
+    if bad < args.patience:
+        return start, args.epochs, step, best, best_epoch, bad, history
+    if start < args.epochs:  # a run that had stopped early stays stopped
+        log(ctx, f"the run had stopped early after epoch {start} (no val CIDEr-D gain for {bad} epochs): no more "
+                 f"training, the test of epoch {best_epoch}'s model")
+    return start, start, step, best, best_epoch, bad, history
+
+
+def test_best(model, loader, splits, vocab, source, history, args, ctx):
+    """The model chosen on val, from --out, tested once; the test figures are added to --out."""
+    best = torch.load(args.out, map_location=ctx.device, weights_only=True)
+    model.clip.load_state_dict(best["model"])
+    model.captioner.load_state_dict(best["captioner"])
+    results = final_test(model, loader, splits["train"], splits["test"], vocab, args, ctx, source["name"],
+                         source["root"])
+    save_atomic(checkpoint(model, vocab, source, args, {**best["metrics"], "test": results["scores"],
+                                                        "test_by_type": results["scores_by_type"],
+                                                        "baseline": results["baseline"], "history": history}), args.out)
+    return results
 
 
 def train(args, extra):
@@ -486,123 +608,56 @@ def train(args, extra):
     preset = apply_preset(args, extra)
     resume = load_resume(args.out, "cpu") if args.resume else None
     log(ctx, f"caption.py: preset {preset} on {where(ctx)} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
+    name, root, splits, vocab, captions = load_data(args, extra, resume, ctx)
+    scenes = synth.read_scenes(root) if name == "clevr" else None  # the synthetic set's record of each change
+    source = {"name": name, "root": str(root)}
 
-    # data: CLEVR-Change in the "total" setting (change pairs + distractor pairs)
-    name, root = data_source(args, extra, ctx)
-    scenes = synth.read_scenes(root) if name == "clevr" else None
-    splits = {s: load_items(name, root, s, "total", args.skip_missing) for s in ("train", "val", "test")}
-    vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions],
-                                                       args.min_count)
-    captions, first, count = encode_captions(splits["train"], vocab, args.max_len)
-    log(ctx, f"data: {name} at {root} | pairs train {len(splits['train'])} val {len(splits['val'])} test "
-             f"{len(splits['test'])} | vocabulary {len(vocab)} words | {len(captions)} training captions")
-
-    # model: the pair encoder from --ckpt, a fresh captioner over its 2(n+1) tokens
-    clip = load_clip(args.ckpt, ctx.device, args.n_inter)
-    if extra.get("stage") != "adapt":
-        log(ctx, f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
-                 f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")
-    size, n = clip.cfg.image_resolution, (clip.cfg.image_resolution // clip.cfg.vision_patch_size) ** 2
-    cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
-                          width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
-                          max_len=args.max_len, dropout=args.dropout)
-    model = IDC(clip, Captioner(cfg)).to(ctx.device)  # every process builds the same (setup seeds them alike)
+    # model, what trains at which rate (lr_for, above), optimizer, loaders, schedule
+    model = new_model(args, extra, vocab, ctx)
+    source["image_size"] = model.clip.cfg.image_resolution
     seed_ranks(ctx, args.seed)
-    lr_for = learning_rates(args, clip.cfg.n_inter)  # what trains at which rate: the rule above
-    freeze(model.named_parameters(), lr_for)
-    log(ctx, "what trains:\n" + policy_table(model.named_parameters(), lr_for))
-    optimizer = make_optimizer(param_groups(model.named_parameters(), lr_for, args.weight_decay), ctx.device)
-    n_train = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
-    log(ctx, f"model: pair encoder {clip.cfg.vision_layers - clip.cfg.n_inter}/{clip.cfg.n_inter} "
-             f"({'frozen' if args.freeze_encoder else f'lr {args.encoder_lr:g}'}), memory {cfg.memory_len} tokens "
-             f"x {cfg.memory_dim} | captioner {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
-             f"{n_train / 1e6:.2f}M trainable parameters")
-
-    # loaders: images decoded once (the cache adapt.py built, when it used the same images and size); a frozen
-    # encoder then runs once per pair, here, a fine-tuned one on every batch
-    everything = [it for v in splits.values() for it in v]
-    cache = open_cache(everything, size, args.image_cache, args.cache_dir, ctx.world, ctx.rank,
-                       log=lambda m: log(ctx, m))
-    feats = {}
-    if args.freeze_encoder:
-        t0 = time.time()
-        feats = {s: encode_all(model, loader_for(items, args, ctx, size, cache=cache), ctx)
-                 for s, items in splits.items()}
-        log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
-    batch = local_batch(ctx, args.batch_size)
-    train_loader = loader_for(splits["train"], args, ctx, size, feats.get("train"), True, batch, cache)
-    val_loader, test_loader = (loader_for(splits[s], args, ctx, size, feats.get(s), cache=cache)
-                               for s in ("val", "test"))
+    rule = lr_for(args, model.clip.cfg.n_inter)
+    freeze(model.named_parameters(), rule)
+    optimizer = make_optimizer(param_groups(model.named_parameters(), rule, args.weight_decay), ctx.device)
+    describe(ctx, model, rule, optimizer, args)
+    train_loader, val_loader, test_loader = loaders(model, splits, captions, args, ctx)
     total_steps = args.epochs * len(train_loader)
-    scheduler = warmup_cosine(optimizer, total_steps)
-    ddp = model
-    if ctx.world > 1:
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+    scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
+    net = model if ctx.world == 1 else nn.parallel.DistributedDataParallel(
+        model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+    start, stop, step, best, best_epoch, bad, history = resume_from(resume, model, optimizer, scheduler, args, ctx)
 
-    start, step, best, best_epoch, bad, history = 0, 0, -1.0, -1, 0, []
-    if resume:
-        restore(resume, model, optimizer, scheduler, ctx)
-        start, step, best, best_epoch, bad, history = (resume[k] for k in
-                                                       ("epoch", "step", "best", "best_epoch", "bad", "history"))
-        log(ctx, f"resumed from {last_path(args.out)} at epoch {start + 1} (best val CIDEr-D {best:.1f})")
-    stop = start if bad >= args.patience else args.epochs  # a run that had stopped early stays stopped
-    if stop == start < args.epochs:
-        log(ctx, f"the run had stopped early after epoch {start} (no val CIDEr-D gain for {bad} epochs): no more "
-                 f"training, the test of epoch {best_epoch}'s model")
-    epoch = start  # the training loop below rebinds it; loss_fn reads the current epoch
+    def loss_fn(batch):  # (inputs..., each pair's drawn caption, item index): word-level cross entropy
+        words = batch[-2][:, :int((batch[-2] != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
+        logits = net(words[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))
+        return caption_loss(logits, words[:, 1:], ctx.world), len(words)
 
-    def loss_fn(batch):
-        inputs, idx = model_inputs(batch, ctx.device)
-        # a random caption per pair, from (seed, epoch, pair) as every per-sample choice (data.sample_rng)
-        pick = [sample_rng(args.seed, epoch, i).integers(int(count[i])) for i in idx.tolist()]
-        row = first[idx] + torch.tensor(pick, dtype=torch.long)
-        tokens = captions[row]
-        tokens = tokens[:, :int((tokens != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
-        logits = ddp(tokens[:, :-1], **inputs)
-        return caption_loss(logits, tokens[:, 1:], ctx.world), len(idx)
-
-    def checkpoint(metrics_):  # the selected model and what describes it (adapt.py: checkpoint())
-        return {"model": model.clip.state_dict(), "captioner": model.captioner.state_dict(),
-                "config": asdict(clip.cfg), "captioner_config": asdict(cfg), "vocab": vocab,
-                "data": {"name": name, "root": str(root), "image_size": size}, "args": vars(args),
-                "metrics": metrics_, "stage": "caption"}
-
-    # training: word-level cross entropy; select on val CIDEr-D, stop after --patience epochs without gain
+    # training: select on val CIDEr-D, stop after --patience epochs without gain
     t_start = time.time()
     try:
         for epoch in range(start, stop):
             set_epoch(train_loader, epoch)
             t0 = time.time()
             progress = Progress(epoch, args.epochs, step, total_steps, args.log_every)
-            loss = train_epoch(ctx, ddp, train_loader, loss_fn, optimizer, scheduler, progress, args.grad_clip)
+            loss = train_epoch(ctx, net, train_loader, loss_fn, optimizer, scheduler, progress, args.grad_clip)
             step = progress.step
-            val_preds = predict(model, val_loader, splits["val"], vocab, ctx)
-            val = {"CIDEr-D": cider(splits["val"], val_preds)}
-            if scenes:  # a synthetic set: what the val captions get right, read back against the scenes
-                judged = synth.report(val_preds, scenes)
-                val.update({k: judged[k + " %"] for k in ("right type", "right object")})
-            if ctx.world > 1:  # rank 0's figure decides for all: a split decision would hang the next collective
-                shared = torch.tensor([val["CIDEr-D"]], dtype=torch.float64, device=ctx.device)
-                torch.distributed.broadcast(shared, 0)
-                val["CIDEr-D"] = shared.item()
+            val = validate(model, val_loader, splits["val"], vocab, scenes, ctx)
             history.append({"epoch": epoch + 1, "loss": loss, **{f"val {k}": v for k, v in val.items()}})
-            if ctx.main:
-                plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, "val CIDEr-D")
             if val["CIDEr-D"] > best:
                 best, best_epoch, bad = val["CIDEr-D"], epoch + 1, 0
                 if ctx.main:
-                    save_atomic(checkpoint({"val": val, "epoch": epoch + 1}), args.out)
+                    save_atomic(checkpoint(model, vocab, source, args, {"val": val, "epoch": epoch + 1}), args.out)
             else:
                 bad += 1
-            judged = "".join(f", {k} {val[k]:.0f}%" for k in ("right type", "right object") if k in val)
-            log(ctx, f"epoch {epoch + 1}/{args.epochs} | loss {loss:.3f} | val {summary(val)}{judged} | best CIDEr-D "
+            right = "".join(f", {k} {val[k]:.0f}%" for k in ("right type", "right object") if k in val)
+            log(ctx, f"epoch {epoch + 1}/{args.epochs} | loss {loss:.3f} | val {summary(val)}{right} | best CIDEr-D "
                      f"{best:.1f} (epoch {best_epoch}) | {time.time() - t0:.0f}s")
             rng = rng_state(ctx)  # every process's streams (a collective), saved by rank 0
             if ctx.main:
-                save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "rng": rng, "epoch": epoch + 1,
-                             "step": step, "best": best, "best_epoch": best_epoch, "bad": bad, "history": history,
-                             "vocab": vocab}, last_path(args.out))
+                plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, "val CIDEr-D")
+                save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "vocab": vocab,
+                             "scheduler": scheduler.state_dict(), "rng": rng,
+                             **dict(zip(RUN, (epoch + 1, step, best, best_epoch, bad, history)))}, last_path(args.out))
             if bad >= args.patience:
                 log(ctx, f"early stop: no val CIDEr-D gain for {bad} epochs")
                 break
@@ -610,26 +665,14 @@ def train(args, extra):
         interrupted(ctx, args.out)
     log(ctx, f"training done in {fmt_time(time.time() - t_start)} ({where(ctx)}): best val CIDEr-D {best:.1f} at "
              f"epoch {best_epoch}")
-
     if ctx.world > 1:  # training is over: the other processes leave, rank 0 alone tests
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    if not ctx.main:
-        return None
-
-    # test: the selected model, once
-    best_state = torch.load(args.out, map_location=ctx.device, weights_only=True)
-    model.clip.load_state_dict(best_state["model"])
-    model.captioner.load_state_dict(best_state["captioner"])
-    results = test_and_report(model, test_loader, splits["train"], splits["test"], vocab, args, ctx, name, root)
-    save_atomic(checkpoint({**best_state["metrics"], "test": results["scores"],
-                            "test_by_type": results["scores_by_type"], "baseline": results["baseline"],
-                            "history": history}), args.out)
-    return results
+    return test_best(model, test_loader, splits, vocab, source, history, args, ctx) if ctx.main else None
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = get_args(argv)
     if args.before:
         return caption_images(args)
     if not os.path.exists(args.ckpt) and args.ckpt not in MODELS and args.ckpt not in SHIPPED:

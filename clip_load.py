@@ -27,7 +27,7 @@ import regex as re
 import torch
 from PIL import Image
 
-from model import build_model
+from model import PAIR_KEYS, build_model
 
 # -----------------------------------------------------------------------------
 # weights
@@ -150,8 +150,7 @@ def save_archive(model, path):
     benchmarks: a random-weight ViT-B/32 saved so goes through the same loading code as the released file.
     Returns the model, pair parameters included, with its fp16-rounded weights back in fp32."""
     model, vis = to_fp16(model.eval()), model.visual
-    pair = {name: getattr(vis, name) for name in ("bef_embedding", "aft_embedding", "joint_positional_embedding",
-                                                   "ln_mid")}
+    pair = {name: getattr(vis, name) for name in dict.fromkeys(k.split(".")[1] for k in PAIR_KEYS)}  # e1, e2, p, ln_mid
     for name in pair:
         delattr(vis, name)
     try:

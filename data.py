@@ -14,7 +14,6 @@ import argparse
 import hashlib
 import json
 import os
-import random
 import shutil
 import tempfile
 import time
@@ -436,10 +435,11 @@ class _Pairs(torch.utils.data.Dataset):
     """Items -> uint8 images [3, S, S] (streamed from disk, or from an ImageCache) and pre-tokenized captions. The
     stages normalize on the device (`clip_load.normalize`): a quarter of the bytes through the loader and the
     host-to-GPU copy. Each dataset says what one sample is in `parts(key)`: (its image paths, its other fields).
-    A DataLoader asks for whole batches (`__getitems__`): from a cache, one sorted read per image column."""
+    A DataLoader asks for whole batches (`__getitems__`): from a cache, one sorted read per image column.
+    `features`: per item, a frozen encoder's tokens, computed once, given in place of the two images."""
 
-    def __init__(self, items, size=224, cache=None):
-        self.items, self.size, self.cache = items, size, cache
+    def __init__(self, items, size=224, cache=None, features=None):
+        self.items, self.size, self.cache, self.features = items, size, cache, features
 
     def image(self, path):
         if self.cache is not None:
@@ -449,6 +449,12 @@ class _Pairs(torch.utils.data.Dataset):
         except SystemExit as e:  # a worker must raise an Exception for the DataLoader to re-raise it
             raise BadImage(f"{e}: replace that file with a readable image, or pass --skip-missing to drop its "
                            f"pair ({SEE})") from None
+
+    def pair(self, i, before, rest):
+        """Sample parts of item i: its images (before: the path to use) and `rest`, or its features and `rest`."""
+        if self.features is not None:
+            return (), (self.features[i], *rest)
+        return (before, self.items[i].after), rest
 
     def __getitem__(self, key):
         paths, rest = self.parts(key)
@@ -463,7 +469,7 @@ class _Pairs(torch.utils.data.Dataset):
 
 
 def sample_rng(seed, epoch, index):
-    """Every random choice about one sample (the distractor swap, which caption a pair is trained on) comes from
+    """Every random choice about one sample (which caption a pair is trained on, the distractor swap) comes from
     (seed, epoch, sample index) alone: the same whatever the batch, the worker or the process, and again on resume."""
     return np.random.default_rng([seed, epoch, index])
 
@@ -476,17 +482,25 @@ def set_epoch(loader, epoch):
 
 
 class CaptionDataset(_Pairs):
-    """One sample per caption -> (before, after, token_ids, item_index). swap_prob: CLEVR adaptation replaces the
-    before image by the scene's non-semantic image with this probability (authors: 0.5), drawn from (seed, epoch,
-    sample) by sample_rng; `set_epoch(loader, e)` sets the epoch."""
+    """Training samples of both stages -> (before, after, caption token ids, item index), or with `features`
+    (features, caption token ids, item index). What a sample is:
+    - draw=False (adaptation, as the authors): one sample per caption, each caption once an epoch;
+    - draw=True (captioning): one sample per pair, trained on one of its captions drawn from (seed, epoch, pair).
+    `ids`: every caption's token row, the items' captions in order (the captioner's words); default: CLIP's BPE
+    at context_length. swap_prob: CLEVR adaptation replaces the before image by the scene's non-semantic image
+    with this probability (authors: 0.5). Every draw comes from sample_rng; `set_epoch(loader, e)` sets the epoch."""
 
-    def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None, seed=0):
-        super().__init__(items, size, cache)
-        # every caption tokenized once (load_items has dropped the empty ones); a sample = (item index, token row)
-        self.tokens = tokenize([c for it in items for c in it.captions], context_length, truncate=True)
+    def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None, seed=0, ids=None,
+                 draw=False, features=None):
+        super().__init__(items, size, cache, features)
+        if ids is None:  # every caption tokenized once (load_items has dropped the empty ones)
+            ids = tokenize([c for it in items for c in it.captions], context_length, truncate=True)
+        self.tokens = ids  # a sample = (item index, its token row; None: drawn per epoch)
         owners = [i for i, it in enumerate(items) for _ in it.captions]
-        self.samples = list(zip(owners, range(len(owners))))
-        self.swap_prob, self.seed, self.epoch = swap_prob, seed, 0
+        counts = [len(it.captions) for it in items]
+        self.first = np.cumsum([0] + counts[:-1]).tolist()  # each item's first caption row
+        self.samples = [(i, None) for i in range(len(items))] if draw else list(zip(owners, range(len(owners))))
+        self.counts, self.swap_prob, self.seed, self.epoch = counts, swap_prob, seed, 0
 
     def __len__(self):
         return len(self.samples)
@@ -494,21 +508,22 @@ class CaptionDataset(_Pairs):
     def parts(self, k):
         i, r = self.samples[k]
         it = self.items[i]
-        swap = it.alt_before and self.swap_prob and sample_rng(self.seed, self.epoch, k).random() < self.swap_prob
-        return (it.alt_before if swap else it.before, it.after), (self.tokens[r], i)
+        rng = sample_rng(self.seed, self.epoch, k) if r is None or (it.alt_before and self.swap_prob) else None
+        if r is None:  # draw=True: one of the pair's captions
+            r = self.first[i] + int(rng.integers(self.counts[i]))
+        swap = it.alt_before and self.swap_prob and rng.random() < self.swap_prob
+        return self.pair(i, it.alt_before if swap else it.before, (self.tokens[r], i))
 
 
 class ImageDataset(_Pairs):
-    """Images only -> (before, after, item_index); references stay in items[i].captions."""
-
-    def __init__(self, items, size=224, cache=None):
-        super().__init__(items, size, cache)
+    """Images only -> (before, after, item_index), or with `features` (features, item index); references stay in
+    items[i].captions."""
 
     def __len__(self):
         return len(self.items)
 
     def parts(self, i):
-        return (self.items[i].before, self.items[i].after), (i,)
+        return self.pair(i, self.items[i].before, (i,))
 
 
 class EpochSampler(torch.utils.data.Sampler):

@@ -17,6 +17,16 @@ its four stages (exact, stem, synonym, paraphrase) on Meteor's own data files, w
 ~/.cache/clip4idc (about 25 s, 88 MB) so that each call costs about a second more. We read those files only and
 never run pycocoevalcap's scorers or Java. Without the package: WordNet 3.0 from nltk or Debian for the synonyms
 and no paraphrases (up to 0.010 low), or exact and stem only (up to 0.017 low), each said once in a warning.
+
+Checked against coco-caption's own figures, per item, on two real caption sets (../shared/reference/):
+
+    setup                                                      METEOR gap, IER val   METEOR gap, Spot-the-Diff val
+    pip install -r requirements.txt (Meteor's own data files)  0.000000              0.000000
+    no pycocoevalcap, WordNet 3.0 (nltk's or Debian's)         -0.003                -0.010
+    no pycocoevalcap, no WordNet (exact + stem only)           -0.010                -0.017
+
+Tokenization is identical (766/766 and 1,815/1,815 references), and BLEU-1..4, ROUGE-L and CIDEr-D match to
+0.000000 in every setup.
 """
 import argparse
 import gzip

@@ -157,10 +157,8 @@ class VisionTransformer(nn.Module):
         x = self.transformer(self.stem(x))
         return self.ln_post(x[:, 0]) @ self.proj
 
-    def forward_pair(self, before, after, explain=False):
-        """(B, 3, H, W) x2 -> tokens (B, 2(n+1), output_dim), pair vector (B, output_dim); with explain=True also
-        the last block's attention weights (B, heads, 2(n+1), 2(n+1)), taken with the plain softmax (attention_
-        weights) only then: the usual path keeps scaled_dot_product_attention."""
+    def forward_pair(self, before, after):
+        """(B, 3, H, W) x2 -> tokens (B, 2(n+1), output_dim), pair vector v (B, output_dim)."""
         B = before.shape[0]
         x = self.stem(torch.cat([before, after]))  # both images in one batch: (2B, n+1, width)
         blocks = self.transformer.resblocks
@@ -173,15 +171,24 @@ class VisionTransformer(nn.Module):
             e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
             x = self.ln_mid(x + e + self.joint_positional_embedding)  # eq. (4), ln_mid as in the authors' code
             for block in blocks[n_intra:]:  # inter blocks: full attention over both images
-                if explain and block is blocks[-1]:  # the maps are the last block's
-                    weights = attention_weights(block.attn, block.ln_1(x))
                 x = block(x)
         tokens = self.ln_post(x) @ self.proj  # all 2(n+1) tokens go to the captioner: (B, 2(n+1), output_dim)
         v = (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2  # eq. (5): mean of the two [CLS] tokens
-        if explain:
-            assert self.n_inter > 0, "the attention maps are the last inter block's: a 12/0 encoder has none"
-            return tokens, v, weights
         return tokens, v
+
+    def pair_attention(self, before, after):
+        """The last inter block's attention weights on these pairs, (B, heads, 2(n+1), 2(n+1)), for pictures: a
+        hook reads that block's input during forward_pair and takes the plain softmax (attention_weights) of it;
+        the forward itself keeps scaled_dot_product_attention."""
+        assert self.n_inter > 0, "the attention maps are the last inter block's: a 12/0 encoder has none"
+        weights = []
+        keep = lambda attn, inputs: weights.append(attention_weights(attn, inputs[0]))  # inputs[0]: ln_1(x)
+        hook = self.transformer.resblocks[-1].attn.register_forward_pre_hook(keep)
+        try:
+            self.forward_pair(before, after)
+        finally:
+            hook.remove()
+        return weights[0]
 
 
 # -----------------------------------------------------------------------------
@@ -309,7 +316,10 @@ class CaptionerConfig:
 class Attention(nn.Module):
     """Multi-head attention: self-attention (source=None) or cross-attention (queries from x, keys and values from
     `source`, the memory). `cache` (a dict per layer and kind) serves decoding: self-attention appends the new
-    positions' keys/values to the prefix's, so a step costs one token; cross-attention projects the memory once."""
+    positions' keys/values to the prefix's, so a step costs one token; cross-attention projects the memory once.
+    Why a second attention class: CLIP's MultiheadAttention keeps OpenAI's one fused in_proj so that ViT-B-32.pt
+    loads as it is; here queries and keys/values are projected apart, so that the memory's keys and values are
+    computed once and cached while each decoding step projects only its new query."""
 
     def __init__(self, width, heads):
         super().__init__()

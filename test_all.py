@@ -6,7 +6,21 @@ Sections follow the modules: shared configs, helpers and fixtures first, then mo
 metrics, adapt, caption, probe, pretrain, plots, train_utils, and the paths that span stages. Markers (pytest.ini):
 slow (training runs: seconds to a minute each), subprocess (real processes, under a timeout), torchrun (gloo
 process groups, under a timeout). What the tests build goes to temporary folders or .pytest_cache, never the
-user's ~/.cache (caches_out_of_home)."""
+user's ~/.cache (caches_out_of_home).
+
+What they prove of the paper path on a CPU, with a small CLIP in OpenAI's archive format and several attention
+heads in both towers:
+- the paper preset is chosen when `ViT-B-32.pt` is in the cache, and both stages run through their `main`;
+- the authors' frozen embeddings are bit-identical after adaptation, and every other weight moved no more than
+  its learning rate allows;
+- the 12/0 and no-adaptation ablations run;
+- one epoch of each stage under bf16 autocast (`--amp bf16`, the code path CUDA takes) lands within 2 % of fp32's
+  loss;
+- both stages under 2 torchrun processes (gloo) equal one process on the same global batch, with one early-stopping
+  decision for both; a resumed 2-process run gets each process's own random stream back;
+- both stages, as real processes killed (SIGKILL) mid-epoch or halfway through writing a checkpoint, resume to the
+  weights and the chosen model of a run never stopped.
+Speed, memory, NCCL, the CUDA kernels and `--compile` need a GPU: BENCHMARKS.md, `python bench.py cuda-path`."""
 
 import argparse
 import gzip
@@ -454,15 +468,16 @@ def test_attention_weights_are_the_sdpa_paths():
                        context_length=8, transformer_width=64, transformer_heads=1, transformer_layers=1, n_inter=2)
     clip = M.CLIP(cfg).eval()
     b, a = torch.randn(2, 3, 48, 48), torch.randn(2, 3, 48, 48)
-    seen = []  # each inter block's attention input, as the blocks see it
-    blocks = clip.visual.transformer.resblocks
-    hooks = [blk.attn.register_forward_pre_hook(lambda m, inp: seen.append((m, inp[0]))) for blk in blocks[1:]]
+    blocks, vis = clip.visual.transformer.resblocks, clip.visual
     with torch.no_grad():
-        tokens, vec, weights = clip.visual.forward_pair(b, a, explain=True)
-    for h in hooks:
-        h.remove()
-    assert weights.shape == (2, 2, 20, 20) and torch.equal(tokens, clip.visual.forward_pair(b, a)[0])
-    first, last = (model.attention_weights(m, x) for m, x in seen)
+        weights = vis.pair_attention(b, a)
+        x = blocks[0](vis.stem(torch.cat([b, a])))  # eq. (2)-(4) written out: 1 intra block, then the joint sequence
+        x = torch.cat([x[:2], x[2:]], dim=1)
+        x = vis.ln_mid(x + torch.cat([vis.bef_embedding.expand(10, -1), vis.aft_embedding.expand(10, -1)])
+                       + vis.joint_positional_embedding)
+        first = model.attention_weights(blocks[1].attn, blocks[1].ln_1(x))
+        last = model.attention_weights(blocks[2].attn, blocks[2].ln_1(blocks[1](x)))
+    assert weights.shape == (2, 2, 20, 20)
     torch.testing.assert_close(weights, last)  # the last inter block's, not the first's
     assert (weights - first).abs().max() > 1e-3
 
@@ -800,6 +815,35 @@ def test_datasets(synth_set):
     assert torch.equal(clip_load.normalize(swapped), load_image(items[i].alt_before, 32))
     b, a, i = data.ImageDataset(items, size=32)[2]
     assert i == 2 and torch.equal(clip_load.normalize(a), load_image(items[2].after, 32))
+
+
+def test_drawn_captions_and_features_in_place_of_images(synth_set):
+    """caption.py's training samples: one per pair, its caption drawn from (seed, epoch, pair) among the pair's
+    own, every caption drawn over the epochs; a frozen encoder's features replace the images, batches included."""
+    items = data.load_items("clevr", synth_set, "train", "total")
+    rows = torch.arange(sum(len(it.captions) for it in items))[:, None].repeat(1, 3)  # row r holds r: its own id
+    owner = [i for i, it in enumerate(items) for _ in it.captions]
+    feats = torch.randn(len(items), 5, 4)
+    ds = data.CaptionDataset(items, 32, ids=rows, draw=True, seed=3, features=feats)
+    assert len(ds) == len(items)
+    seen = set()
+    for epoch in range(40):
+        ds.epoch = epoch
+        for i in (0, 5):
+            f, ids, j = ds[i]
+            r = int(ids[0])
+            assert j == i and owner[r] == i and torch.equal(f, feats[i])  # one of the pair's own captions
+            assert r - owner.index(i) == data.sample_rng(3, epoch, i).integers(len(items[i].captions))
+            seen.add(r)
+    assert seen == {r for r, o in enumerate(owner) if o in (0, 5)}  # every caption of the two pairs, in 40 epochs
+    f, ids, idx = ds.__getitems__([4, 1])  # a whole batch, as the loader asks for it
+    assert torch.equal(f, feats[[4, 1]]) and idx.tolist() == [4, 1] and ids.shape == (2, 3)
+    ds.epoch = 0
+    images = data.CaptionDataset(items, 32, ids=rows, draw=True, seed=3)[5]  # epoch 0 too
+    assert len(images) == 4 and images[0].shape == (3, 32, 32)  # (before, after, ids, index)
+    assert torch.equal(images[2], ds[5][1]) and images[3] == 5  # the same draw as with features
+    f, i = data.ImageDataset(items, 32, features=feats)[2]
+    assert i == 2 and torch.equal(f, feats[2])
 
 
 def test_annotation_files_of_the_wrong_shape_say_so(tmp_path):
@@ -1969,7 +2013,7 @@ def test_probe_aligned_comparator_and_attention_weights(adapt_synth, tmp_path, c
     before, after = torch.randn(3, 3, 32, 32), torch.randn(3, 3, 32, 32)
     rows = probe.attention(clip, before, after)
     assert len(rows) == 2 and all(len(other) == len(own) == 2 for other, own in rows)
-    _, _, w = clip.visual.forward_pair(before, after, explain=True)  # the last inter block's weights
+    w = clip.visual.pair_attention(before, after)  # the last inter block's weights
     T = w.shape[-1]
     n1 = T // 2
     for h in range(2):  # written out: each patch i of either image, and its own position in the other image
@@ -2110,6 +2154,25 @@ def test_training_rule_in_plain_sight():
     assert sum(int(r[-1].replace(",", "")) for r in rows.values()) == sum(p.numel() for p in m.parameters())
 
 
+def test_caption_rule_and_presets_in_plain_sight(tmp_path):
+    """caption.py's training settings all come from its preset (weight decay and warmup included) unless a flag
+    says otherwise; its rule: the captioner at --lr, the text tower never, the pair encoder frozen or at
+    --encoder-lr, e1/e2/p/ln_mid frozen for 12/0."""
+    for preset in caption.PRESETS.values():
+        assert {"weight_decay", "warmup", "lr", "encoder_lr", "freeze_encoder", "batch_size", "epochs"} <= set(preset)
+    args = caption.get_args(["--ckpt", "x.pt"])
+    assert caption.apply_preset(args, {}) == "paper"
+    assert all(getattr(args, k) == v for k, v in caption.PRESETS["paper"].items())
+    args = caption.get_args(["--ckpt", "mini-synth", "--warmup", "0.3", "--weight-decay", "0.5"])
+    assert caption.apply_preset(args, {}) == "small" and (args.warmup, args.weight_decay) == (0.3, 0.5)
+    assert args.epochs == caption.PRESETS["small"]["epochs"]
+    rule = caption.lr_for(caption.get_args(["--ckpt", "x", "--lr", "2e-4", "--encoder-lr", "1e-6",
+                                             "--no-freeze-encoder"]), 0)
+    assert rule("captioner.decoder.0.attn.q_proj.weight") == 2e-4 and rule("clip.transformer.ln_1") is None
+    assert rule("clip.visual.conv1.weight") == 1e-6 and rule("clip.visual.bef_embedding") is None
+    assert caption.lr_for(args, 3)("clip.visual.bef_embedding") is None  # frozen encoder (the small preset)
+
+
 @pytest.mark.slow
 def test_step_flops_match_torch_counter():
     """bench.adapt_step_flops (the MFU numerator) equals torch's FLOP counter on a pair step with several heads,
@@ -2229,7 +2292,7 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     for k, d in moved.items():
         if k.startswith(adapt.FROZEN):  # the authors' frozen input embeddings: bit-identical
             assert d == 0, k
-        elif k.startswith(adapt.NEW_PARAMS):  # e1, e2, p, ln_mid at 1e-4
+        elif k.startswith(M.PAIR_KEYS):  # e1, e2, p, ln_mid at 1e-4
             assert 1e-5 < d <= 2 * steps * 1e-4, (k, d)
         else:  # CLIP's own weights at 1e-7: Adam moves a weight by about lr per step at most
             assert d <= 2 * steps * 1e-7, (k, d)

@@ -73,6 +73,17 @@ def seed_ranks(ctx, seed):
         seed_everything(seed + 1000 * ctx.rank)
 
 
+def rank0_first(ctx, fn):
+    """fn() on rank 0 first, then on the other processes, which wait for it at a barrier: rank 0 may be writing
+    what they read (the synthetic set, rendered on first use). One process: just fn()."""
+    if ctx.world > 1 and not ctx.main:
+        dist.barrier()
+    out = fn()
+    if ctx.world > 1 and ctx.main:
+        dist.barrier()
+    return out
+
+
 @functools.lru_cache
 def matmul_gflops(n=2048, repeats=5):
     """This CPU's fp32 speed: GFLOP/s of an n x n x n matmul (the best of `repeats`, after a warm-up), the figure
