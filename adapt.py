@@ -144,7 +144,8 @@ def new_model(args):
 
 
 def lr_for(args):
-    """New pair parameters at lr_new, CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP."""
+    """New pair parameters at lr_new, CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP.
+    Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors (train_utils.param_groups)."""
     def lr(name):
         if name.startswith(M.PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # 12/0: e1, e2, p, ln_mid are never used

@@ -164,7 +164,8 @@ def read_extra(path):
 
 
 def lr_for(args, n_inter):
-    """The training rule: parameter name -> learning rate, or None for frozen. One case per line, with its reason."""
+    """The training rule: parameter name -> learning rate, or None for frozen. One case per line, with its reason.
+    Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors (train_utils.param_groups)."""
     unused = PAIR_KEYS if n_inter == 0 else ()
 
     def lr(name):
