@@ -2055,6 +2055,36 @@ def test_pretrain_lowers_its_loss_and_resumes_exactly(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_mimetic_init_attends_to_itself_and_subtracts(tmp_path, monkeypatch):
+    """pretrain.mimetic_init_ (--mimetic-init): on random LayerNormed tokens every head of every block gives a token
+    itself many times the uniform weight (OpenAI's init: about 1x), W_o W_v is about -0.4 I; main applies it to
+    the image tower before training, the text tower untouched."""
+    cfg = M.CLIPConfig(embed_dim=32, image_resolution=48, vision_layers=3, vision_width=128, vision_patch_size=16,
+                       context_length=8, transformer_width=64, transformer_heads=1, transformer_layers=1, n_inter=1)
+    torch.manual_seed(0)
+    x = F.layer_norm(torch.randn(4, 30, 128), (128,))
+    for mimetic in (False, True):
+        m = M.CLIP(cfg)
+        if mimetic:
+            pretrain.mimetic_init_(m.visual)
+        for block in m.visual.transformer.resblocks:
+            own = M.attention_weights(block.attn, x).diagonal(dim1=-2, dim2=-1).mean((0, 2)) * 30  # per head
+            value = block.attn.out_proj.weight @ block.attn.in_proj_weight[256:]  # W_o W_v
+            if mimetic:
+                assert own.shape == (2,) and (own > 10).all() and abs(value.diagonal().mean() + 0.4) < 0.05
+            else:
+                assert (own < 2).all() and abs(value.diagonal().mean()) < 0.05
+    seen = []
+    real = pretrain.mimetic_init_
+    monkeypatch.setattr(pretrain, "mimetic_init_", lambda visual: seen.append(visual) or real(visual))
+    args = TINY_PRETRAIN + ["--root", str(tmp_path / "scenes"), "--samples", "32", "--eval-every", "2"]
+    pretrain.main(args + ["--out", str(tmp_path / "a.pt")])
+    assert not seen  # off by default: the shipped file's command is unchanged
+    pretrain.main(args + ["--out", str(tmp_path / "b.pt"), "--mimetic-init"])
+    assert len(seen) == 1 and isinstance(seen[0], M.VisionTransformer)
+
+
+@pytest.mark.slow
 def test_object_loss_names_the_object_under_each_patch(tmp_path):
     """--object-loss: each object's row points at the patch its centre falls in (row = v, column = u) and at its
     own attributes, the phrases follow OBJECTS' order, the loss prefers a token's own phrase, and a run through
