@@ -611,11 +611,10 @@ def train(args, extra):
     log(ctx, f"caption.py: preset {preset} on {where(ctx)} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
     name, root, splits, vocab, captions = load_data(args, extra, resume, ctx)
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the synthetic set's record of each change
-    source = {"name": name, "root": str(root)}
 
     # model, what trains at which rate (lr_for, above), optimizer, loaders, schedule
     model = new_model(args, extra, vocab, ctx)
-    source["image_size"] = model.clip.cfg.image_resolution
+    source = {"name": name, "root": str(root), "image_size": model.clip.cfg.image_resolution}  # saved with it
     seed_ranks(ctx, args.seed)
     rule = lr_for(args, model.clip.cfg.n_inter)
     freeze(model.named_parameters(), rule)
