@@ -39,14 +39,15 @@ from train_utils import (Progress, freeze, gather, interrupted, last_path, load_
 PRESETS = {
     "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, context_length=32, batch_size=128, epochs=12,
                   lr_new=1e-4, lr_clip=1e-7, weight_decay=0.2, warmup=0.1, grad_clip=1.0, workers=8,
-                  eval_batch_size=256),
-    # mini: the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px, a 6x6 patch grid), 4 intra + 2 inter
-    # blocks (the paper's last quarter of 12 is 3; of 6, 2); the authors' policy scaled down: CLIP's input
-    # embeddings frozen, the new pair parameters at a high rate, CLIP's weights at a low one. One epoch: 2 min on
-    # a CPU. CLIP at 3e-4, or 3 epochs, gave the same captioner on val (RESULTS.md "CLIP in miniature")
+                  eval_batch_size=256, shared_p=0.0),
+    # mini (the default without OpenAI's weights): the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px,
+    # a 6x6 patch grid), 4 intra + 2 inter blocks (the paper's last quarter of 12 is 3; of 6, 2); the authors'
+    # policy scaled down: CLIP's input embeddings frozen, the new pair parameters at a high rate, CLIP's weights
+    # at a low one. One epoch: 2 min on a CPU. p starts shared by the two images (norm 30; 60 and the authors'
+    # random p were worse on val): RESULTS.md "Shared p"
     "mini": dict(clip="mini-synth", n_inter=2, image_size=96, context_length=32, batch_size=32, epochs=1,
                  lr_new=1e-3, lr_clip=1e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
-                 eval_batch_size=256),
+                 eval_batch_size=256, shared_p=30.0),
     # scratch: ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6 patch grid (ViT-B/32: 7x7;
     # an 8x8 grid costs 1.8x per step); from scratch, so no frozen parts and one lr (1e-3 collapses all pairs
     # onto one vector; 3e-4 learns), batch 32 for more steps in the CPU budget. 2 epochs with a 2-layer, 64-wide
@@ -54,7 +55,7 @@ PRESETS = {
     "scratch": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=3,
                     lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
                     eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
-                    text_layers=3, embed_dim=128),
+                    text_layers=3, embed_dim=128, shared_p=0.0),
 }
 # the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
 FROZEN = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
@@ -80,15 +81,17 @@ def get_args(argv=None):
                         "from it; default: when the disk has room for it")
     # model
     p.add_argument("--preset", default="auto", choices=["auto", "paper", "mini", "scratch"],
-                   help="auto: paper when OpenAI's weights are found (or --clip names a file), mini for --clip "
-                        "mini-synth, else scratch (a small model from nothing); mini: the shipped pretrained small "
-                        "CLIP")
+                   help="auto: paper when OpenAI's weights are found (or --clip names a file), else mini (the "
+                        "small CLIP pretrained on synthetic scenes that ships in assets/); scratch: a small model "
+                        "from nothing")
     p.add_argument("--clip", default=None, help="CLIP weights: a path, ViT-B/32 (downloaded) or mini-synth "
                                                 "(shipped) (preset)")
     p.add_argument("--n-inter", type=int, default=None, help="inter blocks; N_intra = layers - n_inter (preset)")
     p.add_argument("--image-size", type=int, default=None, help="input size, scratch preset (a CLIP file sets its "
                                                                 "own)")
     p.add_argument("--context-length", type=int, default=None, help="caption tokens incl. start/end (preset)")
+    p.add_argument("--shared-p", type=float, default=None, help="initialize p alike for both images, each "
+                   "position's code of this norm (model.share_joint_positions_); 0: the authors' random p (preset)")
     for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"scratch preset model size: {name}")
     # optimization
@@ -113,7 +116,7 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     if args.preset == "auto":
         found = args.clip not in (None, "mini-synth") or (clip_load.CACHE / "ViT-B-32.pt").is_file()
-        args.preset = "paper" if found else "mini" if args.clip == "mini-synth" else "scratch"
+        args.preset = "paper" if found else "mini"
     for k, v in PRESETS[args.preset].items():  # a flag given on the command line wins over the preset
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -133,14 +136,18 @@ def get_args(argv=None):
 
 
 def new_model(args):
-    if args.clip:  # paper preset: OpenAI's CLIP + freshly initialized pair parameters
-        return clip_load.load_clip(args.clip, n_inter=args.n_inter)
-    cfg = M.CLIPConfig(embed_dim=args.embed_dim, image_resolution=args.image_size,
-                       vision_layers=args.vision_layers, vision_width=args.vision_width,
-                       vision_patch_size=args.patch_size, context_length=args.context_length,
-                       transformer_width=args.text_width, transformer_heads=max(1, args.text_width // 64),
-                       transformer_layers=args.text_layers, n_inter=args.n_inter)
-    return M.CLIP(cfg)
+    """CLIP (a file: OpenAI's, the shipped mini one; or a small one from nothing) with fresh pair parameters."""
+    if args.clip:
+        clip = clip_load.load_clip(args.clip, n_inter=args.n_inter)
+    else:
+        clip = M.CLIP(M.CLIPConfig(embed_dim=args.embed_dim, image_resolution=args.image_size,
+                                   vision_layers=args.vision_layers, vision_width=args.vision_width,
+                                   vision_patch_size=args.patch_size, context_length=args.context_length,
+                                   transformer_width=args.text_width, transformer_heads=max(1, args.text_width // 64),
+                                   transformer_layers=args.text_layers, n_inter=args.n_inter))
+    if args.shared_p and args.n_inter:
+        M.share_joint_positions_(clip.visual, args.shared_p)
+    return clip
 
 
 def lr_for(args):
@@ -267,13 +274,14 @@ def banner(ctx, args):
     """What is being adapted, said plainly, and every setting."""
     log(ctx, f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
     if args.preset == "mini":
-        log(ctx, "   adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that ships in assets/ (pretrain.py; a CPU "
-                 "demo of the method). For the paper's results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass "
-                 "--clip (README 'Weights').")
+        log(ctx, "   no OpenAI weights given or found: adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that "
+                 "ships in assets/ (pretrain.py; the paper in miniature, a CPU demo; --preset scratch trains a "
+                 "small model from nothing instead). For the paper's results put OpenAI's ViT-B-32.pt in "
+                 "~/.cache/clip/ or pass --clip (README 'Weights').")
     if args.preset == "scratch":
-        log(ctx, "   no CLIP weights given or found: training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo; "
-                 "--preset mini adapts the small CLIP pretrained on synthetic scenes instead). For the paper's "
-                 "results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip (README 'Weights').")
+        log(ctx, "   training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo, the from-scratch ablation; the "
+                 "default adapts the small CLIP pretrained on synthetic scenes). For the paper's results put "
+                 "OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip (README 'Weights').")
     log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
 
 

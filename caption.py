@@ -30,7 +30,7 @@ import synth
 from clip_load import MODELS, SHIPPED, load_clip, load_image, normalize, open_image, resolve, to_rgb
 from data import (BadImage, CaptionDataset, EpochSampler, ImageDataset, exit_message, load_items, make_loader,
                   open_cache, resolve_root, set_epoch)
-from model import PAIR_KEYS, Captioner, CaptionerConfig
+from model import PAIR_KEYS, Captioner, CaptionerConfig, share_joint_positions_
 from train_utils import (Progress, fmt_time, freeze, interrupted, last_path, load_resume, local_batch, log,
                          make_optimizer, param_groups, policy_table, rank0_first, restore, rng_state, save_atomic,
                          seed_ranks, setup, train_epoch, unwrap, warmup_cosine, where)
@@ -374,6 +374,8 @@ def get_args(argv=None):
     # model
     p.add_argument("--n-inter", type=int, default=None, help="inter blocks of the pair encoder (default: the "
                    "checkpoint's, 3 for a raw CLIP)")
+    p.add_argument("--shared-p", type=float, default=0.0, help="the no-adaptation ablation: initialize a raw "
+                   "CLIP's fresh p as adapt.py --shared-p does (adapt.py's mini preset: 30), to compare like with like")
     p.add_argument("--width", type=int, default=None, help=f"captioner width {pre('width')}")
     p.add_argument("--heads", type=int, default=None, help=f"captioner attention heads {pre('heads')}")
     p.add_argument("--enc-layers", type=int, default=None, help=f"captioner encoder layers {pre('enc_layers')}")
@@ -497,7 +499,10 @@ def new_model(args, extra, vocab, ctx):
     clip = load_clip(args.ckpt, ctx.device, args.n_inter)
     if extra.get("stage") != "adapt":
         log(ctx, f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
-                 f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")
+                 f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized"
+                 + (f", p shared by both images (--shared-p {args.shared_p:g})" if args.shared_p else ""))
+        if args.shared_p and clip.cfg.n_inter:
+            share_joint_positions_(clip.visual, args.shared_p)
     n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size) ** 2
     cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,

@@ -40,7 +40,7 @@ CACHE = Path(os.environ.get("CLIP_CACHE", Path.home() / ".cache" / "clip"))
 # weights that ship with clip4idc: the small CLIP that pretrain.py pretrained on synthetic scenes (README gives the
 # command that made it). Loaded by name through the same code as OpenAI's file, and checked the same way
 ASSETS = Path(__file__).resolve().parent / "assets"
-SHIPPED = {"mini-synth": ("clip_mini_synth.pt", "8e720eb27c6fed66c9eca61e32aae56236b683283d84bd787ad185b7cf271f79")}
+SHIPPED = {"mini-synth": ("clip_mini_synth.pt", "01b1c8f6b466124bc64bbec45f9943b00de0b6110118ea78b5ab3607776e228a")}
 NON_PARAMETERS = ("input_resolution", "context_length", "vocab_size")  # scalars in OpenAI's state dict
 
 

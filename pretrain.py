@@ -22,8 +22,10 @@ the patch token under the object (what the pair encoder's inter blocks and the c
 CLIP's loss trains the path into [CLS]; the patch tokens learn objects only as far as that path needs them.
 `--object-loss W` adds a per-object term in the manner of FILIP and RegionCLIP: the output token of the patch under
 each object, against the phrases of all 96 objects CLEVR can make ("a big red shiny cube"), must pick its own.
-`--mimetic-init` starts the image tower's attention mimetically (Trockman and Kolter 2023): better held-out
-figures for the same cost, and some alignment of the two images in the pair encoder (RESULTS.md).
+The image tower's attention starts mimetically (Trockman and Kolter 2023; `--no-mimetic-init` for OpenAI's
+initialization): a token first attends to tokens like itself. That gives better held-out figures for the same
+cost, and it is what lets CLIP4IDC's inter blocks compare the two images: with p shared by both images (adapt.py's
+mini preset), a patch attends to its own position in the other image (RESULTS.md "Shared p").
 """
 import argparse
 import json
@@ -48,7 +50,7 @@ ROOT = "data/clevr_pretrain"
 # the text tower is 64 wide: its token embedding (49,408 BPE ids x width) is most of the file, 6.3 MB in fp16
 DEFAULTS = dict(scenes=12000, image_size=96, patch_size=16, vision_width=128, vision_layers=6, text_width=64,
                 text_layers=4, embed_dim=128, context_length=77, batch_size=128, negatives=1, lr=5e-4,
-                weight_decay=0.1, warmup=0.02, samples=300_000, eval_every=150)
+                weight_decay=0.1, warmup=0.02, samples=300_000, eval_every=300)
 PROBE_ATTRS = synth.ATTRS  # size, color, material, shape
 
 
@@ -70,8 +72,9 @@ def get_args(argv=None):
         p.add_argument(f"--{name}", type=float, default=d[name.replace("-", "_")], help=what)
     p.add_argument("--object-loss", type=float, default=0.0, help="weight of the per-object loss (0: off): the "
                    f"patch token under each object must pick its phrase among all {len(OBJECTS)} objects CLEVR has")
-    p.add_argument("--mimetic-init", action="store_true", help="initialize the image tower's attention "
-                   "mimetically (Trockman and Kolter 2023; RESULTS.md): better held-out figures, some alignment")
+    p.add_argument("--mimetic-init", action=argparse.BooleanOptionalAction, default=True, help="initialize the "
+                   "image tower's attention mimetically (Trockman and Kolter 2023; RESULTS.md): better held-out "
+                   "figures, and the attention adapt.py's shared p lines the two images up with")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
     p.add_argument("--samples", type=int, default=d["samples"], help="training images seen in all (the schedule)")
     p.add_argument("--eval-every", type=int, default=d["eval_every"], help="steps between held-out evaluations "
@@ -319,11 +322,13 @@ def mimetic_init_(visual, a1=0.7, b1=0.7, a2=0.4, b2=0.4):
         hs, eye = C // attn.heads, torch.eye(C)
         with torch.no_grad():
             for h in range(attn.heads):
-                U, S, Vh = torch.linalg.svd(a1 * torch.randn(C, C) / C ** 0.5 + b1 * eye)
+                Z = torch.randn(C, C) / C ** 0.5
+                U, S, Vh = torch.linalg.svd(a1 * Z + b1 * eye)
                 root = S[:hs].sqrt()
                 W[h * hs:(h + 1) * hs] = (U[:, :hs] * root).T  # q = W_q x, k = W_k x: q.k = x^T U S V^T x
                 W[C + h * hs:C + (h + 1) * hs] = (Vh[:hs].T * root).T
-            U, S, Vh = torch.linalg.svd(a2 * torch.randn(C, C) / C ** 0.5 - b2 * eye)
+            Z = torch.randn(C, C) / C ** 0.5
+            U, S, Vh = torch.linalg.svd(a2 * Z - b2 * eye)
             W[2 * C:] = S.sqrt()[:, None] * Vh
             attn.out_proj.weight.copy_(U * S.sqrt())
             attn.in_proj_bias.zero_()

@@ -149,7 +149,7 @@ def supervised(train, test, args):
     """Train adapt.py's small encoder from scratch (or --clip's, pretrained) on the answers -> per epoch (mean
     train loss, test accuracies)."""
     early = args.fusion == "early"
-    small = argparse.Namespace(**{**adapt.PRESETS["scratch"], "clip": args.clip,
+    small = argparse.Namespace(**{**adapt.PRESETS["scratch"], "clip": args.clip, "shared_p": args.shared_p,
                                   "n_inter": 0 if early else args.n_inter})
     clip = adapt.new_model(small)
     if early:  # the patch embedding takes both images' channels
@@ -272,6 +272,8 @@ def main(argv=None):
     sup.add_argument("--lr-clip", type=float, default=1e-4, help="with --clip: the lr of CLIP's own weights")
     sup.add_argument("--n-inter", type=int, default=None, help="inter blocks (default: 3 of the scratch preset's "
                                                                "12, 2 of mini-synth's 6)")
+    sup.add_argument("--shared-p", type=float, default=None, help="p shared by both images, of this norm, as "
+                     "adapt.py --shared-p (default: the mini preset's 30 with --clip, else 0)")
     sup.add_argument("--align-bias", type=float, default=0.0, help="late fusion: add this to each patch's "
                      "attention logits toward itself and its own position in the other image (0: off)")
     sup.add_argument("--fusion", default="late", choices=["late", "early"],
@@ -286,6 +288,8 @@ def main(argv=None):
     ali.add_argument("--lr", type=float, default=1e-3, help="AdamW lr of the comparator")
     att = cmd.add_parser("attention", formatter_class=fmt, help="where the pair encoder's patch tokens look")
     att.add_argument("--pairs", type=int, default=64, help="test change pairs averaged over")
+    att.add_argument("--shared-p", type=float, default=0.0, help="first set p shared by both images, of this "
+                     "norm (adapt.py's mini preset starts from 30; 0: p as loaded)")
     for c in (ali, att):
         c.add_argument("--clip", default="mini-synth", help="a CLIP (mini-synth, a path) or an adapted.pt")
         c.add_argument("--n-inter", type=int, default=None, help="inter blocks (default: the file's own; the "
@@ -301,6 +305,8 @@ def main(argv=None):
         clip = clip_load.load_clip(args.clip, n_inter=args.n_inter)
         size = clip.cfg.image_resolution
         if args.cmd == "attention":
+            if args.shared_p:
+                M.share_joint_positions_(clip.visual, args.shared_p)
             b, a, _ = split(args.data_root, "test", size)
             return attention(clip, b[:args.pairs], a[:args.pairs])
         if args.random:
@@ -319,6 +325,8 @@ def main(argv=None):
     preset = adapt.PRESETS["mini" if args.clip else "scratch"]
     if args.n_inter is None:
         args.n_inter = preset["n_inter"]
+    if args.shared_p is None:
+        args.shared_p = preset["shared_p"]
     cfg = clip_load.load_clip(args.clip).cfg if args.clip else None
     size, patch = (cfg.image_resolution, cfg.vision_patch_size) if cfg else (preset["image_size"], preset["patch_size"])
     train, test = split(args.data_root, "train", size), split(args.data_root, "test", size)

@@ -2078,10 +2078,40 @@ def test_mimetic_init_attends_to_itself_and_subtracts(tmp_path, monkeypatch):
     real = pretrain.mimetic_init_
     monkeypatch.setattr(pretrain, "mimetic_init_", lambda visual: seen.append(visual) or real(visual))
     args = TINY_PRETRAIN + ["--root", str(tmp_path / "scenes"), "--samples", "32", "--eval-every", "2"]
-    pretrain.main(args + ["--out", str(tmp_path / "a.pt")])
-    assert not seen  # off by default: the shipped file's command is unchanged
-    pretrain.main(args + ["--out", str(tmp_path / "b.pt"), "--mimetic-init"])
+    pretrain.main(args + ["--out", str(tmp_path / "a.pt"), "--no-mimetic-init"])
+    assert not seen
+    pretrain.main(args + ["--out", str(tmp_path / "b.pt")])  # on by default: the shipped file's command
     assert len(seen) == 1 and isinstance(seen[0], M.VisionTransformer)
+
+
+def test_shared_p_lines_up_the_two_images_of_a_mimetic_clip(monkeypatch):
+    """model.share_joint_positions_ (adapt.py --shared-p, the mini preset's 30): p is the same for a patch's position
+    in both images, of the given norm, none on [CLS]; in a mimetically initialized pair encoder (several heads, a
+    non-square batch of distinct before/after images) a patch then gives its own position in the other image
+    tens of times the uniform weight, against a few times with the authors' independent random p."""
+    cfg = M.CLIPConfig(embed_dim=32, image_resolution=96, vision_layers=4, vision_width=128, vision_patch_size=16,
+                       context_length=8, transformer_width=64, transformer_heads=1, transformer_layers=1, n_inter=2)
+    torch.manual_seed(0)
+    clip = M.CLIP(cfg)
+    pretrain.mimetic_init_(clip.visual)
+    before = torch.randn(3, 3, 96, 96)
+    after = before + torch.randn(3, 3, 96, 96)
+    random_p = [other for other, _ in probe.attention(clip, before, after)]
+    M.share_joint_positions_(clip.visual, 30.0)
+    p = clip.visual.joint_positional_embedding.detach()
+    assert torch.equal(p[:37], p[37:]) and p[0].abs().max() == 0 and p[37].abs().max() == 0
+    assert torch.allclose(p[1:37].norm(dim=1), torch.full((36,), 30.0))
+    shared = [other for other, _ in probe.attention(clip, before, after)]
+    for r, s in zip(random_p, shared):  # per inter block, per head (2 heads)
+        assert len(s) == 2 and min(s) > 20 and min(s) > 2 * max(r), (random_p, shared)
+    # adapt.py: the mini preset starts from it, the paper and scratch presets from the authors' random p
+    assert [adapt.get_args(["--preset", k]).shared_p for k in ("mini", "paper", "scratch")] == [30.0, 0.0, 0.0]
+    args = adapt.get_args(["--preset", "scratch", "--shared-p", "5", "--vision-width", "128", "--vision-layers", "4",
+                           "--n-inter", "2"])
+    p = adapt.new_model(args).visual.joint_positional_embedding.detach()
+    assert torch.equal(p[:37], p[37:]) and torch.allclose(p[1:37].norm(dim=1), torch.full((36,), 5.0))
+    p = adapt.new_model(adapt.get_args(["--preset", "scratch"])).visual.joint_positional_embedding.detach()
+    assert not torch.allclose(p[:37], p[37:], atol=0.01)
 
 
 @pytest.mark.slow
@@ -2304,8 +2334,9 @@ def test_two_processes_equal_one_on_the_global_batch(tmp_path):
 def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypatch, capsys):
     # adaptation: the paper preset chosen because ViT-B-32.pt is in the cache; its input size follows the CLIP
     monkeypatch.setattr(clip_load, "CACHE", tmp_path)
-    assert adapt.get_args([]).preset == "scratch"  # nothing cached: the small model from nothing
+    assert adapt.get_args([]).preset == "mini"  # no OpenAI weights anywhere: the shipped small pretrained CLIP
     assert adapt.get_args(["--clip", "mini-synth"]).preset == "mini"
+    assert adapt.get_args(["--preset", "scratch"]).clip is None  # the small model from nothing, one flag away
     as_cached_release(monkeypatch, openai_archive)
     assert adapt.get_args([]).preset == "paper"
     out = tmp_path / "adapted.pt"
