@@ -11,10 +11,10 @@ test is evaluated once, at the end, with the chosen weights.
 
 Presets (printed in a banner, every value overridable by its flag):
 - paper: OpenAI's ViT-B/32 found (~/.cache/clip/ViT-B-32.pt or --clip PATH) -> the authors' settings.
-- scratch: no CLIP weights found -> a small CLIP-shaped model trained from nothing, minutes on a CPU.
-- mini (`--preset mini`, or `--clip mini-synth`): the small CLIP that pretrain.py pretrained on synthetic scenes
-  (shipped in assets/), adapted with the authors' policy scaled down. Not the default yet: its captioner does worse
-  than the from-scratch one's (RESULTS.md "CLIP in miniature").
+- mini: no OpenAI weights found -> the small CLIP that pretrain.py pretrained on synthetic scenes (shipped in
+  assets/), adapted with the authors' policy scaled down and p shared by the two images (--shared-p), minutes on
+  a CPU (RESULTS.md "The quickstart").
+- scratch (`--preset scratch`): a small CLIP-shaped model trained from nothing, the from-scratch ablation.
 """
 import argparse
 import math

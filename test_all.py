@@ -2396,6 +2396,8 @@ def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch,
     assert len(frozen) == 7 and all(torch.equal(adapted[k], start[k]) for k in frozen)
     trained = [k for k in start if not k.startswith(adapt.FROZEN + M.PAIR_KEYS) and k != "logit_scale"]
     assert all(not torch.equal(adapted[k], start[k]) for k in trained)  # CLIP's other weights learn, slowly
+    p = adapted["visual.joint_positional_embedding"]  # started shared by both images (--shared-p 30), still near it
+    assert (p[:37] - p[37:]).norm(dim=1).max() < 1 and (p[1:37].norm(dim=1) - 30).abs().max() < 1
 
 
 @pytest.mark.slow
