@@ -2084,7 +2084,7 @@ def test_mimetic_init_attends_to_itself_and_subtracts(tmp_path, monkeypatch):
     assert len(seen) == 1 and isinstance(seen[0], M.VisionTransformer)
 
 
-def test_shared_p_lines_up_the_two_images_of_a_mimetic_clip(monkeypatch):
+def test_shared_p_lines_up_the_two_images_of_a_mimetic_clip():
     """model.share_joint_positions_ (adapt.py --shared-p, the mini preset's 30): p is the same for a patch's position
     in both images, of the given norm, none on [CLS]; in a mimetically initialized pair encoder (several heads, a
     non-square batch of distinct before/after images) a patch then gives its own position in the other image
