@@ -115,8 +115,9 @@ def get_args(argv=None):
     p.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
     args = p.parse_args(argv)
     if args.preset == "auto":
-        found = args.clip not in (None, "mini-synth") or (clip_load.CACHE / "ViT-B-32.pt").is_file()
-        args.preset = "paper" if found else "mini"
+        # the paper's settings for any CLIP file, or OpenAI's found in the cache; the mini CLIP's own otherwise
+        cached = args.clip is None and (clip_load.CACHE / "ViT-B-32.pt").is_file()
+        args.preset = "paper" if args.clip not in (None, "mini-synth") or cached else "mini"
     for k, v in PRESETS[args.preset].items():  # a flag given on the command line wins over the preset
         if getattr(args, k, None) is None:
             setattr(args, k, v)

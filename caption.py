@@ -240,12 +240,12 @@ def summary(scores):
 @torch.no_grad()
 def encoder_maps(model, pairs, size, device, batch=64):
     """[(before path, after path)] -> their attention maps {"before": (g, g), "after": (g, g)}, through the
-    plain-softmax path (model.VisionTransformer.pair_attention), `batch` pairs at a time."""
+    plain-softmax path (the last block of model.VisionTransformer.inter_attention), `batch` pairs at a time."""
     grid = size // model.clip.cfg.vision_patch_size
     out = []
     for i in range(0, len(pairs), batch):
         b, a = (torch.stack([load_image(p, size) for p in paths]).to(device) for paths in zip(*pairs[i:i + batch]))
-        weights = model.clip.visual.pair_attention(b, a).float().cpu()
+        weights = model.clip.visual.inter_attention(b, a, last=1)[0].float().cpu()
         out += [plots.pair_maps(w, grid) for w in weights]
     return out
 

@@ -176,19 +176,21 @@ class VisionTransformer(nn.Module):
         v = (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2  # eq. (5): mean of the two [CLS] tokens
         return tokens, v
 
-    def pair_attention(self, before, after):
-        """The last inter block's attention weights on these pairs, (B, heads, 2(n+1), 2(n+1)), for pictures: a
-        hook reads that block's input during forward_pair and takes the plain softmax (attention_weights) of it;
-        the forward itself keeps scaled_dot_product_attention."""
-        assert self.n_inter > 0, "the attention maps are the last inter block's: a 12/0 encoder has none"
+    def inter_attention(self, before, after, last=None):
+        """The inter blocks' attention weights on these pairs, one (B, heads, 2(n+1), 2(n+1)) per block (the `last`
+        blocks only, if given), for pictures and probes: hooks read each block's input during forward_pair and
+        take the plain softmax (attention_weights) of it; the forward itself keeps scaled_dot_product_attention."""
+        assert self.n_inter > 0, "the attention maps are the inter blocks': a 12/0 encoder has none"
+        blocks = self.transformer.resblocks[-(self.n_inter if last is None else min(last, self.n_inter)):]
         weights = []
         keep = lambda attn, inputs: weights.append(attention_weights(attn, inputs[0]))  # inputs[0]: ln_1(x)
-        hook = self.transformer.resblocks[-1].attn.register_forward_pre_hook(keep)
+        hooks = [block.attn.register_forward_pre_hook(keep) for block in blocks]
         try:
             self.forward_pair(before, after)
         finally:
-            hook.remove()
-        return weights[0]
+            for hook in hooks:
+                hook.remove()
+        return weights
 
 
 # -----------------------------------------------------------------------------

@@ -234,16 +234,8 @@ def aligned(clip, train, test, args):
 @torch.no_grad()
 def attention(clip, before, after):
     """Per inter block, per head: the mean weight a patch gives the patch at its own position in the other image,
-    and itself, times the number of tokens (1: no preference; the weights are read by hooks on forward_pair)."""
-    blocks = clip.visual.transformer.resblocks
-    inter, weights = blocks[len(blocks) - clip.visual.n_inter:], []
-    hooks = [b.attn.register_forward_pre_hook(lambda m, inp: weights.append(M.attention_weights(m, inp[0])))
-             for b in inter]
-    try:
-        clip.encode_pair(before, after)
-    finally:
-        for h in hooks:
-            h.remove()
+    and itself, times the number of tokens (1: no preference; VisionTransformer.inter_attention)."""
+    weights = clip.visual.inter_attention(before, after)
     rows = []
     for w in weights:  # (B, heads, T, T), T = 2(n+1)
         T = w.shape[-1]

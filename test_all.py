@@ -470,7 +470,7 @@ def test_attention_weights_are_the_sdpa_paths():
     b, a = torch.randn(2, 3, 48, 48), torch.randn(2, 3, 48, 48)
     blocks, vis = clip.visual.transformer.resblocks, clip.visual
     with torch.no_grad():
-        weights = vis.pair_attention(b, a)
+        weights = vis.inter_attention(b, a, last=1)[0]
         x = blocks[0](vis.stem(torch.cat([b, a])))  # eq. (2)-(4) written out: 1 intra block, then the joint sequence
         x = torch.cat([x[:2], x[2:]], dim=1)
         x = vis.ln_mid(x + torch.cat([vis.bef_embedding.expand(10, -1), vis.aft_embedding.expand(10, -1)])
@@ -2013,7 +2013,7 @@ def test_probe_aligned_comparator_and_attention_weights(adapt_synth, tmp_path, c
     before, after = torch.randn(3, 3, 32, 32), torch.randn(3, 3, 32, 32)
     rows = probe.attention(clip, before, after)
     assert len(rows) == 2 and all(len(other) == len(own) == 2 for other, own in rows)
-    w = clip.visual.pair_attention(before, after)  # the last inter block's weights
+    w = clip.visual.inter_attention(before, after, last=1)[0]  # the last inter block's weights
     T = w.shape[-1]
     n1 = T // 2
     for h in range(2):  # written out: each patch i of either image, and its own position in the other image
@@ -2339,6 +2339,7 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     assert adapt.get_args(["--preset", "scratch"]).clip is None  # the small model from nothing, one flag away
     as_cached_release(monkeypatch, openai_archive)
     assert adapt.get_args([]).preset == "paper"
+    assert adapt.get_args(["--clip", "mini-synth"]).preset == "mini"  # named, it wins over a cached ViT-B-32.pt
     out = tmp_path / "adapted.pt"
     adapt.main(["--data-root", str(adapt_synth), "--out", str(out)] + FAST)
     log = capsys.readouterr().out
