@@ -29,9 +29,9 @@ import clip_load
 import data
 import model as M
 import plots
-from train_utils import (Progress, freeze, gather, interrupted, last_path, load_resume, local_batch, log,
-                         make_optimizer, param_groups, policy_table, rank0_first, restore, rng_state, save_atomic,
-                         seed_ranks, setup, train_epoch, warmup_cosine, where)
+from train_utils import (Progress, at_least, check_sizes, device_arg, freeze, gather, interrupted, last_path,
+                         load_resume, local_batch, log, make_optimizer, param_groups, policy_table, rank0_first,
+                         restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
@@ -68,12 +68,12 @@ def get_args(argv=None):
     p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier", "levir"], help="dataset")
     p.add_argument("--data-root", default=None, help="dataset directory (default data/<name>; clevr falls back "
                                                      "to a generated synthetic set when absent)")
-    p.add_argument("--synth-pairs", type=int, default=3000, help="size of the synthetic set, when it is used")
+    p.add_argument("--synth-pairs", type=at_least(3), default=3000, help="size of the synthetic set, when it is used")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing (counted)")
-    p.add_argument("--swap-prob", type=float, default=None,
+    p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None,
                    help="CLEVR: probability of replacing the before image by its non-semantic version (default: "
                         "0.5, the authors'; 0 on the synthetic set, see RESULTS.md)")
-    p.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (preset)")
+    p.add_argument("--workers", type=at_least(0), default=None, help="DataLoader worker processes (preset)")
     p.add_argument("--cache-dir", default=None, help="where decoded-image caches go (default: "
                                                      "$CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images)")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
@@ -84,35 +84,40 @@ def get_args(argv=None):
                    help="auto: paper when OpenAI's weights are found (or --clip names a file), else mini (the "
                         "small CLIP pretrained on synthetic scenes that ships in assets/); scratch: a small model "
                         "from nothing")
-    p.add_argument("--clip", default=None, help="CLIP weights: a path, ViT-B/32 (downloaded) or mini-synth "
-                                                "(shipped) (preset)")
-    p.add_argument("--n-inter", type=int, default=None, help="inter blocks; N_intra = layers - n_inter (preset)")
-    p.add_argument("--image-size", type=int, default=None, help="input size, scratch preset (a CLIP file sets its "
-                                                                "own)")
-    p.add_argument("--context-length", type=int, default=None, help="caption tokens incl. start/end (preset)")
-    p.add_argument("--shared-p", type=float, default=None, help="initialize p alike for both images, each "
-                   "position's code of this norm (model.share_joint_positions_); 0: the authors' random p (preset)")
+    p.add_argument("--clip", type=clip_load.weights_arg, default=None,
+                   help="CLIP weights: a path, ViT-B/32 (downloaded) or mini-synth (shipped) (preset)")
+    p.add_argument("--n-inter", type=at_least(0), default=None,
+                   help="inter blocks; N_intra = layers - n_inter (preset)")
+    p.add_argument("--image-size", type=at_least(1), default=None,
+                   help="input size, scratch preset (a CLIP file sets its own)")
+    p.add_argument("--context-length", type=at_least(2), default=None, help="caption tokens incl. start/end (preset)")
+    p.add_argument("--shared-p", type=at_least(0.0, float), default=None,
+                   help="initialize p alike for both images, each position's code of this norm "
+                        "(model.share_joint_positions_); 0: the authors' random p (preset)")
     for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
-        p.add_argument(f"--{name}", type=int, default=None, help=f"scratch preset model size: {name}")
+        p.add_argument(f"--{name}", type=at_least(1), default=None, help=f"scratch preset model size: {name}")
     # optimization
-    p.add_argument("--epochs", type=int, default=None, help="training epochs (preset)")
-    p.add_argument("--batch-size", type=int, default=None, help="global batch: pairs per step over all processes")
-    p.add_argument("--lr-new", type=float, default=None, help="lr of the new pair parameters e1, e2, p, ln_mid")
-    p.add_argument("--lr-clip", type=float, default=None, help="lr of the CLIP weights")
-    p.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay (matrices only)")
-    p.add_argument("--warmup", type=float, default=None, help="fraction of steps of linear warmup, then cosine")
-    p.add_argument("--grad-clip", type=float, default=None, help="max gradient norm (0: off)")
+    p.add_argument("--epochs", type=at_least(1), default=None, help="training epochs (preset)")
+    p.add_argument("--batch-size", type=at_least(1), default=None,
+                   help="global batch: pairs per step over all processes")
+    p.add_argument("--lr-new", type=at_least(0.0, float), default=None,
+                   help="lr of the new pair parameters e1, e2, p, ln_mid")
+    p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help="lr of the CLIP weights")
+    p.add_argument("--weight-decay", type=at_least(0.0, float), default=None, help="AdamW weight decay (matrices only)")
+    p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=None,
+                   help="fraction of steps of linear warmup, then cosine")
+    p.add_argument("--grad-clip", type=at_least(0.0, float), default=None, help="max gradient norm (0: off)")
     # run
     p.add_argument("--out", default="adapted.pt", help="best-on-val checkpoint; resumable state in *.last.pt")
     p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training step (CUDA), with static "
                                                           "shapes: captions padded to --context-length")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
                    help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
-    p.add_argument("--eval-batch-size", type=int, default=None, help="pairs per batch when encoding for eval")
-    p.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
+    p.add_argument("--eval-batch-size", type=at_least(1), default=None, help="pairs per batch when encoding for eval")
+    p.add_argument("--log-every", type=at_least(1), default=20, help="steps between progress lines")
     args = p.parse_args(argv)
     if args.preset == "auto":
         # the paper's settings for any CLIP file, or OpenAI's found in the cache; the mini CLIP's own otherwise
@@ -121,14 +126,17 @@ def get_args(argv=None):
     for k, v in PRESETS[args.preset].items():  # a flag given on the command line wins over the preset
         if getattr(args, k, None) is None:
             setattr(args, k, v)
-    if args.batch_size < 1:
-        p.error(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.swap_prob is not None and not 0 <= args.swap_prob <= 1:
-        p.error(f"--swap-prob is a probability, in [0, 1]; got {args.swap_prob}")
-    if not 0 <= args.warmup < 1:
-        p.error(f"--warmup is a fraction of the steps, in [0, 1); got {args.warmup}")
-    if args.epochs < 1:
-        p.error(f"--epochs must be at least 1, got {args.epochs}")
+    # each flag's own range is checked by its argparse type; what is left depends on two flags (a CLIP file's
+    # sizes are checked against --n-inter when it is read: clip_load.load_clip)
+    if args.resume and not os.path.isfile(last_path(args.out)):
+        p.error(f"argument --resume: no resumable state at {last_path(args.out)} (written after each epoch of a run "
+                f"with --out {args.out}); start without --resume")
+    if not args.clip:
+        check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
+                                                           "--text-width": args.text_width})
+        if args.n_inter > args.vision_layers:
+            p.error(f"argument --n-inter: {args.n_inter} inter blocks, but --vision-layers is {args.vision_layers}: "
+                    f"give 0 to {args.vision_layers}")
     return args
 
 
@@ -338,13 +346,13 @@ def test_best(model, test_items, args, ctx, cache, history, t_start):
 def main(argv=None):
     args = get_args(argv)
     ctx = setup(args.seed, args.device, args.amp)
+    model = new_model(args).to(ctx.device)  # the model first: a CLIP file decides the input size (and --n-inter fits)
     root = rank0_first(ctx, lambda: data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs))
     if args.swap_prob is None:  # the authors' 0.5; on our synthetic set it cost 20 val CIDEr-D downstream (RESULTS.md)
         args.swap_prob = 0.0 if (root / "synth.json").is_file() else 0.5
     if args.data != "clevr":
         args.swap_prob = 0.0  # only CLEVR-Change has distractor images to swap in
     banner(ctx, args)
-    model = new_model(args).to(ctx.device)  # the model first: a CLIP file decides the input size
     if args.clip and args.image_size != model.cfg.image_resolution:
         log(ctx, f"   {args.clip} takes {model.cfg.image_resolution}px images: --image-size {args.image_size} -> "
                  f"{model.cfg.image_resolution}")

@@ -31,7 +31,8 @@ from types import SimpleNamespace
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
-from train_utils import autocast, freeze, make_optimizer, matmul_gflops, param_groups, train_step, warmup_cosine
+from train_utils import (at_least, autocast, device_arg, freeze, make_optimizer, matmul_gflops, param_groups,
+                         train_step, warmup_cosine)
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
@@ -697,9 +698,9 @@ def bench_metrics(args):
 
 
 def common(q, repeats=3):
-    q.add_argument("--repeats", type=int, default=repeats, help="timed steps (the mean of back-to-back steps)")
-    q.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    q.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    q.add_argument("--repeats", type=at_least(1), default=repeats, help="timed steps (the mean of back-to-back steps)")
+    q.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when available)")
+    q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
 
 
 def main(argv=None):
@@ -707,49 +708,51 @@ def main(argv=None):
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("decode", help="greedy decoding captions/s, with and without the key/value cache",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d.add_argument("--batch", type=int, default=64, help="captions decoded together")
-    d.add_argument("--max-len", type=int, default=32, help="tokens per caption (paper: at most 32)")
-    d.add_argument("--vocab", type=int, default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
+    d.add_argument("--batch", type=at_least(1), default=64, help="captions decoded together")
+    d.add_argument("--max-len", type=at_least(1), default=32, help="tokens per caption (paper: at most 32)")
+    d.add_argument("--vocab", type=at_least(1), default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
     d.add_argument("--sizes", nargs="+", default=["small", "paper"], choices=list(SIZES), help="captioner sizes")
-    d.add_argument("--repeats", type=int, default=3, help="timed runs per setting (the median is reported)")
-    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    d.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    d.add_argument("--repeats", type=at_least(1), default=3, help="timed runs per setting (the median is reported)")
+    d.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when available)")
+    d.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
     d.set_defaults(func=bench_decode)
-    q = sub.add_parser("pair", help="ViT-B/32 pair-encoder forward", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    q.add_argument("--batch", type=int, default=8, help="pairs per batch")
+    q = sub.add_parser("pair", help="ViT-B/32 pair-encoder forward",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("--batch", type=at_least(1), default=8, help="pairs per batch")
     common(q)
     q.set_defaults(func=bench_pair)
     q = sub.add_parser("adapt", help="one ViT-B/32 adaptation training step: ours (eager, compiled) and the "
                        "authors' configuration; pairs/s, MFU, peak memory",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    q.add_argument("--batch", type=int, default=128, help="pairs per step (paper: 128)")
-    q.add_argument("--text-len", type=int, default=32, help="caption tokens (paper: 32)")
-    q.add_argument("--impl", nargs="+", default=["ours", "ours+compile", "authors"],
-                   choices=["ours", "ours+compile", "authors"], help="which steps to time (CUDA)")
-    q.add_argument("--profile", nargs="*", default=[], help="also print a kernel profile of these --impl steps")
+    q.add_argument("--batch", type=at_least(1), default=128, help="pairs per step (paper: 128)")
+    q.add_argument("--text-len", type=at_least(1), default=32, help="caption tokens (paper: 32)")
+    impls = ["ours", "ours+compile", "authors"]
+    q.add_argument("--impl", nargs="+", default=impls, choices=impls, help="which steps to time (CUDA)")
+    q.add_argument("--profile", nargs="*", default=[], choices=impls,
+                   help="also print a kernel profile of these --impl steps")
     common(q, repeats=20)
     q.set_defaults(func=bench_adapt)
     q = sub.add_parser("numerics", help="bf16 autocast vs fp32 on the same weights: features, loss, gradients",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    q.add_argument("--batch", type=int, default=128, help="pairs")
+    q.add_argument("--batch", type=at_least(1), default=128, help="pairs")
     common(q)
     q.set_defaults(func=bench_numerics)
     q = sub.add_parser("caption", help="the paper captioner's training step with the encoder fine-tuned",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    q.add_argument("--batches", type=int, nargs="+", default=[16, 64], help="batch sizes (paper: 16)")
-    q.add_argument("--vocab", type=int, default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
-    q.add_argument("--caption-len", type=int, default=14, help="tokens per caption, <bos>/<eos> included")
+    q.add_argument("--batches", type=at_least(1), nargs="+", default=[16, 64], help="batch sizes (paper: 16)")
+    q.add_argument("--vocab", type=at_least(1), default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
+    q.add_argument("--caption-len", type=at_least(2), default=14, help="tokens per caption, <bos>/<eos> included")
     common(q, repeats=10)
     q.set_defaults(func=bench_caption)
     q = sub.add_parser("e2e", help="the adaptation loop with its data: ours vs the authors' data path; projections",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     q.add_argument("--root", default=None, help="a CLEVR-Change-layout set (default: render --scenes at 480x320)")
     q.add_argument("--workdir", default="data/bench", help="where the rendered set goes")
-    q.add_argument("--scenes", type=int, default=800, help="scenes to render")
-    q.add_argument("--batch", type=int, default=128, help="pairs per step")
-    q.add_argument("--workers", type=int, default=8, help="our loader's workers (adapt.py's paper preset: 8)")
-    q.add_argument("--batches", type=int, default=30, help="batches timed, ours")
-    q.add_argument("--stream-batches", type=int, default=24, help="batches timed, streaming loaders")
+    q.add_argument("--scenes", type=at_least(1), default=800, help="scenes to render")
+    q.add_argument("--batch", type=at_least(1), default=128, help="pairs per step")
+    q.add_argument("--workers", type=at_least(0), default=8, help="our loader's workers (adapt.py's paper preset: 8)")
+    q.add_argument("--batches", type=at_least(1), default=30, help="batches timed, ours")
+    q.add_argument("--stream-batches", type=at_least(1), default=24, help="batches timed, streaming loaders")
     q.add_argument("--compile", action="store_true", help="our step compiled")
     q.add_argument("--skip-authors", action="store_true", help="time our loop only")
     common(q)
@@ -757,18 +760,22 @@ def main(argv=None):
     q = sub.add_parser("cuda-path", help="both stages, --before/--after, torchrun + compile on a random ViT-B/32",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     q.add_argument("--workdir", default="data/cuda_path", help="archive, set and checkpoints go here")
-    q.add_argument("--scenes", type=int, default=200, help="synthetic scenes at 480x320")
-    q.add_argument("--timeout", type=int, default=300, help="seconds per command")
-    q.add_argument("--tail", type=int, default=6, help="output lines shown per command")
-    q.add_argument("--steps", type=int, nargs="*", default=[], help="run only these steps (1-5; default all): "
+    q.add_argument("--scenes", type=at_least(1), default=200, help="synthetic scenes at 480x320")
+    q.add_argument("--timeout", type=at_least(1), default=300, help="seconds per command")
+    q.add_argument("--tail", type=at_least(1), default=6, help="output lines shown per command")
+    q.add_argument("--steps", type=int, choices=range(1, 6), nargs="*", default=[],
+                   help="run only these steps (1-5; default all): "
                    "adapt, caption, your own two images, adapt under torchrun + compile, caption under torchrun")
     q.set_defaults(func=bench_cuda_path)
     sub.add_parser("metrics", help="scoring speed: python metrics.py --bench").set_defaults(func=bench_metrics)
     m = sub.add_parser("matmul", help="this CPU's fp32 GFLOP/s, the figure to quote beside a timing",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m.add_argument("--n", type=int, default=2048, help="matrix size")
+    m.add_argument("--n", type=at_least(1), default=2048, help="matrix size")
     m.set_defaults(func=bench_matmul)
     args = p.parse_args(argv)
+    if getattr(args, "root", None) and not os.path.isdir(args.root):
+        p.error(f"argument --root: no directory at {args.root}: give a CLEVR-Change-layout set, or leave --root out "
+                f"to render one")
     return args.func(args)
 
 

@@ -31,9 +31,10 @@ from clip_load import MODELS, SHIPPED, load_clip, load_image, normalize, open_im
 from data import (BadImage, CaptionDataset, EpochSampler, ImageDataset, exit_message, load_items, make_loader,
                   open_cache, resolve_root, set_epoch)
 from model import PAIR_KEYS, Captioner, CaptionerConfig, share_joint_positions_
-from train_utils import (Progress, fmt_time, freeze, interrupted, last_path, load_resume, local_batch, log,
-                         make_optimizer, param_groups, policy_table, rank0_first, restore, rng_state, save_atomic,
-                         seed_ranks, setup, train_epoch, unwrap, warmup_cosine, where)
+from train_utils import (Progress, at_least, device_arg, flag_error, fmt_time, freeze, interrupted, last_path,
+                         load_resume, local_batch, log, make_optimizer, param_groups, policy_table, rank0_first,
+                         restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, unwrap, warmup_cosine,
+                         where)
 
 PRESETS = {
     # CPU, adapt.py's small encoders (mini, scratch), frozen (its tokens computed once per pair): a decoder that
@@ -350,14 +351,15 @@ def get_args(argv=None):
     pre = lambda k: "[" + ", ".join(f"{n}: {v[k]}" for n, v in PRESETS.items()) + "]"  # the presets' values
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     # input, output
-    p.add_argument("--ckpt", default="adapted.pt", help="adapted.pt (train a captioner on it); a raw CLIP file or "
-                   "'ViT-B/32' (the no-adaptation ablation); or a captioner.pt (evaluate it / caption images)")
+    p.add_argument("--ckpt", default="adapted.pt",
+                   help="adapted.pt (train a captioner on it); a raw CLIP file or 'ViT-B/32' (the no-adaptation "
+                        "ablation); or a captioner.pt (evaluate it / caption images)")
     p.add_argument("--out", default="captioner.pt", help="where the best captioner goes (+ .last.pt to resume)")
     p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
     p.add_argument("--resume", action="store_true", help="continue the run that writes --out from its last epoch")
     p.add_argument("--preset", choices=["auto", "small", "paper"], default="auto", help="defaults for the flags "
                    "left unset: auto = small for adapt.py's small encoder, paper for ViT-B/32")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
                    help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
     # data
@@ -365,48 +367,52 @@ def get_args(argv=None):
                    help="dataset (default: the one the checkpoint was adapted on, else clevr)")
     p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's, else data/...)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
-    p.add_argument("--workers", type=int, default=2, help="image-loading processes")
+    p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="decode every image once into a uint8 file (--cache-dir), reused by later runs (adapt.py "
                         "builds the same one); default: when the disk has room for it")
     p.add_argument("--cache-dir", default=None, help="where decoded-image caches go (default: "
                                                      "$CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images)")
     # model
-    p.add_argument("--n-inter", type=int, default=None, help="inter blocks of the pair encoder (default: the "
+    p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks of the pair encoder (default: the "
                    "checkpoint's, 3 for a raw CLIP)")
-    p.add_argument("--shared-p", type=float, default=0.0, help="the no-adaptation ablation: initialize a raw "
-                   "CLIP's fresh p as adapt.py --shared-p does (adapt.py's mini preset: 30), to compare like with like")
-    p.add_argument("--width", type=int, default=None, help=f"captioner width {pre('width')}")
-    p.add_argument("--heads", type=int, default=None, help=f"captioner attention heads {pre('heads')}")
-    p.add_argument("--enc-layers", type=int, default=None, help=f"captioner encoder layers {pre('enc_layers')}")
-    p.add_argument("--dec-layers", type=int, default=None, help=f"captioner decoder layers {pre('dec_layers')}")
-    p.add_argument("--dropout", type=float, default=0.1, help="captioner dropout (paper 0.1)")
-    p.add_argument("--max-len", type=int, default=32, help="most tokens per caption, <eos> included (paper 32)")
-    p.add_argument("--min-count", type=int, default=1, help="training-caption count for a word to enter the vocab")
+    p.add_argument("--shared-p", type=at_least(0.0, float), default=0.0,
+                   help="the no-adaptation ablation: initialize a raw CLIP's fresh p as adapt.py --shared-p does "
+                        "(adapt.py's mini preset: 30), to compare like with like")
+    p.add_argument("--width", type=at_least(1), default=None, help=f"captioner width {pre('width')}")
+    p.add_argument("--heads", type=at_least(1), default=None, help=f"captioner attention heads {pre('heads')}")
+    p.add_argument("--enc-layers", type=at_least(0), default=None,
+                   help=f"captioner encoder layers {pre('enc_layers')}")
+    p.add_argument("--dec-layers", type=at_least(1), default=None, help=f"captioner decoder layers {pre('dec_layers')}")
+    p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout (paper 0.1)")
+    p.add_argument("--max-len", type=at_least(2), default=32, help="most tokens per caption, <eos> included (paper 32)")
+    p.add_argument("--min-count", type=at_least(1), default=1,
+                   help="training-caption count for a word to enter the vocab")
     # optimization
-    p.add_argument("--epochs", type=int, default=None, help=f"most epochs {pre('epochs')}")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
+    p.add_argument("--batch-size", type=at_least(1), default=None,
                    help=f"pairs per step, all processes together {pre('batch_size')}")
-    p.add_argument("--lr", type=float, default=None, help=f"captioner learning rate {pre('lr')}")
-    p.add_argument("--encoder-lr", type=float, default=None,
+    p.add_argument("--lr", type=at_least(0.0, float), default=None, help=f"captioner learning rate {pre('lr')}")
+    p.add_argument("--encoder-lr", type=at_least(0.0, float), default=None,
                    help=f"pair-encoder learning rate, 0 = frozen {pre('encoder_lr')}")
     p.add_argument("--freeze-encoder", action=argparse.BooleanOptionalAction, default=None,
                    help=f"keep the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
-    p.add_argument("--weight-decay", type=float, default=None,
+    p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
                    help=f"AdamW weight decay, matrices only {pre('weight_decay')}")
-    p.add_argument("--warmup", type=float, default=None,
+    p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=None,
                    help=f"fraction of the steps of linear warmup, then cosine {pre('warmup')}")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
-    p.add_argument("--patience", type=int, default=10, help="stop after this many epochs without val CIDEr-D gain")
+    p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="gradient-norm clip (0: off)")
+    p.add_argument("--patience", type=at_least(1), default=10,
+                   help="stop after this many epochs without val CIDEr-D gain")
     p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--log-every", type=int, default=50, help="steps between progress lines")
+    p.add_argument("--log-every", type=at_least(1), default=50, help="steps between progress lines")
     # decoding, output figures
-    p.add_argument("--beam", type=int, default=1, help="beam size (1: greedy, as the paper)")
-    p.add_argument("--eval-batch-size", type=int, default=64, help="pairs per decoding batch")
-    p.add_argument("--baseline-candidates", type=int, default=5000,
+    p.add_argument("--beam", type=at_least(1), default=1, help="beam size (1: greedy, as the paper)")
+    p.add_argument("--eval-batch-size", type=at_least(1), default=64, help="pairs per decoding batch")
+    p.add_argument("--baseline-candidates", type=at_least(0), default=5000,
                    help="constant-caption baseline: try the N most frequent training captions (0: all)")
     p.add_argument("--gallery", default=None, help="also draw test pairs with their captions into this PNG")
-    p.add_argument("--gallery-n", type=int, default=8, help="pairs in the gallery")
+    p.add_argument("--gallery-n", type=at_least(1), default=8, help="pairs in the gallery")
     # your own two images
     p.add_argument("--before", default=None, help="caption this image pair (needs a captioner --ckpt)")
     p.add_argument("--after", default=None, help="the 'after' image of --before")
@@ -417,7 +423,16 @@ def get_args(argv=None):
         p.error("--before and --after go together")
     if args.explain and not args.before:
         p.error("--explain draws one pair: give --before and --after too")
-    assert args.beam >= 1 and args.max_len >= 2 and args.patience >= 1
+    if not os.path.isfile(args.ckpt) and args.ckpt not in MODELS and args.ckpt not in SHIPPED:
+        p.error(f"argument --ckpt: no file at {args.ckpt}. Run `python adapt.py` first (it writes adapted.pt), or "
+                f"pass a CLIP file / 'ViT-B/32' / 'mini-synth' for the no-adaptation ablation")
+    for flag in ("--before", "--after"):
+        path = getattr(args, flag[2:])
+        if path and not os.path.isfile(path):
+            p.error(f"argument {flag}: no image at {path}")
+    if args.resume and not os.path.isfile(last_path(args.out)):
+        p.error(f"argument --resume: no resumable state at {last_path(args.out)} (written after each epoch of a run "
+                f"with --out {args.out}); start without --resume")
     return args
 
 
@@ -430,7 +445,10 @@ def apply_preset(args, extra):
         if getattr(args, k) is None:
             setattr(args, k, v)
     if not args.freeze_encoder and args.encoder_lr <= 0:
-        raise SystemExit(f"--no-freeze-encoder needs --encoder-lr > 0 (preset {name} has {args.encoder_lr:g})")
+        flag_error("--encoder-lr", f"--no-freeze-encoder needs --encoder-lr > 0 (preset {name} has "
+                                   f"{args.encoder_lr:g})")
+    if args.width % args.heads:
+        flag_error("--heads", f"{args.heads} heads do not divide the width {args.width} (--width)")
     return name
 
 
@@ -494,9 +512,9 @@ def load_data(args, extra, resume, ctx):
     return name, root, splits, vocab, captions
 
 
-def new_model(args, extra, vocab, ctx):
-    """The pair encoder from --ckpt and a fresh captioner over its 2(n+1) tokens, in one module."""
-    clip = load_clip(args.ckpt, ctx.device, args.n_inter)
+def new_model(args, extra, vocab, ctx, clip):
+    """The pair encoder from --ckpt (load_clip, read before the data: a bad --n-inter says so at once) and a fresh
+    captioner over its 2(n+1) tokens, in one module."""
     if extra.get("stage") != "adapt":
         log(ctx, f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
                  f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized"
@@ -613,12 +631,13 @@ def train(args, extra):
         warnings.filterwarnings("ignore")
     preset = apply_preset(args, extra)
     resume = load_resume(args.out, "cpu") if args.resume else None
+    clip = load_clip(args.ckpt, ctx.device, args.n_inter)
     log(ctx, f"caption.py: preset {preset} on {where(ctx)} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
     name, root, splits, vocab, captions = load_data(args, extra, resume, ctx)
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the synthetic set's record of each change
 
     # model, what trains at which rate (lr_for, above), optimizer, loaders, schedule
-    model = new_model(args, extra, vocab, ctx)
+    model = new_model(args, extra, vocab, ctx, clip)
     source = {"name": name, "root": str(root), "image_size": model.clip.cfg.image_resolution}  # saved with it
     seed_ranks(ctx, args.seed)
     rule = lr_for(args, model.clip.cfg.n_inter)
@@ -680,9 +699,6 @@ def main(argv=None):
     args = get_args(argv)
     if args.before:
         return caption_images(args)
-    if not os.path.exists(args.ckpt) and args.ckpt not in MODELS and args.ckpt not in SHIPPED:
-        raise SystemExit(f"--ckpt {args.ckpt}: no such file. Run `python adapt.py` first (it writes adapted.pt), "
-                         f"or pass a CLIP file / 'ViT-B/32' / 'mini-synth' for the no-adaptation ablation")
     extra = read_extra(args.ckpt)
     if extra.get("stage") == "caption":
         return evaluate_captioner(args, extra)

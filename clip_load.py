@@ -11,6 +11,7 @@
 - `preprocess`: PIL + numpy, no torchvision. Squash-resize to the model's input size (the CLIP4IDC authors'
   choice: a change at the border survives) or OpenAI's short-side resize + centre crop, then CLIP's mean/std.
 """
+import argparse
 import gzip
 import hashlib
 import html
@@ -80,6 +81,15 @@ def resolve(name_or_path):
     if path.is_file():
         print(f"{path} has the wrong SHA256 (truncated or corrupt download?): downloading it again")
     return download(url, path, expected)
+
+
+def weights_arg(text):
+    """argparse type of a flag naming CLIP weights (--clip, --ckpt): a released or shipped name, or a file that
+    exists; else argparse's one-line error (exit 2) naming the flag."""
+    if text in MODELS or text in SHIPPED or Path(text).expanduser().is_file():
+        return text
+    raise argparse.ArgumentTypeError(f"no file at {text}: give a checkpoint's path, one of {list(MODELS)} "
+                                     f"(downloaded) or the shipped {list(SHIPPED)}; see README 'Weights'")
 
 
 def download(url, path, expected):
@@ -177,6 +187,10 @@ def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
     sd, extra = read_state_dict(path)
     if n_inter is None:
         n_inter = extra.get("config", {}).get("n_inter", 3)
+    layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
+    if not 0 <= n_inter <= layers:
+        raise SystemExit(f"--n-inter {n_inter}: {path} has {layers} vision blocks, so 0 to {layers} of them can be "
+                         f"inter blocks")
     try:
         model = build_model(sd, n_inter=n_inter)
         model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)

@@ -81,7 +81,8 @@ def load_items(name, root, split, setting="total", skip_missing=False):
     (default, non-semantic) distractor pairs with the no-change captions (captioning, evaluation)."""
     root = Path(root)
     if not root.is_dir():
-        raise SystemExit(f"no {name} dataset at {root}: expected its directory there, {SEE}")
+        raise SystemExit(f"no {name} dataset at {root} (--data-root; default {ROOTS[name]}): expected its "
+                         f"directory there, {SEE}")
     split = {"valid": "val"}.get(split, split)
     if split not in ("train", "val", "test"):
         raise SystemExit(f"unknown split {split!r}: expected train, val or test")
@@ -597,24 +598,27 @@ def bench(root, size, n=512, batch=128, workers=(0, 2, 8), gpu_rate=3233, direct
 
 
 if __name__ == "__main__":
+    from train_utils import at_least
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmd = p.add_subparsers(dest="cmd", required=True)
     c = cmd.add_parser("cache", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        help="decode a dataset's images once into the disk cache the stages read")
     c.add_argument("--data", default="clevr", choices=list(ROOTS), help="dataset")
     c.add_argument("--data-root", default=None, help="its directory (default data/<name>)")
-    c.add_argument("--size", type=int, default=224, help="model input size (ViT-B/32: 224; the small preset: 96)")
+    c.add_argument("--size", type=at_least(1), default=224, help="model input size (ViT-B/32: 224; the small preset: 96)")
     c.add_argument("--cache-dir", default=None, help="default: $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images")
     c.add_argument("--skip-missing", action="store_true", help="leave out pairs with missing or undecodable images")
     b = cmd.add_parser("bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                        help="decode and cache throughput (a CLEVR-Change(-style) set: python synth.py make)")
     b.add_argument("--root", default=synth.SYNTH_ROOT, help="a CLEVR-Change directory")
-    b.add_argument("--size", type=int, default=224, help="model input size")
-    b.add_argument("--images", type=int, default=512, help="images decoded on one core")
-    b.add_argument("--batch", type=int, default=128, help="pairs per batch from the cache")
-    b.add_argument("--gpu-rate", type=float, default=3233, help="pairs/s of the GPU step to feed")
+    b.add_argument("--size", type=at_least(1), default=224, help="model input size")
+    b.add_argument("--images", type=at_least(1), default=512, help="images decoded on one core")
+    b.add_argument("--batch", type=at_least(1), default=128, help="pairs per batch from the cache")
+    b.add_argument("--gpu-rate", type=at_least(1e-9, float), default=3233, help="pairs/s of the GPU step to feed")
     b.add_argument("--cache-dir", default=None, help="default: $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images")
     args = p.parse_args()
+    if args.cmd == "bench" and not os.path.isdir(args.root):
+        p.error(f"argument --root: no directory at {args.root}: make one with python synth.py make --out {args.root}")
     if args.cmd == "bench":
         bench(args.root, args.size, args.images, args.batch, gpu_rate=args.gpu_rate, directory=args.cache_dir)
     else:  # the images both stages read: every split, change and distractor pairs (the same cache as theirs)

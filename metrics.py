@@ -804,8 +804,20 @@ if __name__ == "__main__":
     if args.bench:
         _bench()
     elif args.refs and args.cands:
-        refs, cands = json.loads(Path(args.refs).read_text()), json.loads(Path(args.cands).read_text())
-        scores = evaluate(refs, cands, wordnet_dir=args.wordnet, paraphrase=args.paraphrase)
+        for flag, path, is_there in (("--wordnet", args.wordnet, os.path.isdir),
+                                     ("--paraphrase", args.paraphrase, os.path.isfile)):
+            if path and not is_there(path):
+                parser.error(f"argument {flag}: nothing at {path}")
+        loaded = {}
+        for flag, path in (("--refs", args.refs), ("--cands", args.cands)):
+            try:
+                loaded[flag] = json.loads(Path(path).read_text())
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                parser.error(f"argument {flag}: cannot read {path} as JSON ({type(e).__name__}: {e})")
+        try:
+            scores = evaluate(loaded["--refs"], loaded["--cands"], wordnet_dir=args.wordnet, paraphrase=args.paraphrase)
+        except (TypeError, ValueError) as e:  # check_inputs: ids that differ, a caption that is not a string
+            parser.error(f"argument --refs/--cands: {e}")
         print(" | ".join(f"{m:>7s}" for m in METRICS))
         print(" | ".join(f"{100 * scores[m]:7.2f}" for m in METRICS))
     else:

@@ -43,8 +43,9 @@ import clip_load
 import data
 import model as M
 import synth
-from train_utils import (Progress, fmt_time, last_path, load_resume, log, make_optimizer, param_groups, restore,
-                         rng_state, save_atomic, setup, train_epoch, warmup_cosine, where)
+from train_utils import (Progress, at_least, check_sizes, device_arg, fmt_time, last_path, load_resume, log,
+                         make_optimizer, param_groups, restore, rng_state, save_atomic, setup, train_epoch,
+                         warmup_cosine, where)
 
 ROOT = "data/clevr_pretrain"
 # the text tower is 64 wide: its token embedding (49,408 BPE ids x width) is most of the file, 6.3 MB in fp16
@@ -59,48 +60,55 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
     d = DEFAULTS
     p.add_argument("--root", default=ROOT, help="the pretraining scenes (rendered there on first use)")
-    p.add_argument("--scenes", type=int, default=d["scenes"], help="scenes to render (3 images each)")
+    p.add_argument("--scenes", type=at_least(10), default=d["scenes"], help="scenes to render (3 images each)")
     p.add_argument("--render-seed", type=int, default=1, help="the scenes' seed (the quickstart's set uses 0)")
     sizes = {"image-size": "input size", "patch-size": "ViT patch size", "vision-width": "image tower width "
              "(heads = width / 64)", "vision-layers": "image tower blocks", "text-width": "text tower width (heads = "
              "width / 64)", "text-layers": "text tower blocks", "embed-dim": "joint embedding size", "context-length":
              "text positions", "batch-size": "images per step", "negatives": "hard-negative descriptions per image"}
     for name, what in sizes.items():
-        p.add_argument(f"--{name}", type=int, default=d[name.replace("-", "_")], help=what)
-    for name, what in (("lr", "peak learning rate (AdamW)"), ("weight-decay", "AdamW weight decay (matrices)"),
-                       ("warmup", "fraction of the steps of linear warmup, then cosine")):
-        p.add_argument(f"--{name}", type=float, default=d[name.replace("-", "_")], help=what)
-    p.add_argument("--object-loss", type=float, default=0.0, help="weight of the per-object loss (0: off): the "
-                   f"patch token under each object must pick its phrase among all {len(OBJECTS)} objects CLEVR has")
+        low = {"negatives": 0, "context-length": 2}.get(name, 1)
+        p.add_argument(f"--{name}", type=at_least(low), default=d[name.replace("-", "_")], help=what)
+    for name, what, kind in (("lr", "peak learning rate (AdamW)", at_least(0.0, float)),
+                             ("weight-decay", "AdamW weight decay (matrices)", at_least(0.0, float)),
+                             ("warmup", "fraction of the steps of linear warmup, then cosine",
+                              at_least(0.0, float, below=1.0))):
+        p.add_argument(f"--{name}", type=kind, default=d[name.replace("-", "_")], help=what)
+    p.add_argument("--object-loss", type=at_least(0.0, float), default=0.0,
+                   help="weight of the per-object loss (0: off): the patch token under each object must pick its "
+                        f"phrase among all {len(OBJECTS)} objects CLEVR has")
     p.add_argument("--mimetic-init", action=argparse.BooleanOptionalAction, default=True, help="initialize the "
                    "image tower's attention mimetically (Trockman and Kolter 2023; RESULTS.md): better held-out "
                    "figures, and the attention adapt.py's shared p lines the two images up with")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0: off)")
-    p.add_argument("--samples", type=int, default=d["samples"], help="training images seen in all (the schedule)")
-    p.add_argument("--eval-every", type=int, default=d["eval_every"], help="steps between held-out evaluations "
+    p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
+    p.add_argument("--samples", type=at_least(1), default=d["samples"],
+                   help="training images seen in all (the schedule)")
+    p.add_argument("--eval-every", type=at_least(1), default=d["eval_every"], help="steps between held-out evaluations "
                                                                           "(each also writes the resumable state)")
-    p.add_argument("--eval-images", type=int, default=1000, help="held-out images evaluated")
+    p.add_argument("--eval-images", type=at_least(1), default=1000, help="held-out images evaluated")
     p.add_argument("--out", default="pretrained.pt", help="the run's weights (fp32); resumable state in *.last.pt")
     p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
-    p.add_argument("--time-limit", type=float, default=None, help="minutes: stop after the first evaluation past "
-                                                                  "this (the state is saved; --resume continues)")
+    p.add_argument("--time-limit", type=at_least(0.0, float), default=None,
+                   help="minutes: stop after the first evaluation past this (the state is saved; --resume continues)")
     p.add_argument("--eval-only", action="store_true", help="evaluate --ckpt on the held-out scenes and stop")
-    p.add_argument("--ckpt", default=None, help="with --eval-only: a CLIP checkpoint (default: --out)")
+    p.add_argument("--ckpt", type=clip_load.weights_arg, default=None,
+                   help="with --eval-only: a CLIP checkpoint (default: --out)")
     p.add_argument("--export", default=None, help="write --out's weights as the shipped fp16 file at this path "
                                                   "and stop")
     p.add_argument("--seed", type=int, default=0, help="random seed (initialization, order, wording)")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"], help="auto: bf16 on CUDA")
-    p.add_argument("--workers", type=int, default=None, help="rendering/decoding processes (default: all cores)")
-    p.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
+    p.add_argument("--workers", type=at_least(1), default=None,
+                   help="rendering/decoding processes (default: all cores)")
+    p.add_argument("--log-every", type=at_least(1), default=20, help="steps between progress lines")
     args = p.parse_args(argv)
-    for name in ("scenes", "batch_size", "samples", "eval_every", "eval_images"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.negatives < 0:
-        p.error(f"--negatives must be 0 or more, got {args.negatives}")
-    if args.image_size % args.patch_size:
-        p.error(f"--image-size {args.image_size} is not a multiple of --patch-size {args.patch_size}")
+    check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
+                                                      "--text-width": args.text_width})
+    for flag, wants, path in (("--resume", args.resume, last_path(args.out)), ("--export", args.export, args.out),
+                              ("--eval-only", args.eval_only and not args.ckpt, args.out)):
+        if wants and not os.path.isfile(path):
+            p.error(f"argument {flag}: no run at {path} (--out {args.out}): give the --out a run wrote"
+                    + (", or --ckpt" if flag == "--eval-only" else f", or start without {flag}"))
     return args
 
 
@@ -359,6 +367,9 @@ def main(argv=None):
     if args.export:
         return export(args)
     ctx = setup(args.seed, args.device, args.amp)
+    if args.eval_only:  # the file first: a bad one says so before any scene is rendered
+        model = clip_load.load_clip(args.ckpt or args.out, ctx.device)
+        args.image_size, args.context_length = model.cfg.image_resolution, model.cfg.context_length
     root = data.resolve_synth(args.root, args.scenes, args.render_seed, workers=args.workers)
     log(ctx, f"== pretrain.py: a small CLIP pretrained on single synthetic scenes, on {where(ctx)} ==")
     log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
@@ -370,19 +381,17 @@ def main(argv=None):
     cache = data.open_cache(items, args.image_size, True, log=lambda m: log(ctx, m))
     log(ctx, f"   {root}: {len(train)} training images, {len(held_out)} held out (other scenes)")
 
-    model = new_model(args)
-    if args.mimetic_init:
-        mimetic_init_(model.visual)
-    model = model.to(ctx.device)
     if args.eval_only:
         path = args.ckpt or args.out
-        model = clip_load.load_clip(path, ctx.device)
-        args.image_size, args.context_length = model.cfg.image_resolution, model.cfg.context_length
         m = evaluate(model, held_out, probe_train, cache, args, ctx)
         chance = " ".join(f"{a[:3]} {m[f'chance {a}']:.0f}" for a in PROBE_ATTRS)
         log(ctx, f"{path}: {fmt(m)} | chance: hard-neg R@1 {100 / 9:.1f}, probe % {chance}")
         return m
 
+    model = new_model(args)
+    if args.mimetic_init:
+        mimetic_init_(model.visual)
+    model = model.to(ctx.device)
     groups = param_groups(model.named_parameters(), lr_for(args), args.weight_decay)
     for name, p in model.named_parameters():
         p.requires_grad_(lr_for(args)(name) is not None)

@@ -45,7 +45,7 @@ import clip_load
 import data
 import model as M
 import synth
-from train_utils import make_optimizer, param_groups, warmup_cosine
+from train_utils import at_least, make_optimizer, param_groups, warmup_cosine
 
 ANSWERS = {"type": synth.CHANGES, "color": tuple(synth.COLORS), "shape": synth.SHAPES,
            "material": synth.MATERIALS, "size": tuple(synth.SIZES)}
@@ -65,7 +65,8 @@ def split(root, name, size):
     """One split's change pairs -> normalized before and after images (N, 3, S, S) and their answers."""
     scenes = synth.read_scenes(root)
     if scenes is None:
-        raise SystemExit(f"{root} has no scenes.json: probes need a set made by synth.py (python synth.py make)")
+        raise SystemExit(f"{root} has no scenes.json (--data-root): probes need a set made by synth.py (python "
+                         f"synth.py make, or adapt.py on the synthetic set)")
     items = data.load_items("clevr", root, name, "semantic")
     before, after = [], []
     for b, a, _ in data.make_loader(data.ImageDataset(items, size), 256):
@@ -254,37 +255,41 @@ def main(argv=None):
     cmd = p.add_subparsers(dest="cmd", required=True)
     fmt = argparse.ArgumentDefaultsHelpFormatter
     lin = cmd.add_parser("linear", formatter_class=fmt, help="linear probes on a trained encoder's tokens")
-    lin.add_argument("--ckpt", default="adapted.pt", help="an adapted.pt (or any pair-encoder checkpoint)")
+    lin.add_argument("--ckpt", type=clip_load.weights_arg, default="adapted.pt",
+                     help="an adapted.pt (or any pair-encoder checkpoint)")
     sup = cmd.add_parser("supervised", formatter_class=fmt, help="train the small encoder on the answers")
-    sup.add_argument("--epochs", type=int, default=8, help="passes over the training change pairs")
-    sup.add_argument("--batch-size", type=int, default=32, help="pairs per step")
-    sup.add_argument("--lr", type=float, default=3e-4, help="peak lr (warmup, then cosine, as adapt.py)")
-    sup.add_argument("--clip", default=None, help="start from this pretrained CLIP (mini-synth or a path) instead "
-                                                  "of from scratch")
-    sup.add_argument("--lr-clip", type=float, default=1e-4, help="with --clip: the lr of CLIP's own weights")
-    sup.add_argument("--n-inter", type=int, default=None, help="inter blocks (default: 3 of the scratch preset's "
-                                                               "12, 2 of mini-synth's 6)")
-    sup.add_argument("--shared-p", type=float, default=None, help="p shared by both images, of this norm, as "
-                     "adapt.py --shared-p (default: the mini preset's 30 with --clip, else 0)")
+    sup.add_argument("--epochs", type=at_least(1), default=8, help="passes over the training change pairs")
+    sup.add_argument("--batch-size", type=at_least(1), default=32, help="pairs per step")
+    sup.add_argument("--lr", type=at_least(0.0, float), default=3e-4, help="peak lr (warmup, then cosine, as adapt.py)")
+    sup.add_argument("--clip", type=clip_load.weights_arg, default=None,
+                     help="start from this pretrained CLIP (mini-synth or a path) instead of from scratch")
+    sup.add_argument("--lr-clip", type=at_least(0.0, float), default=1e-4,
+                     help="with --clip: the lr of CLIP's own weights")
+    sup.add_argument("--n-inter", type=at_least(0), default=None,
+                     help="inter blocks (default: 3 of the scratch preset's 12, 2 of mini-synth's 6)")
+    sup.add_argument("--shared-p", type=at_least(0.0, float), default=None, help="p shared by both images, of "
+                     "this norm, as adapt.py --shared-p (default: the mini preset's 30 with --clip, else 0)")
     sup.add_argument("--align-bias", type=float, default=0.0, help="late fusion: add this to each patch's "
                      "attention logits toward itself and its own position in the other image (0: off)")
     sup.add_argument("--fusion", default="late", choices=["late", "early"],
                      help="late: CLIP4IDC's pair encoder; early: both images stacked as 6 channels (a reference)")
     ali = cmd.add_parser("aligned", formatter_class=fmt, help="frozen per-image tokens, a position-aligned "
                                                               "comparator trained on the answers")
-    ali.add_argument("--block", type=int, default=None, help="tokens after this many blocks (default: the intra "
-                                                             "blocks, all but the preset's inter blocks)")
+    ali.add_argument("--block", type=at_least(0), default=None, help="tokens after this many blocks (default: the "
+                                                                    "intra blocks, all but the preset's inter blocks)")
     ali.add_argument("--random", action="store_true", help="--clip's architecture with random weights")
-    ali.add_argument("--epochs", type=int, default=30, help="passes over the training change pairs")
-    ali.add_argument("--batch-size", type=int, default=32, help="pairs per step")
-    ali.add_argument("--lr", type=float, default=1e-3, help="AdamW lr of the comparator")
+    ali.add_argument("--epochs", type=at_least(1), default=30, help="passes over the training change pairs")
+    ali.add_argument("--batch-size", type=at_least(1), default=32, help="pairs per step")
+    ali.add_argument("--lr", type=at_least(0.0, float), default=1e-3, help="AdamW lr of the comparator")
     att = cmd.add_parser("attention", formatter_class=fmt, help="where the pair encoder's patch tokens look")
-    att.add_argument("--pairs", type=int, default=64, help="test change pairs averaged over")
-    att.add_argument("--shared-p", type=float, default=0.0, help="first set p shared by both images, of this "
-                     "norm (adapt.py's mini preset starts from 30; 0: p as loaded)")
+    att.add_argument("--pairs", type=at_least(1), default=64, help="test change pairs averaged over")
+    att.add_argument("--shared-p", type=at_least(0.0, float), default=0.0,
+                     help="first set p shared by both images, of this norm (adapt.py's mini preset starts from "
+                          "30; 0: p as loaded)")
     for c in (ali, att):
-        c.add_argument("--clip", default="mini-synth", help="a CLIP (mini-synth, a path) or an adapted.pt")
-        c.add_argument("--n-inter", type=int, default=None, help="inter blocks (default: the file's own; the "
+        c.add_argument("--clip", type=clip_load.weights_arg, default="mini-synth",
+                       help="a CLIP (mini-synth, a path) or an adapted.pt")
+        c.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks (default: the file's own; the "
                                                                  "mini preset's 2 for mini-synth)")
     for c in (lin, sup, ali, att):
         c.add_argument("--seed", type=int, default=0, help="random seed")
@@ -303,8 +308,11 @@ def main(argv=None):
             return attention(clip, b[:args.pairs], a[:args.pairs])
         if args.random:
             clip = M.CLIP(clip.cfg)
+        layers = len(clip.visual.transformer.resblocks)
         if args.block is None:
-            args.block = len(clip.visual.transformer.resblocks) - clip.visual.n_inter
+            args.block = layers - clip.visual.n_inter
+        if args.block > layers:
+            p.error(f"argument --block: {args.clip} has {layers} vision blocks: give 0 to {layers}, got {args.block}")
         return aligned(clip, split(args.data_root, "train", size), split(args.data_root, "test", size), args)
     if args.cmd == "linear":
         clip = clip_load.load_clip(args.ckpt)
@@ -317,9 +325,12 @@ def main(argv=None):
     preset = adapt.PRESETS["mini" if args.clip else "scratch"]
     if args.n_inter is None:
         args.n_inter = preset["n_inter"]
+    if not args.clip and args.n_inter > preset["vision_layers"]:
+        p.error(f"argument --n-inter: the scratch preset's encoder has {preset['vision_layers']} blocks: give 0 to "
+                f"{preset['vision_layers']}, got {args.n_inter}")
     if args.shared_p is None:
         args.shared_p = preset["shared_p"]
-    cfg = clip_load.load_clip(args.clip).cfg if args.clip else None
+    cfg = clip_load.load_clip(args.clip, n_inter=args.n_inter).cfg if args.clip else None  # --n-inter checked
     size, patch = (cfg.image_resolution, cfg.vision_patch_size) if cfg else (preset["image_size"], preset["patch_size"])
     train, test = split(args.data_root, "train", size), split(args.data_root, "test", size)
     with aligned_attention(args.align_bias, (size // patch) ** 2 + 1) if args.align_bias else nullcontext():

@@ -618,9 +618,21 @@ if __name__ == "__main__":
     s.add_argument("--out", default="sheet.png", help="PNG to write")
     s.add_argument("--n", type=int, default=8, help="pairs (rows)")
     s.add_argument("--size", type=int, default=0, help="show images squashed to this input size (0: as on disk)")
-    s.add_argument("--split", default="test", help="train, val or test")
+    s.add_argument("--split", default="test", choices=["train", "val", "test"], help="which split")
     s.add_argument("--seed", type=int, default=0, help="which pairs")
     args = p.parse_args()
+    if args.cmd == "make":
+        checks = [("--pairs", args.pairs < 3, "at least 3 (a train, a val and a test pair)"),
+                  ("--size", min(args.size) < 8, "at least 8 8"),
+                  ("--workers", args.workers is not None and args.workers < 1, "at least 1"),
+                  ("--change-jitter", not args.change_jitter >= 0, "0 or more")]
+    else:
+        checks = [("--n", args.n < 1, "at least 1"), ("--size", args.size < 0, "0 (as on disk) or more"),
+                  ("--root", not os.path.isfile(os.path.join(args.root, "splits.json")),
+                   "a CLEVR-Change(-style) directory (with splits.json): python synth.py make --out DIR")]
+    for flag, wrong, allowed in checks:
+        if wrong:
+            p.error(f"argument {flag}: {getattr(args, flag[2:].replace('-', '_'))}: expected {allowed}")
     if args.cmd == "make":
         make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change, args.change_jitter)
     else:  # drawn by the pictures module, from the files `make` wrote

@@ -75,6 +75,7 @@ from model import CLIP, Captioner, CaptionerConfig, CLIPConfig
 SHARED = Path(__file__).resolve().parent.parent / "shared"  # real annotations, one real pair, coco-caption's figures
 REAL = SHARED / "data" / "real_pairs"
 SIZE = (96, 64)  # synthetic sets render this small: the tests' sets take seconds
+A_FILE = __file__  # any file that exists: --clip and --ckpt must name one (get_args checks; these tests never load it)
 
 # one tiny config per purpose, each with 2 attention heads per tower (heads = width / 64, as OpenAI's) where a
 # transformer runs: shape bugs hide behind one head
@@ -2202,7 +2203,7 @@ def test_training_rule_in_plain_sight():
     cfg = M.CLIPConfig(embed_dim=64, image_resolution=64, vision_layers=4, vision_width=128, vision_patch_size=16,
                        context_length=24, transformer_width=128, transformer_heads=2, transformer_layers=2, n_inter=2)
     m = M.CLIP(cfg)
-    rule = adapt.lr_for(adapt.get_args(["--clip", "x"]))
+    rule = adapt.lr_for(adapt.get_args(["--clip", A_FILE]))
     train_utils.param_groups(m.named_parameters(), rule, 0.2)
     assert all(p.requires_grad for p in m.parameters())
     train_utils.freeze(m.named_parameters(), rule)
@@ -2220,13 +2221,13 @@ def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     --encoder-lr, e1/e2/p/ln_mid frozen for 12/0."""
     for preset in caption.PRESETS.values():
         assert {"weight_decay", "warmup", "lr", "encoder_lr", "freeze_encoder", "batch_size", "epochs"} <= set(preset)
-    args = caption.get_args(["--ckpt", "x.pt"])
+    args = caption.get_args(["--ckpt", A_FILE])
     assert caption.apply_preset(args, {}) == "paper"
     assert all(getattr(args, k) == v for k, v in caption.PRESETS["paper"].items())
     args = caption.get_args(["--ckpt", "mini-synth", "--warmup", "0.3", "--weight-decay", "0.5"])
     assert caption.apply_preset(args, {}) == "small" and (args.warmup, args.weight_decay) == (0.3, 0.5)
     assert args.epochs == caption.PRESETS["small"]["epochs"]
-    rule = caption.lr_for(caption.get_args(["--ckpt", "x", "--lr", "2e-4", "--encoder-lr", "1e-6",
+    rule = caption.lr_for(caption.get_args(["--ckpt", A_FILE, "--lr", "2e-4", "--encoder-lr", "1e-6",
                                              "--no-freeze-encoder"]), 0)
     assert rule("captioner.decoder.0.attn.q_proj.weight") == 2e-4 and rule("clip.transformer.ln_1") is None
     assert rule("clip.visual.conv1.weight") == 1e-6 and rule("clip.visual.bef_embedding") is None
@@ -2242,7 +2243,7 @@ def test_step_flops_match_torch_counter():
     cfg = M.CLIPConfig(embed_dim=64, image_resolution=64, vision_layers=5, vision_width=128, vision_patch_size=16,
                        context_length=24, transformer_width=128, transformer_heads=2, transformer_layers=2, n_inter=2)
     m = M.CLIP(cfg)
-    rule = adapt.lr_for(adapt.get_args(["--clip", "x", "--n-inter", "2"]))
+    rule = adapt.lr_for(adapt.get_args(["--clip", A_FILE, "--n-inter", "2"]))
     train_utils.freeze(m.named_parameters(), rule)  # conv1 and the embeddings frozen, as the paper preset
     x, ids = torch.randn(3, 3, 64, 64), bench.random_ids(3, 24, "cpu")
     old = M.USE_SDPA
@@ -2278,6 +2279,122 @@ def test_device_cuda_names_this_processs_gpu(monkeypatch):
             warnings.simplefilter("ignore")  # CUDA autocast asked for on a machine without CUDA
             ctx = train_utils.setup(0, device)
         assert ctx.device == torch.device("cuda", want) and chosen[-1] == want
+
+
+def test_device_flag_says_what_this_machine_has(monkeypatch):
+    """--device's argparse type on a machine with two GPUs (faked: this one has none) and on this one: a device
+    that exists passes, anything else is one line naming what is here."""
+    bad = lambda text: pytest.raises(argparse.ArgumentTypeError, match=re.escape(text))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [train_utils.device_arg(d) for d in ("cpu", "cuda", "cuda:1")] == ["cpu", "cuda", "cuda:1"]
+    with bad("'cuda:7': no such GPU; this machine has cpu, cuda (cuda:0 to cuda:1)"):
+        train_utils.device_arg("cuda:7")
+    with bad("'mps': this code runs on cpu or cuda only; this machine has cpu, cuda (cuda:0 to cuda:1)"):
+        train_utils.device_arg("mps")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with bad("'cuda': no CUDA device here"):
+        train_utils.device_arg("cuda")
+    with bad("'gpu' is not a device; this machine has cpu"):
+        train_utils.device_arg("gpu")
+
+
+# every entry point, each bad value of each flag that takes one: "argv => the flag the one-line error must name"
+# (default: the first flag in argv). A case must fail before any real work (rendering, training).
+BAD_FLAGS = {
+    "adapt.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu", "--batch-size 0",
+                 "--batch-size x", "--epochs 0", "--warmup 1", "--swap-prob 2", "--synth-pairs 0", "--workers -1",
+                 "--n-inter -1", "--n-inter 7", "--preset scratch --n-inter 13 => --n-inter", "--image-size 0",
+                 "--preset scratch --image-size 100 => --image-size", "--context-length 1", "--shared-p -1",
+                 "--vision-width 0", "--preset scratch --vision-width 200 => --vision-width", "--vision-layers 0",
+                 "--patch-size 0", "--text-width 0", "--text-layers 0", "--embed-dim 0", "--lr-new -1",
+                 "--lr-clip nan", "--weight-decay -1", "--grad-clip -1", "--eval-batch-size 0", "--log-every 0",
+                 "--clip nowhere.pt", "--data-root nowhere", "--data spot => --data-root",
+                 "--resume --out nowhere.pt", "--seed x"],
+    "caption.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu", "--beam 0", "--max-len 1",
+                   "--patience 0", "--ckpt nowhere.pt", "--workers -1", "--n-inter -1", "--shared-p -1",
+                   "--width 0", "--heads 0", "--enc-layers -1", "--dec-layers 0", "--dropout 1", "--min-count 0",
+                   "--epochs 0", "--batch-size 0", "--lr -1", "--encoder-lr -1", "--weight-decay -1", "--warmup 1",
+                   "--grad-clip -1", "--log-every 0", "--eval-batch-size 0", "--baseline-candidates -1",
+                   "--gallery-n 0", "--ckpt mini-synth --before nowhere.png --after x => --before",
+                   "--ckpt mini-synth --before a.png => --after", "--ckpt mini-synth --resume --out x.pt => --resume", "--ckpt mini-synth --n-inter 9 => --n-inter",
+                   "--ckpt mini-synth --width 130 --heads 4 => --heads",
+                   "--ckpt mini-synth --no-freeze-encoder => --encoder-lr"],
+    "pretrain.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu", "--scenes 0",
+                    "--image-size 0", "--patch-size 0", "--image-size 100 => --image-size", "--vision-width 0",
+                    "--vision-width 200", "--vision-layers 0", "--text-width 0", "--text-layers 0", "--embed-dim 0",
+                    "--context-length 1", "--batch-size 0", "--negatives -1", "--lr -1", "--weight-decay -1",
+                    "--warmup 1", "--object-loss -1", "--grad-clip -1", "--samples 0", "--eval-every 0",
+                    "--eval-images 0", "--time-limit -1", "--workers 0", "--log-every 0",
+                    "--eval-only --ckpt nowhere.pt => --ckpt", "--eval-only --out nowhere.pt",
+                    "--export x.pt --out nowhere.pt", "--resume --out nowhere.pt"],
+    "probe.py": ["linear --ckpt nowhere.pt", "supervised --epochs 0", "supervised --batch-size 0",
+                 "supervised --lr -1", "supervised --clip nowhere.pt", "supervised --lr-clip -1",
+                 "supervised --n-inter 99", "supervised --clip mini-synth --n-inter 7 => --n-inter",
+                 "supervised --shared-p -1", "supervised --data-root nowhere", "aligned --block -1",
+                 "aligned --block 99", "aligned --epochs 0", "aligned --batch-size 0", "aligned --lr -1",
+                 "attention --pairs 0", "attention --shared-p -1", "attention --clip nowhere.pt",
+                 "attention --n-inter 99"],
+    "bench.py": ["decode --device cuda", "decode --device cuda:7", "decode --device mps", "decode --device gpu",
+                 "pair --device cuda", "adapt --device gpu", "decode --batch 0", "decode --max-len 0",
+                 "decode --vocab 0", "decode --repeats 0", "decode --threads -1", "pair --batch 0",
+                 "adapt --batch 0", "adapt --text-len 0", "adapt --impl foo", "adapt --profile foo",
+                 "numerics --batch 0", "caption --batches 0", "caption --vocab 0", "caption --caption-len 1",
+                 "e2e --root nowhere", "e2e --scenes 0", "e2e --batch 0", "e2e --workers -1", "e2e --batches 0",
+                 "cuda-path --steps 9", "cuda-path --timeout 0", "matmul --n 0"],
+    "synth.py": ["make --pairs 0", "make --size 0 0", "make --workers 0", "make --change-jitter -1",
+                 "sheet --root nowhere", "sheet --n 0", "sheet --size -1", "sheet --split foo"],
+    "data.py": ["cache --size 0", "cache --data-root nowhere", "bench --root nowhere", "bench --size 0",
+                "bench --images 0", "bench --batch 0", "bench --gpu-rate 0"],
+    "metrics.py": ["--refs nowhere.json --cands nowhere.json", "--refs list.json --cands list.json",
+                   "--refs text.txt --cands text.txt", "--refs refs.json --cands refs.json --wordnet nowhere => --wordnet",
+                   "--refs refs.json --cands refs.json --paraphrase nowhere.gz => --paraphrase", "--refs refs.json => --cands"],
+}
+# each case runs as its script's __main__ (runpy, exactly what `python SCRIPT ARGS` runs) in one subprocess per
+# script, so torch is imported once: anything but SystemExit would print a traceback to a user
+_RUN_CASES = r"""
+import contextlib, io, json, runpy, sys, traceback
+script, cases = sys.argv[1], json.loads(sys.argv[2])
+out = []
+for argv in cases:
+    buf, code = io.StringIO(), 0
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        sys.argv = [script] + argv
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) or e.code is None else (print(e.code, file=sys.stderr) or 1)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    out.append({"code": code, "text": buf.getvalue()})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("script", list(BAD_FLAGS))
+def test_every_bad_flag_is_one_line_not_a_traceback(script, tmp_path):
+    """Issue 36: each entry point with each bad flag value exits non-zero with one line that names the flag (and
+    the value, and what is allowed), never a traceback. Run in an empty folder: no adapted.pt, no data/."""
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "text.txt").write_text("not json")
+    (tmp_path / "refs.json").write_text(json.dumps({"1": ["a cube"]}))
+    cases = [case.split(" => ") for case in BAD_FLAGS[script]]
+    argvs = [argv.split() for argv, *_ in cases]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent), "CLIP4IDC_IMAGE_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", _RUN_CASES, str(Path(__file__).resolve().parent / script),
+                        json.dumps(argvs)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    wrong = []
+    for (argv, *flag), argv_list, res in zip(cases, argvs, json.loads(r.stdout.splitlines()[-1])):
+        flag = flag[0] if flag else next(a for a in argv_list if a.startswith("--"))
+        lines = [line for line in res["text"].splitlines() if line.strip()]
+        if res["code"] in (0, None) or "Traceback" in res["text"] or flag not in (lines[-1] if lines else ""):
+            wrong.append(f"{script} {argv}: exit {res['code']}, says: {res['text'][-400:]!r}")
+    assert not wrong, "\n".join(wrong)
+    assert not (tmp_path / "data").exists()  # no case got as far as rendering a set
 
 
 def test_global_batch_is_shared_by_the_processes(capsys):

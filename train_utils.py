@@ -3,6 +3,7 @@ progress line, atomic resumable checkpoints, and the cross-process gather for th
 
 `adapt.py` and `caption.py` import from here; nothing here knows which stage it serves.
 """
+import argparse
 import functools
 import glob
 import itertools
@@ -31,6 +32,68 @@ def autocast(device, amp="auto"):
     if amp == "off" or (amp == "auto" and device.type != "cuda"):
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def devices_here():
+    """What --device can name on this machine, in words for an error message."""
+    n = torch.cuda.device_count()
+    return "cpu" + (f", cuda (cuda:0 to cuda:{n - 1})" if n > 1 else ", cuda (cuda:0)" if n else "")
+
+
+def device_arg(text):
+    """argparse type of --device: a device this code runs on and this machine has. Else argparse's one-line error
+    (exit 2) naming the flag and what is here, instead of a traceback from deep in torch.cuda."""
+    try:
+        d = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; this machine has {devices_here()}") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here ({build}); pass --device cpu "
+                                         f"(this machine has {devices_here()})")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: no such GPU; this machine has {devices_here()}")
+    if d.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: this code runs on cpu or cuda only; this machine has "
+                                         f"{devices_here()}")
+    return text
+
+
+def at_least(low, kind=int, most=None, below=None):
+    """argparse type: a number (int or float) >= low, and <= most or < below when given. argparse names the flag
+    and the value in its error (exit 2): `argument --beam: must be at least 1, got 0`."""
+    def number(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not x >= low:  # also catches nan
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
+        if (most is not None and not x <= most) or (below is not None and not x < below):
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {most}], got {text}" if most is not None else
+                                             f"must be in [{low}, {below}), got {text}")
+        return x
+    number.__name__ = f"{kind.__name__} >= {low}"
+    return number
+
+
+def check_sizes(parser, image_size, patch_size, widths):
+    """A small ViT and text tower from flags: whole patches, and widths ({flag: width}) that split into
+    width // 64 heads (at least one). parser.error names the flag (exit 2)."""
+    if image_size % patch_size:
+        parser.error(f"argument --image-size: {image_size} is not a multiple of --patch-size {patch_size}")
+    for flag, w in widths.items():
+        if w % (w // 64 or 1):
+            parser.error(f"argument {flag}: {w} does not split into its {w // 64} heads (heads = width // 64): "
+                         f"give a multiple of 64, or less than 128 (one head)")
+
+
+def flag_error(flag, message):
+    """A bad flag value that shows only once a file is read (--n-inter against a CLIP's depth, --resume with no
+    state): the same one line and exit code 2 as argparse's own errors."""
+    print(f"{os.path.basename(sys.argv[0])}: error: argument {flag}: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def setup(seed=0, device=None, amp="auto"):
