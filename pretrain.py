@@ -60,7 +60,7 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
     d = DEFAULTS
     p.add_argument("--root", default=ROOT, help="the pretraining scenes (rendered there on first use)")
-    p.add_argument("--scenes", type=at_least(10), default=d["scenes"], help="scenes to render (3 images each)")
+    p.add_argument("--scenes", type=at_least(3), default=d["scenes"], help="scenes to render (3 images each)")
     p.add_argument("--render-seed", type=int, default=1, help="the scenes' seed (the quickstart's set uses 0)")
     sizes = {"image-size": "input size", "patch-size": "ViT patch size", "vision-width": "image tower width "
              "(heads = width / 64)", "vision-layers": "image tower blocks", "text-width": "text tower width (heads = "

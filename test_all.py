@@ -525,6 +525,127 @@ def test_cache_equals_no_cache():
             model.USE_SDPA = True
 
 
+# Decoding, checked against plain references on a captioner whose every input matters: a 6-word vocabulary (pad 0,
+# <bos> 1, <eos> 2: <eos> is often the argmax, so captions end at different steps), positional embeddings at std 1
+# (a position read wrong changes the argmax), several heads, a memory of its own per pair. Any word may come at any
+# step, pad and <bos> too: the references allow the same.
+BOS, EOS = 1, 2
+
+
+def sharp_captioner(seed=0, vocab=6, max_len=5):
+    torch.manual_seed(seed)
+    cap = Captioner(CaptionerConfig(vocab_size=vocab, memory_dim=8, memory_len=6, width=32, heads=4, enc_layers=1,
+                                    dec_layers=2, max_len=max_len, dropout=0.0)).eval()
+    with torch.no_grad():  # unit-gain matrices; word embeddings small beside the positions (tied to the output,
+        for name, p in cap.named_parameters():  # large ones would make every caption repeat its first word)
+            if name in ("positional_embedding", "mem_pos"):
+                p.normal_(0, 1)
+            elif name == "token_embedding.weight":
+                p.normal_(0, 0.3)
+            elif p.ndim == 2:
+                p.normal_(0, 1 / math.sqrt(p.shape[1]))
+    return cap, torch.randn(12, 6, 8)
+
+
+@torch.no_grad()
+def step_logp(cap, memory, prefix):
+    """log p(next token | prefix) for one pair, the decoder run on the whole prefix: no cache, no batch."""
+    logits = cap.decode(torch.tensor([[BOS] + prefix]), cap.encode(memory[None]))[0, -1]
+    return logits.float().log_softmax(-1)
+
+
+def greedy_reference(cap, memory):
+    prefix = []
+    while len(prefix) < cap.cfg.max_len and (not prefix or prefix[-1] != EOS):
+        prefix.append(int(step_logp(cap, memory, prefix).argmax()))
+    return prefix
+
+
+def beam_reference(cap, memory, k):
+    """Beam search as written in a textbook, one pair at a time: keep the k best prefixes by summed log-probability
+    (a finished one stays, at no cost), stop when all k are finished or at max_len, pick the best by
+    log-probability per token (<eos> counted). Ties broken by the order of the candidates, as topk does."""
+    beams = [([], 0.0)]
+    for _ in range(cap.cfg.max_len):
+        candidates = []
+        for prefix, score in beams:
+            if prefix and prefix[-1] == EOS:
+                candidates.append((prefix, score))  # finished: carried over unchanged
+                continue
+            logp = step_logp(cap, memory, prefix)
+            candidates += [(prefix + [w], score + float(logp[w])) for w in range(len(logp))]
+        beams = sorted(candidates, key=lambda c: -c[1])[:k]
+        if all(p[-1] == EOS for p, _ in beams):
+            break
+    return max(beams, key=lambda c: c[1] / len(c[0]))
+
+
+def exhaustive_best(cap, memory):
+    """Every caption the captioner can write (each word at each step, up to <eos> or max_len), the best by
+    log-probability per token: what beam search returns when its beam holds them all."""
+    best, stack = None, [([], 0.0)]
+    while stack:
+        prefix, score = stack.pop()
+        if prefix and (prefix[-1] == EOS or len(prefix) == cap.cfg.max_len):
+            if best is None or score / len(prefix) > best[1] / len(best[0]):
+                best = (prefix, score)
+            continue
+        logp = step_logp(cap, memory, prefix)
+        stack += [(prefix + [w], score + float(logp[w])) for w in range(len(logp))]
+    return best
+
+
+def padded(captions, width):
+    return torch.tensor([c + [0] * (width - len(c)) for c in captions])
+
+
+def test_greedy_decoding_equals_the_plain_loop():
+    """generate(), with the key/value cache and without, through its public call, equals greedy decoding written
+    out per pair on the whole prefix: the same words, <eos> where it comes, padding after. The captions end at
+    different steps and differ with the positions (a cache that read the wrong positional embedding, or dropped
+    a step, would write other words)."""
+    lengths = set()
+    for seed in range(3):
+        cap, memory = sharp_captioner(seed)
+        want = [greedy_reference(cap, m) for m in memory]
+        assert len({tuple(c) for c in want}) > 3  # the check has teeth (and some captions end early: below)
+        lengths |= {len(c) for c in want}
+        width = max(len(c) for c in want)
+        for use_cache in (True, False):
+            assert torch.equal(cap.generate(memory, BOS, EOS, use_cache=use_cache), padded(want, width))
+        assert torch.equal(cap.generate(memory, BOS, EOS, max_len=2), padded([c[:2] for c in want], 2))
+        ended = [i for i, c in enumerate(want) if c[-1] == EOS]  # all end early: so does decoding, no padding
+        if ended:
+            width = max(len(want[i]) for i in ended)
+            assert torch.equal(cap.generate(memory[ended], BOS, EOS), padded([want[i] for i in ended], width))
+    assert {1, 5} <= lengths
+
+
+def test_beam_search_equals_the_textbook_one_and_exhaustive_search():
+    """beam_search() (batched, cached, beams reordered by topk at every step) against a plain beam search per pair
+    at beams 2-4: the same caption. With a beam that holds every caption the 6-word vocabulary can write in 3
+    steps (6^3), it must find the best of them all by log-probability per token (exhaustive search)."""
+    assert (caption.BOS, caption.EOS) == (BOS, EOS)
+    differs = 0  # pairs where the beam finds another caption than greedy decoding: the check has teeth
+    for seed in range(3):
+        cap, memory = sharp_captioner(seed)
+        for k in (2, 3, 4):
+            want = [beam_reference(cap, m, k)[0] for m in memory]
+            got = cap.beam_search(memory, BOS, EOS, beam=k)
+            assert torch.equal(got, padded(want, got.shape[1])), (seed, k)
+            assert torch.equal(caption.IDC(None, cap).caption(k, tokens=memory), got)  # what caption.py calls
+            differs += sum(w != greedy_reference(cap, m) for w, m in zip(want, memory))
+    assert differs > 5
+    cap, memory = sharp_captioner(3, max_len=3)
+    best = [exhaustive_best(cap, m) for m in memory]
+    assert {len(c) for c, _ in best} == {1, 3}  # a caption finished at once beats the longer ones, or not
+    got = cap.beam_search(memory, BOS, EOS, beam=6 ** 3)
+    assert torch.equal(got, padded([c for c, _ in best], got.shape[1]))
+    per_token = lambda m, c: sum(float(step_logp(cap, m, c[:i])[w]) for i, w in enumerate(c)) / len(c)
+    for m, (c, score) in zip(memory, best):
+        assert per_token(m, greedy_reference(cap, m)) <= score / len(c) + 1e-6  # greedy is never better
+
+
 # -------------------------------------------------------------------------------------------------------------
 # clip_load.py: checkpoints (OpenAI's archive, the authors', the shipped mini CLIP), tokenizer, preprocessing
 
