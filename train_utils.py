@@ -90,8 +90,8 @@ def check_sizes(parser, image_size, patch_size, widths):
 
 
 def flag_error(flag, message):
-    """A bad flag value that shows only once a file is read (--n-inter against a CLIP's depth, --resume with no
-    state): the same one line and exit code 2 as argparse's own errors."""
+    """A bad flag value that shows only once the checkpoint has chosen the preset (caption.py: --heads against the
+    preset's width): the same one line and exit code 2 as argparse's own errors."""
     print(f"{os.path.basename(sys.argv[0])}: error: argument {flag}: {message}", file=sys.stderr)
     raise SystemExit(2)
 
