@@ -19,7 +19,9 @@ heads in both towers:
 - both stages under 2 torchrun processes (gloo) equal one process on the same global batch, with one early-stopping
   decision for both; a resumed 2-process run gets each process's own random stream back;
 - both stages, as real processes killed (SIGKILL) mid-epoch or halfway through writing a checkpoint, resume to the
-  weights and the chosen model of a run never stopped.
+  weights and the chosen model of a run never stopped;
+- greedy decoding (with and without the cache) and beam search equal plain references written per pair (a
+  textbook beam search, exhaustive search), and every bad value of every entry point's flags is one argparse line.
 Speed, memory, NCCL, the CUDA kernels and `--compile` need a GPU: BENCHMARKS.md, `python bench.py cuda-path`."""
 
 import argparse
