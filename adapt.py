@@ -30,8 +30,9 @@ import data
 import model as M
 import plots
 from train_utils import (Progress, at_least, check_sizes, device_arg, freeze, gather, interrupted, last_path,
-                         load_resume, local_batch, log, make_optimizer, param_groups, policy_table, rank0_first,
-                         restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, warmup_cosine, where)
+                         load_resume, local_batch, log, make_optimizer, no_state, param_groups, policy_table,
+                         rank0_first, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, warmup_cosine,
+                         where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
@@ -128,9 +129,8 @@ def get_args(argv=None):
             setattr(args, k, v)
     # each flag's own range is checked by its argparse type; what is left depends on two flags (a CLIP file's
     # sizes are checked against --n-inter when it is read: clip_load.load_clip)
-    if args.resume and not os.path.isfile(last_path(args.out)):
-        p.error(f"argument --resume: no resumable state at {last_path(args.out)} (written after each epoch of a run "
-                f"with --out {args.out}); start without --resume")
+    if args.resume and (missing := no_state(args.out)):
+        p.error(f"argument --resume: {missing}")
     if not args.clip:
         check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                            "--text-width": args.text_width})

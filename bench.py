@@ -434,6 +434,7 @@ def cosine64(x, y):
 def bench_caption(args):
     """caption.py's paper preset step: ViT-B/32 9/3 fine-tuned at 1e-7, a 3+3-layer 512-wide captioner at 1e-4,
     word-level cross entropy, images arriving as uint8."""
+    import clip_load
     from caption import IDC, PRESETS, caption_loss, lr_for
     device, amp, where = device_and_amp(args)
     p = PRESETS["paper"]

@@ -32,9 +32,9 @@ from data import (BadImage, CaptionDataset, EpochSampler, ImageDataset, exit_mes
                   open_cache, resolve_root, set_epoch)
 from model import PAIR_KEYS, Captioner, CaptionerConfig, share_joint_positions_
 from train_utils import (Progress, at_least, device_arg, flag_error, fmt_time, freeze, interrupted, last_path,
-                         load_resume, local_batch, log, make_optimizer, param_groups, policy_table, rank0_first,
-                         restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, unwrap, warmup_cosine,
-                         where)
+                         load_resume, local_batch, log, make_optimizer, no_state, param_groups, policy_table,
+                         rank0_first, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, unwrap,
+                         warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoders (mini, scratch), frozen (its tokens computed once per pair): a decoder that
@@ -430,9 +430,8 @@ def get_args(argv=None):
         path = getattr(args, flag[2:])
         if path and not os.path.isfile(path):
             p.error(f"argument {flag}: no image at {path}")
-    if args.resume and not os.path.isfile(last_path(args.out)):
-        p.error(f"argument --resume: no resumable state at {last_path(args.out)} (written after each epoch of a run "
-                f"with --out {args.out}); start without --resume")
+    if args.resume and (missing := no_state(args.out)):
+        p.error(f"argument --resume: {missing}")
     return args
 
 

@@ -379,7 +379,6 @@ def load_image(path, size=224, crop=False):
 # demo
 
 if __name__ == "__main__":
-    import argparse
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", default=None, help="also load CLIP weights (a path or 'ViT-B/32') and embed the pair")
     p.add_argument("--text", default="the small red metal cube changed to blue", help="text to tokenize")

@@ -605,7 +605,8 @@ if __name__ == "__main__":
                        help="decode a dataset's images once into the disk cache the stages read")
     c.add_argument("--data", default="clevr", choices=list(ROOTS), help="dataset")
     c.add_argument("--data-root", default=None, help="its directory (default data/<name>)")
-    c.add_argument("--size", type=at_least(1), default=224, help="model input size (ViT-B/32: 224; the small preset: 96)")
+    c.add_argument("--size", type=at_least(1), default=224,
+                   help="model input size (ViT-B/32: 224; the small preset: 96)")
     c.add_argument("--cache-dir", default=None, help="default: $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images")
     c.add_argument("--skip-missing", action="store_true", help="leave out pairs with missing or undecodable images")
     b = cmd.add_parser("bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,

@@ -44,7 +44,7 @@ import data
 import model as M
 import synth
 from train_utils import (Progress, at_least, check_sizes, device_arg, fmt_time, last_path, load_resume, log,
-                         make_optimizer, param_groups, restore, rng_state, save_atomic, setup, train_epoch,
+                         make_optimizer, no_state, param_groups, restore, rng_state, save_atomic, setup, train_epoch,
                          warmup_cosine, where)
 
 ROOT = "data/clevr_pretrain"
@@ -104,11 +104,12 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                       "--text-width": args.text_width})
-    for flag, wants, path in (("--resume", args.resume, last_path(args.out)), ("--export", args.export, args.out),
-                              ("--eval-only", args.eval_only and not args.ckpt, args.out)):
-        if wants and not os.path.isfile(path):
-            p.error(f"argument {flag}: no run at {path} (--out {args.out}): give the --out a run wrote"
-                    + (", or --ckpt" if flag == "--eval-only" else f", or start without {flag}"))
+    if args.resume and (missing := no_state(args.out)):
+        p.error(f"argument --resume: {missing}")
+    for flag, wants in (("--export", args.export), ("--eval-only", args.eval_only and not args.ckpt)):
+        if wants and not os.path.isfile(args.out):
+            p.error(f"argument {flag}: no run's weights at --out {args.out}: give the --out a run wrote"
+                    + (", or --ckpt" if flag == "--eval-only" else ""))
     return args
 
 

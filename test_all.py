@@ -2441,7 +2441,8 @@ BAD_FLAGS = {
                    "--epochs 0", "--batch-size 0", "--lr -1", "--encoder-lr -1", "--weight-decay -1", "--warmup 1",
                    "--grad-clip -1", "--log-every 0", "--eval-batch-size 0", "--baseline-candidates -1",
                    "--gallery-n 0", "--ckpt mini-synth --before nowhere.png --after x => --before",
-                   "--ckpt mini-synth --before a.png => --after", "--ckpt mini-synth --resume --out x.pt => --resume", "--ckpt mini-synth --n-inter 9 => --n-inter",
+                   "--ckpt mini-synth --before a.png => --after",
+                   "--ckpt mini-synth --resume --out x.pt => --resume", "--ckpt mini-synth --n-inter 9 => --n-inter",
                    "--ckpt mini-synth --width 130 --heads 4 => --heads",
                    "--ckpt mini-synth --no-freeze-encoder => --encoder-lr"],
     "pretrain.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu", "--scenes 0",
@@ -2471,8 +2472,10 @@ BAD_FLAGS = {
     "data.py": ["cache --size 0", "cache --data-root nowhere", "bench --root nowhere", "bench --size 0",
                 "bench --images 0", "bench --batch 0", "bench --gpu-rate 0"],
     "metrics.py": ["--refs nowhere.json --cands nowhere.json", "--refs list.json --cands list.json",
-                   "--refs text.txt --cands text.txt", "--refs refs.json --cands refs.json --wordnet nowhere => --wordnet",
-                   "--refs refs.json --cands refs.json --paraphrase nowhere.gz => --paraphrase", "--refs refs.json => --cands"],
+                   "--refs text.txt --cands text.txt",
+                   "--refs refs.json --cands refs.json --wordnet nowhere => --wordnet",
+                   "--refs refs.json --cands refs.json --paraphrase nowhere.gz => --paraphrase",
+                   "--refs refs.json => --cands"],
 }
 # each case runs as its script's __main__ (runpy, exactly what `python SCRIPT ARGS` runs) in one subprocess per
 # script, so torch is imported once: anything but SystemExit would print a traceback to a user
@@ -2499,7 +2502,7 @@ print(json.dumps(out))
 @pytest.mark.subprocess
 @pytest.mark.parametrize("script", list(BAD_FLAGS))
 def test_every_bad_flag_is_one_line_not_a_traceback(script, tmp_path):
-    """Issue 36: each entry point with each bad flag value exits non-zero with one line that names the flag (and
+    """Each entry point with each bad flag value exits non-zero with one line that names the flag (and
     the value, and what is allowed), never a traceback. Run in an empty folder: no adapted.pt, no data/."""
     (tmp_path / "list.json").write_text("[1, 2]")
     (tmp_path / "text.txt").write_text("not json")

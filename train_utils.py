@@ -356,11 +356,17 @@ def last_path(out):
     return f"{root}.last{ext or '.pt'}"
 
 
+def no_state(out):
+    """What --resume says when the run writing `out` left no state: None when there is one."""
+    if not os.path.isfile(last_path(out)):
+        return (f"no resumable state at {last_path(out)} (written after each epoch or evaluation of a run with --out "
+                f"{out}); start without --resume")
+
+
 def load_resume(out, device="cpu"):
     path = last_path(out)
-    if not os.path.isfile(path):
-        raise SystemExit(f"--resume: no resumable state at {path} (written after each epoch of a run with "
-                         f"--out {out}). Start without --resume.")
+    if missing := no_state(out):  # the stages check this at parsing already (argparse's error); here for callers
+        raise SystemExit(f"--resume: {missing}")
     try:
         return torch.load(path, map_location=device, weights_only=False)
     except Exception as e:
