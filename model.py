@@ -407,6 +407,10 @@ class Captioner(nn.Module):
         self.cfg = cfg
         self.mem_proj = nn.Linear(cfg.memory_dim, cfg.width)
         self.mem_pos = nn.Parameter(torch.zeros(cfg.memory_len, cfg.width))
+        # which image a memory token comes from (before, after), one vector per image shared by its n+1 tokens: the
+        # pair encoder's e1/e2 end small beside p (norm ~1 vs 30), so without it an added object (in the after
+        # image) reads like a removed one (in the before image); per-position mem_pos did not learn the split
+        self.mem_image = nn.Parameter(torch.zeros(2, cfg.width))
         self.encoder = nn.ModuleList([CaptionBlock(cfg.width, cfg.heads, cfg.dropout) for _ in range(cfg.enc_layers)])
         self.ln_enc = LayerNorm(cfg.width)
         self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
@@ -421,11 +425,13 @@ class Captioner(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.zeros_(m.bias)
         nn.init.normal_(self.mem_pos, std=0.01)
+        nn.init.normal_(self.mem_image, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
 
     def encode(self, memory):
         """Pair encoder tokens (B, 2(n+1), memory_dim) -> encoded memory (B, 2(n+1), width)."""
-        x = self.drop(self.mem_proj(memory.to(self.mem_proj.weight.dtype)) + self.mem_pos)
+        image = self.mem_image.repeat_interleave(memory.shape[1] // 2, dim=0)  # (2(n+1), width): e1's half, e2's
+        x = self.drop(self.mem_proj(memory.to(self.mem_proj.weight.dtype)) + self.mem_pos + image)
         for block in self.encoder:
             x = block(x)
         return self.ln_enc(x)

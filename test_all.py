@@ -540,7 +540,9 @@ def sharp_captioner(seed=0, vocab=6, max_len=5):
                                     dec_layers=2, max_len=max_len, dropout=0.0)).eval()
     with torch.no_grad():  # unit-gain matrices; word embeddings small beside the positions (tied to the output,
         for name, p in cap.named_parameters():  # large ones would make every caption repeat its first word)
-            if name in ("positional_embedding", "mem_pos"):
+            if name == "mem_image":  # drawn apart, so that the other draws stay those the checks below were made on
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed))
+            elif name in ("positional_embedding", "mem_pos"):
                 p.normal_(0, 1)
             elif name == "token_embedding.weight":
                 p.normal_(0, 0.3)
@@ -607,7 +609,7 @@ def test_greedy_decoding_equals_the_plain_loop():
     different steps and differ with the positions (a cache that read the wrong positional embedding, or dropped
     a step, would write other words)."""
     lengths = set()
-    for seed in range(3):
+    for seed in (0, 5, 6):  # models whose greedy captions differ from pair to pair (some seeds give 1-3 captions)
         cap, memory = sharp_captioner(seed)
         want = [greedy_reference(cap, m) for m in memory]
         assert len({tuple(c) for c in want}) > 3  # the check has teeth (and some captions end early: below)
@@ -629,7 +631,7 @@ def test_beam_search_equals_the_textbook_one_and_exhaustive_search():
     steps (6^3), it must find the best of them all by log-probability per token (exhaustive search)."""
     assert (caption.BOS, caption.EOS) == (BOS, EOS)
     differs = 0  # pairs where the beam finds another caption than greedy decoding: the check has teeth
-    for seed in range(3):
+    for seed in (0, 5, 6):  # models whose greedy captions differ from pair to pair (some seeds give 1-3 captions)
         cap, memory = sharp_captioner(seed)
         for k in (2, 3, 4):
             want = [beam_reference(cap, m, k)[0] for m in memory]
@@ -638,7 +640,7 @@ def test_beam_search_equals_the_textbook_one_and_exhaustive_search():
             assert torch.equal(caption.IDC(None, cap).caption(k, tokens=memory), got)  # what caption.py calls
             differs += sum(w != greedy_reference(cap, m) for w, m in zip(want, memory))
     assert differs > 5
-    cap, memory = sharp_captioner(3, max_len=3)
+    cap, memory = sharp_captioner(0, max_len=3)
     best = [exhaustive_best(cap, m) for m in memory]
     assert {len(c) for c, _ in best} == {1, 3}  # a caption finished at once beats the longer ones, or not
     got = cap.beam_search(memory, BOS, EOS, beam=6 ** 3)
@@ -648,8 +650,25 @@ def test_beam_search_equals_the_textbook_one_and_exhaustive_search():
         assert per_token(m, greedy_reference(cap, m)) <= score / len(c) + 1e-6  # greedy is never better
 
 
+def test_captioner_knows_which_image_a_token_came_from():
+    """An added object is one the after image holds and the before image lacks; a removed one, the reverse. With
+    the two images' tokens swapped, the captioner must read another pair, even with its per-position mem_pos at
+    zero (cross-attention alone is blind to the order of its memory): mem_image tells the halves apart."""
+    cap, memory = sharp_captioner(0)
+    with torch.no_grad():
+        cap.mem_pos.zero_()
+        swapped = torch.cat([memory[:, 3:], memory[:, :3]], dim=1)  # (before, after) -> (after, before)
+        words = torch.full((len(memory), 1), BOS)
+        logits, logits_swapped = (cap.decode(words, cap.encode(m)) for m in (memory, swapped))
+        assert (logits - logits_swapped).abs().amax() > 0.1
+        cap.mem_image.copy_(cap.mem_image.mean(0))  # one vector for both images: the order is lost
+        assert torch.allclose(cap.decode(words, cap.encode(memory)), cap.decode(words, cap.encode(swapped)),
+                              atol=1e-5)
+
+
 # -------------------------------------------------------------------------------------------------------------
 # clip_load.py: checkpoints (OpenAI's archive, the authors', the shipped mini CLIP), tokenizer, preprocessing
+
 
 def test_archive_roundtrip_and_state_dict(tmp_path):
     torch.manual_seed(0)
