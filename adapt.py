@@ -40,7 +40,7 @@ from train_utils import (Progress, at_least, check_sizes, device_arg, freeze, ga
 PRESETS = {
     "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, context_length=32, batch_size=128, epochs=12,
                   lr_new=1e-4, lr_clip=1e-7, weight_decay=0.2, warmup=0.1, grad_clip=1.0, workers=8,
-                  eval_batch_size=256, shared_p=0.0),
+                  eval_batch_size=256, shared_p=0.0, freeze_intra=False),
     # mini (the default without OpenAI's weights): the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px,
     # a 6x6 patch grid), 4 intra + 2 inter blocks (the paper's last quarter of 12 is 3; of 6, 2); the authors'
     # policy scaled down: CLIP's input embeddings frozen, the new pair parameters at a high rate, CLIP's weights
@@ -48,7 +48,7 @@ PRESETS = {
     # random p were worse on val): RESULTS.md "Shared p"
     "mini": dict(clip="mini-synth", n_inter=2, image_size=96, context_length=32, batch_size=32, epochs=1,
                  lr_new=1e-3, lr_clip=1e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
-                 eval_batch_size=256, shared_p=30.0),
+                 eval_batch_size=256, shared_p=30.0, freeze_intra=False),
     # scratch: ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6 patch grid (ViT-B/32: 7x7;
     # an 8x8 grid costs 1.8x per step); from scratch, so no frozen parts and one lr (1e-3 collapses all pairs
     # onto one vector; 3e-4 learns), batch 32 for more steps in the CPU budget. 2 epochs with a 2-layer, 64-wide
@@ -56,7 +56,7 @@ PRESETS = {
     "scratch": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=3,
                     lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
                     eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
-                    text_layers=3, embed_dim=128, shared_p=0.0),
+                    text_layers=3, embed_dim=128, shared_p=0.0, freeze_intra=False),
 }
 # the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
 FROZEN = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
@@ -104,6 +104,9 @@ def get_args(argv=None):
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None,
                    help="lr of the new pair parameters e1, e2, p, ln_mid")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help="lr of the CLIP weights")
+    p.add_argument("--freeze-intra", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep CLIP's intra blocks as they are (the authors' 1e-7 nearly does): no gradient through "
+                        "them, 1.8x the pairs/s at 12x12, but half the retrieval there, RESULTS.md (preset)")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None, help="AdamW weight decay (matrices only)")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=None,
                    help="fraction of steps of linear warmup, then cosine")
@@ -159,14 +162,17 @@ def new_model(args):
     return clip
 
 
-def lr_for(args):
-    """New pair parameters at lr_new, CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP.
+def lr_for(args, frozen_blocks=0):
+    """New pair parameters at lr_new, CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and
+    the first `frozen_blocks` vision blocks (--freeze-intra: the intra module).
     Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors (train_utils.param_groups)."""
     def lr(name):
         if name.startswith(M.PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # 12/0: e1, e2, p, ln_mid are never used
 
         if args.clip and name.startswith(FROZEN):
+            return None
+        if name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < frozen_blocks:
             return None
         return args.lr_clip
     return lr
@@ -361,9 +367,10 @@ def main(argv=None):
     splits, cache, loader = load_data(args, root, ctx)
 
     # what trains at which rate (lr_for, above), the optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
-    freeze(model.named_parameters(), lr_for(args))
-    log(ctx, "   what trains:\n" + policy_table(model.named_parameters(), lr_for(args)))
-    groups = param_groups(model.named_parameters(), lr_for(args), args.weight_decay)
+    rule = lr_for(args, model.cfg.vision_layers - model.cfg.n_inter if args.freeze_intra else 0)
+    freeze(model.named_parameters(), rule)
+    log(ctx, "   what trains:\n" + policy_table(model.named_parameters(), rule))
+    groups = param_groups(model.named_parameters(), rule, args.weight_decay)
     optimizer = make_optimizer(groups, ctx.device)
     total_steps = args.epochs * len(loader)
     scheduler = warmup_cosine(optimizer, total_steps, args.warmup)

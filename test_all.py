@@ -2355,6 +2355,18 @@ def test_training_rule_in_plain_sight():
     assert rows["visual.conv1"][0] == "frozen" and rows["token_embedding"][0] == "frozen"
     assert rows["visual.transformer.resblocks"][:2] == ["lr", "1e-07"] and rows["visual.bef_embedding"][1] == "0.0001"
     assert sum(int(r[-1].replace(",", "")) for r in rows.values()) == sum(p.numel() for p in m.parameters())
+    # --freeze-intra: the intra module (here 2 of 4 blocks) stays as it is and takes no gradient; the inter blocks
+    # train, the text tower too
+    args = adapt.get_args(["--clip", A_FILE, "--freeze-intra"])
+    assert args.freeze_intra and not adapt.get_args(["--clip", A_FILE]).freeze_intra
+    rule = adapt.lr_for(args, cfg.vision_layers - cfg.n_inter)
+    train_utils.freeze(m.named_parameters(), rule)
+    blocks = m.visual.transformer.resblocks
+    assert [all(p.requires_grad for p in b.parameters()) for b in blocks] == [False, False, True, True]
+    x, ids = torch.randn(2, 3, 64, 64), bench.random_ids(2, 24, "cpu")
+    adapt.contrastive_loss(*adapt.PairText(m)(x, x.flip(0), ids)).backward()
+    assert blocks[0].attn.in_proj_weight.grad is None and blocks[2].attn.in_proj_weight.grad.abs().sum() > 0
+    assert m.transformer.resblocks[0].attn.in_proj_weight.grad.abs().sum() > 0
 
 
 def test_caption_rule_and_presets_in_plain_sight(tmp_path):
