@@ -75,6 +75,30 @@ def split(root, name, size):
     return torch.cat(before), torch.cat(after), answers(items, scenes)
 
 
+def named_right(pred, where):
+    """Per pair: do the predicted answers name the changed object as a caption would ("size colour material shape",
+    read by synth.resolve, the reader synth.judge applies to captions: it must mean that object and no other)?
+    `where` holds each test pair's (objects of the scene the references describe, index of the changed one)."""
+    keys = list(ANSWERS)[1:]
+    right = []
+    for p, (objects, changed) in zip(pred.tolist(), where):
+        words = {k: ANSWERS[k][p[1 + j]] for j, k in enumerate(keys)}
+        found = synth.resolve(" ".join(words[k] for k in ("size", "color", "material", "shape")), objects)
+        right.append(len(found) == 1 and found[0] is objects[changed])
+    return torch.tensor(right, dtype=torch.float)
+
+
+def changed_objects(root, name):
+    """Each change pair of a split: (the scene the references describe: after for "add", else before; the index of
+    the changed object in it), as synth.judge reads them."""
+    scenes = synth.read_scenes(root)
+    out = []
+    for it in data.load_items("clevr", root, name, "semantic"):
+        s = scenes[it.id]
+        out.append((s["after"] if s["type"] == "add" else s["before"], s["changed"]))
+    return out
+
+
 def majority(y):
     return torch.bincount(y).max().item() / len(y)
 
@@ -146,9 +170,10 @@ def aligned_attention(beta, n1):
         M.attention = real
 
 
-def supervised(train, test, args):
+def supervised(train, test, args, where=None):
     """Train adapt.py's small encoder from scratch (or --clip's, pretrained) on the answers -> per epoch (mean
-    train loss, test accuracies)."""
+    train loss, test accuracies); with `where` (changed_objects of the test split), the last epoch's answers are
+    also read as captions are: the right type, and the right object named."""
     early = args.fusion == "early"
     small = argparse.Namespace(**{**adapt.PRESETS["scratch"], "clip": args.clip, "shared_p": args.shared_p,
                                   "n_inter": 0 if early else args.n_inter})
@@ -180,10 +205,17 @@ def supervised(train, test, args):
         clip.eval()
         with torch.no_grad():
             v = torch.cat([pair_vector(clip, bt[i:i + 128], at[i:i + 128], early) for i in range(0, len(bt), 128)])
-            acc = [(h(v).argmax(1) == yt[:, j]).float().mean().item() for j, h in enumerate(heads)]
+            pred = torch.stack([h(v).argmax(1) for h in heads], dim=1)  # (N, 5) answers
+            acc = (pred == yt).float().mean(0).tolist()
         history.append((total / per_epoch, acc))
         report(f"epoch {epoch + 1}/{args.epochs} | train loss {total / per_epoch:.3f} | {time.time() - t0:.0f}s"
                " | test: ", acc, yt)
+    if where is not None:  # the last epoch's answers read as the quickstart's captions are (synth.judge)
+        obj = named_right(pred, where)
+        typ = (pred[:, 0] == yt[:, 0]).float()
+        print(f"read as captions (synth.resolve): right type {typ.mean():.0%}, right object {obj.mean():.0%}; by type "
+              + ", ".join(f"{t} {typ[yt[:, 0] == i].mean():.0%} / {obj[yt[:, 0] == i].mean():.0%}"
+                          for i, t in enumerate(ANSWERS["type"]) if (yt[:, 0] == i).any()))
     return history
 
 
@@ -334,7 +366,7 @@ def main(argv=None):
     size, patch = (cfg.image_resolution, cfg.vision_patch_size) if cfg else (preset["image_size"], preset["patch_size"])
     train, test = split(args.data_root, "train", size), split(args.data_root, "test", size)
     with aligned_attention(args.align_bias, (size // patch) ** 2 + 1) if args.align_bias else nullcontext():
-        return supervised(train, test, args)
+        return supervised(train, test, args, changed_objects(args.data_root, "test"))
 
 
 if __name__ == "__main__":

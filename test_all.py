@@ -2069,6 +2069,20 @@ def test_probe_answers_are_the_changed_object(adapt_synth):
         # the object before the change, except for "add" (it exists only after): the referring captions' object
         o = s["after"][s["changed"]] if s["type"] == "add" else s["before"][s["changed"]]
         assert all(said[k] == o[k] for k in ("color", "shape", "material", "size"))
+    # the answers read as a caption names the object (probe.named_right, synth.resolve): the true ones name it
+    # wherever no other object shares all four attributes; one wrong colour never does
+    where = probe.changed_objects(adapt_synth, "train")
+    unique = [sum(all(p[k] == objs[i][k] for k in ("color", "shape", "material", "size")) for p in objs) == 1
+              for objs, i in where]
+    assert probe.named_right(y, where).tolist() == unique and sum(unique) > 0.8 * len(unique)
+    wrong = y.clone()
+    wrong[:, 1] = (wrong[:, 1] + 1) % len(probe.ANSWERS["color"])
+    assert probe.named_right(wrong, where).sum() == 0
+    other = y.clone()  # the answers of another object in the same scene: named, but not the changed one
+    for row, (objs, i) in zip(other, where):
+        o = objs[(i + 1) % len(objs)]
+        row[1:] = torch.tensor([probe.ANSWERS[k].index(o[k]) for k in list(probe.ANSWERS)[1:]])
+    assert probe.named_right(other, where).sum() == 0
 
 
 @pytest.mark.slow
