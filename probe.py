@@ -19,7 +19,8 @@ heads, trained on the answers directly (cross-entropy, the CLIP4IDC losses repla
 channels before the patch embedding, so every patch sees before and after at once (not CLIP4IDC, which encodes
 each image alone first). `--clip` starts from a pretrained CLIP instead (the shipped mini-synth, or a file) and
 trains it as adapt.py does: input embeddings frozen, CLIP's weights at --lr-clip, the pair parameters and heads at
---lr. Both print test accuracy next to the most frequent class's.
+--lr. Both print test accuracy next to the most frequent class's; `supervised` also reads its last answers as the
+quickstart's captions are read (synth.resolve, what synth.judge applies): the right type and the right object.
 
 Two more locate what is missing. `aligned` keeps a CLIP frozen and gives it the comparator CLIP4IDC does not
 have: each image's patch tokens after --block blocks, before and after minus before at the same position, a small
