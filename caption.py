@@ -149,7 +149,8 @@ def build(ckpt, device, n_inter=None, extra=None):
     """A captioner checkpoint (caption.py's own) -> (IDC model, vocab)."""
     clip = load_clip(ckpt, device, n_inter)
     captioner = Captioner(CaptionerConfig(**extra["captioner_config"]))
-    captioner.load_state_dict(extra["captioner"])
+    # a captioner saved before mem_image existed reads exactly as it did with mem_image at zero
+    captioner.load_state_dict({"mem_image": torch.zeros_like(captioner.mem_image), **extra["captioner"]})
     return IDC(clip, captioner).to(device).eval(), extra["vocab"]
 
 

@@ -1936,6 +1936,14 @@ def test_overfit_exact_captions(trained):
     assert set(results["scores_by_type"]) == {"color", "move", "add", "drop", "distractor"}
     saved = torch.load(tmp / "captioner.pt", weights_only=True)
     assert saved["stage"] == "caption" and saved["vocab"][:4] == caption.SPECIALS and "test" in saved["metrics"]
+    # a captioner saved before mem_image existed (no such key) loads as one whose mem_image is zero
+    cap = saved["captioner"]
+    old = {**saved, "captioner": {k: v for k, v in cap.items() if k != "mem_image"}}
+    zero = {**saved, "captioner": {**cap, "mem_image": torch.zeros_like(cap["mem_image"])}}
+    assert cap["mem_image"].abs().sum() > 0
+    (m_old, _), (m_zero, _) = (caption.build(tmp / "captioner.pt", "cpu", extra=e) for e in (old, zero))
+    assert all(torch.equal(a, b) for a, b in zip(m_old.captioner.state_dict().values(),
+                                                 m_zero.captioner.state_dict().values()))
 
 
 @pytest.mark.slow
