@@ -40,7 +40,7 @@ from train_utils import (Progress, at_least, check_sizes, device_arg, freeze, ga
 PRESETS = {
     "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, context_length=32, batch_size=128, epochs=12,
                   lr_new=1e-4, lr_clip=1e-7, weight_decay=0.2, warmup=0.1, grad_clip=1.0, workers=8,
-                  eval_batch_size=256, shared_p=0.0, freeze_intra=False),
+                  eval_batch_size=256, shared_p=0.0),
     # mini (the default without OpenAI's weights): the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px,
     # a 6x6 patch grid), 4 intra + 2 inter blocks (the paper's last quarter of 12 is 3; of 6, 2); the authors'
     # policy scaled down: CLIP's input embeddings frozen, the new pair parameters at a high rate, CLIP's weights
@@ -48,7 +48,7 @@ PRESETS = {
     # random p were worse on val): RESULTS.md "Shared p"
     "mini": dict(clip="mini-synth", n_inter=2, image_size=96, context_length=32, batch_size=32, epochs=1,
                  lr_new=1e-3, lr_clip=1e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
-                 eval_batch_size=256, shared_p=30.0, freeze_intra=False),
+                 eval_batch_size=256, shared_p=30.0),
     # scratch: ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6 patch grid (ViT-B/32: 7x7;
     # an 8x8 grid costs 1.8x per step); from scratch, so no frozen parts and one lr (1e-3 collapses all pairs
     # onto one vector; 3e-4 learns), batch 32 for more steps in the CPU budget. 2 epochs with a 2-layer, 64-wide
@@ -56,7 +56,7 @@ PRESETS = {
     "scratch": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=3,
                     lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
                     eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
-                    text_layers=3, embed_dim=128, shared_p=0.0, freeze_intra=False),
+                    text_layers=3, embed_dim=128, shared_p=0.0),
 }
 # the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
 FROZEN = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
@@ -104,9 +104,9 @@ def get_args(argv=None):
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None,
                    help="lr of the new pair parameters e1, e2, p, ln_mid")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help="lr of the CLIP weights")
-    p.add_argument("--freeze-intra", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--freeze-intra", action="store_true",
                    help="keep CLIP's intra blocks as they are (the authors' 1e-7 nearly does): no gradient through "
-                        "them, 1.8x the pairs/s at 12x12, but half the retrieval there, RESULTS.md (preset)")
+                        "them, 1.8x the pairs/s at 12x12, but half the retrieval there (RESULTS.md)")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None, help="AdamW weight decay (matrices only)")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=None,
                    help="fraction of steps of linear warmup, then cosine")

@@ -430,7 +430,7 @@ class Captioner(nn.Module):
 
     def encode(self, memory):
         """Pair encoder tokens (B, 2(n+1), memory_dim) -> encoded memory (B, 2(n+1), width)."""
-        image = self.mem_image.repeat_interleave(memory.shape[1] // 2, dim=0)  # (2(n+1), width): e1's half, e2's
+        image = self.mem_image.repeat_interleave(memory.shape[1] // 2, dim=0)  # (2(n+1), width): before's, after's
         x = self.drop(self.mem_proj(memory.to(self.mem_proj.weight.dtype)) + self.mem_pos + image)
         for block in self.encoder:
             x = block(x)

@@ -52,13 +52,18 @@ ANSWERS = {"type": synth.CHANGES, "color": tuple(synth.COLORS), "shape": synth.S
            "material": synth.MATERIALS, "size": tuple(synth.SIZES)}
 
 
+def changed(scene):
+    """The scene the references describe (after for "add", else before) and the changed object's index in it."""
+    return scene["after"] if scene["type"] == "add" else scene["before"], scene["changed"]
+
+
 def answers(items, scenes):
     """(N, 5) class indices, in ANSWERS' order, for change pairs."""
     rows = []
     for it in items:
         s = scenes[it.id]
-        o = (s["after"] if s["type"] == "add" else s["before"])[s["changed"]]
-        rows.append([ANSWERS["type"].index(s["type"])] + [ANSWERS[k].index(o[k]) for k in list(ANSWERS)[1:]])
+        objects, i = changed(s)
+        rows.append([ANSWERS["type"].index(s["type"])] + [ANSWERS[k].index(objects[i][k]) for k in list(ANSWERS)[1:]])
     return torch.tensor(rows)
 
 
@@ -82,22 +87,17 @@ def named_right(pred, where):
     `where` holds each test pair's (objects of the scene the references describe, index of the changed one)."""
     keys = list(ANSWERS)[1:]
     right = []
-    for p, (objects, changed) in zip(pred.tolist(), where):
+    for p, (objects, i) in zip(pred.tolist(), where):
         words = {k: ANSWERS[k][p[1 + j]] for j, k in enumerate(keys)}
         found = synth.resolve(" ".join(words[k] for k in ("size", "color", "material", "shape")), objects)
-        right.append(len(found) == 1 and found[0] is objects[changed])
+        right.append(len(found) == 1 and found[0] is objects[i])
     return torch.tensor(right, dtype=torch.float)
 
 
 def changed_objects(root, name):
-    """Each change pair of a split: (the scene the references describe: after for "add", else before; the index of
-    the changed object in it), as synth.judge reads them."""
+    """Each change pair of a split: `changed` of its scene, as synth.judge reads it."""
     scenes = synth.read_scenes(root)
-    out = []
-    for it in data.load_items("clevr", root, name, "semantic"):
-        s = scenes[it.id]
-        out.append((s["after"] if s["type"] == "add" else s["before"], s["changed"]))
-    return out
+    return [changed(scenes[it.id]) for it in data.load_items("clevr", root, name, "semantic")]
 
 
 def majority(y):

@@ -540,7 +540,7 @@ def sharp_captioner(seed=0, vocab=6, max_len=5):
                                     dec_layers=2, max_len=max_len, dropout=0.0)).eval()
     with torch.no_grad():  # unit-gain matrices; word embeddings small beside the positions (tied to the output,
         for name, p in cap.named_parameters():  # large ones would make every caption repeat its first word)
-            if name == "mem_image":  # drawn apart, so that the other draws stay those the checks below were made on
+            if name == "mem_image":  # its own generator, small: the tokens, not their image, decide the captions
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed))
             elif name in ("positional_embedding", "mem_pos"):
                 p.normal_(0, 1)
