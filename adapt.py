@@ -40,7 +40,7 @@ from train_utils import (Progress, at_least, check_sizes, device_arg, freeze, ga
 PRESETS = {
     "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, context_length=32, batch_size=128, epochs=12,
                   lr_new=1e-4, lr_clip=1e-7, weight_decay=0.2, warmup=0.1, grad_clip=1.0, workers=8,
-                  eval_batch_size=256, shared_p=0.0),
+                  eval_batch_size=256, shared_p=0.0, draw_captions=False),
     # mini (the default without OpenAI's weights): the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px,
     # a 6x6 patch grid), 4 intra + 2 inter blocks (the paper's last quarter of 12 is 3; of 6, 2); the authors'
     # policy scaled down: CLIP's input embeddings frozen, the new pair parameters at a high rate, CLIP's weights
@@ -48,7 +48,7 @@ PRESETS = {
     # random p were worse on val): RESULTS.md "Shared p"
     "mini": dict(clip="mini-synth", n_inter=2, image_size=96, context_length=32, batch_size=32, epochs=1,
                  lr_new=1e-3, lr_clip=1e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
-                 eval_batch_size=256, shared_p=30.0),
+                 eval_batch_size=256, shared_p=30.0, draw_captions=False),
     # scratch: ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6 patch grid (ViT-B/32: 7x7;
     # an 8x8 grid costs 1.8x per step); from scratch, so no frozen parts and one lr (1e-3 collapses all pairs
     # onto one vector; 3e-4 learns), batch 32 for more steps in the CPU budget. 2 epochs with a 2-layer, 64-wide
@@ -56,7 +56,7 @@ PRESETS = {
     "scratch": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=3,
                     lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
                     eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
-                    text_layers=3, embed_dim=128, shared_p=0.0),
+                    text_layers=3, embed_dim=128, shared_p=0.0, draw_captions=False),
 }
 # the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
 FROZEN = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
@@ -74,6 +74,9 @@ def get_args(argv=None):
     p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None,
                    help="CLEVR: probability of replacing the before image by its non-semantic version (default: "
                         "0.5, the authors'; 0 on the synthetic set, see RESULTS.md)")
+    p.add_argument("--draw-captions", action=argparse.BooleanOptionalAction, default=None,
+                   help="one caption per pair and epoch, drawn at random (an epoch is a pass over the pairs), "
+                        "instead of every caption once per epoch, as the authors (preset)")
     p.add_argument("--workers", type=at_least(0), default=None, help="DataLoader worker processes (preset)")
     p.add_argument("--cache-dir", default=None, help="where decoded-image caches go (default: "
                                                      "$CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images)")
@@ -86,7 +89,8 @@ def get_args(argv=None):
                         "small CLIP pretrained on synthetic scenes that ships in assets/); scratch: a small model "
                         "from nothing")
     p.add_argument("--clip", type=clip_load.weights_arg, default=None,
-                   help="CLIP weights: a path, ViT-B/32 (downloaded) or mini-synth (shipped) (preset)")
+                   help="CLIP weights: a path, ViT-B/32 (downloaded) or a shipped mini CLIP: "
+                        f"{', '.join(clip_load.SHIPPED)} (preset)")
     p.add_argument("--n-inter", type=at_least(0), default=None,
                    help="inter blocks; N_intra = layers - n_inter (preset)")
     p.add_argument("--image-size", type=at_least(1), default=None,
@@ -126,7 +130,7 @@ def get_args(argv=None):
     if args.preset == "auto":
         # the paper's settings for any CLIP file, or OpenAI's found in the cache; the mini CLIP's own otherwise
         cached = args.clip is None and (clip_load.CACHE / "ViT-B-32.pt").is_file()
-        args.preset = "paper" if args.clip not in (None, "mini-synth") or cached else "mini"
+        args.preset = "paper" if args.clip not in (None, *clip_load.SHIPPED) or cached else "mini"
     for k, v in PRESETS[args.preset].items():  # a flag given on the command line wins over the preset
         if getattr(args, k, None) is None:
             setattr(args, k, v)
@@ -309,11 +313,12 @@ def load_data(args, root, ctx):
     cache = data.open_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache,
                             args.cache_dir, ctx.world, ctx.rank, log=lambda m: log(ctx, m))
     train = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
-                                cache=cache, seed=args.seed)
+                                cache=cache, seed=args.seed, draw=args.draw_captions)
     sampler = data.EpochSampler(len(train), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)
     loader = data.make_loader(train, local_batch(ctx, args.batch_size), workers=args.workers, device=ctx.device,
                               sampler=sampler, drop_last=True)
-    log(ctx, f"   {args.data} at {root}: train {len(splits['train'])} pairs / {len(train)} captions, "
+    log(ctx, f"   {args.data} at {root}: train {len(splits['train'])} pairs / "
+             f"{'one caption each, drawn per epoch' if args.draw_captions else f'{len(train)} captions'}, "
              f"val {len(splits['val'])} pairs, test {len(splits['test'])} pairs" +
              (f" | distractor swap p={args.swap_prob:g}" if args.data == "clevr" else ""))
     return splits, cache, loader

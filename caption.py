@@ -29,7 +29,7 @@ import plots
 import synth
 from clip_load import MODELS, SHIPPED, load_clip, load_image, normalize, open_image, resolve, to_rgb
 from data import (BadImage, CaptionDataset, EpochSampler, ImageDataset, exit_message, load_items, make_loader,
-                  open_cache, resolve_root, set_epoch)
+                  open_cache, resolve_root, reversed_pairs, set_epoch)
 from model import PAIR_KEYS, Captioner, CaptionerConfig, share_joint_positions_
 from train_utils import (Progress, at_least, device_arg, flag_error, fmt_time, freeze, interrupted, last_path,
                          load_resume, local_batch, log, make_optimizer, no_state, param_groups, policy_table,
@@ -40,12 +40,14 @@ PRESETS = {
     # CPU, adapt.py's small encoders (mini, scratch), frozen (its tokens computed once per pair): a decoder that
     # reads the 2(n+1) memory tokens directly (a captioner encoder layer over them cost 3x per step; the pair
     # encoder's inter blocks already mix the two images). Fine-tuning the from-scratch encoder at 3e-4 collapsed
-    # to "no change" on every pair (val CIDEr-D 62.9). RESULTS.md "Quickstart trade-offs"
+    # to "no change" on every pair (val CIDEr-D 62.9). RESULTS.md "Quickstart trade-offs". On a synthetic set every
+    # training pair is also shown the other way round (--reverse; reverse=None: where the scene records allow it),
+    # which taught the captioner which image holds an object: RESULTS.md "The direction of a change"
     "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
-                  freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=20),
+                  freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=20, reverse=None),
     # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
-                  freeze_encoder=False, weight_decay=0.01, warmup=0.1, epochs=50),
+                  freeze_encoder=False, weight_decay=0.01, warmup=0.1, epochs=50, reverse=False),
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
@@ -368,6 +370,10 @@ def get_args(argv=None):
                    help="dataset (default: the one the checkpoint was adapted on, else clevr)")
     p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's, else data/...)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
+    p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None,
+                   help="also train on every pair the other way round, (after, before), captioned backwards (an "
+                        "addition becomes a removal): needs the synthetic set's scene records (default: on for a "
+                        "synthetic set in the small preset, off in the paper preset)")
     p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="decode every image once into a uint8 file (--cache-dir), reused by later runs (adapt.py "
@@ -504,10 +510,15 @@ def load_data(args, extra, resume, ctx):
     vocabulary (a resumed run's own), every training caption's word ids)."""
     name, root = data_source(args, extra, ctx)
     splits = {s: load_items(name, root, s, "total", args.skip_missing) for s in ("train", "val", "test")}
+    if args.reverse is None:  # the small preset: on where the renderer's scene records allow it
+        args.reverse = synth.read_scenes(root) is not None
+    if args.reverse:
+        splits["train"] = splits["train"] + reversed_pairs(splits["train"], root)
     vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions],
                                                        args.min_count)
     captions = encode_captions(splits["train"], vocab, args.max_len)
-    log(ctx, f"data: {name} at {root} | pairs train {len(splits['train'])} val {len(splits['val'])} test "
+    log(ctx, f"data: {name} at {root} | pairs train {len(splits['train'])}"
+             f"{' (half of them reversed, --reverse)' if args.reverse else ''} val {len(splits['val'])} test "
              f"{len(splits['test'])} | vocabulary {len(vocab)} words | {len(captions)} training captions")
     return name, root, splits, vocab, captions
 

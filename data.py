@@ -90,6 +90,25 @@ def load_items(name, root, split, setting="total", skip_missing=False):
     return _check_files(_nonempty_captions(items, name, split), name, root, split, skip_missing)
 
 
+def reversed_pairs(items, root):
+    """The synthetic set's pairs the other way round, (after, before), with captions of the change seen backwards
+    (synth.reverse: an added object is now dropped, a colour goes back): training data that tells the two
+    directions apart, which an encoder that sees *where* two images differ must learn from the order alone.
+    Distractors keep their "no change" captions. Needs the renderer's scene records (scenes.json)."""
+    scenes = synth.read_scenes(root)
+    if scenes is None:
+        raise SystemExit(f"--reverse needs the synthetic set's scene records ({Path(root) / 'scenes.json'}): real "
+                         f"datasets have no record of what changed to caption a pair backwards; pass --no-reverse")
+    out = []
+    for it in items:
+        if it.change_type == "distractor":
+            out.append(Item(it.id + "_r", it.after, it.before, it.captions, "distractor"))
+        else:
+            back = synth.reverse(scenes[it.id])["type"]
+            out.append(Item(it.id + "_r", it.after, it.before, synth.reversed_captions(scenes[it.id], it.id), back))
+    return out
+
+
 def _nonempty_captions(items, name, split):
     """Empty caption strings are never trained on nor scored against: each item keeps its non-empty captions, and
     a pair with none left is left out (of training and of evaluation, which needs a reference), counted."""

@@ -348,6 +348,21 @@ def captions(rng, kind, before, after, k, n=6):
     return out
 
 
+def reverse(scene):
+    """A scene record (scenes.json) seen backwards, the after image first: an added object is dropped, a dropped
+    one added, a colour, material or position goes back to what it was. The changed index keeps its meaning: in
+    "before" for a drop, in "after" for an add, in both otherwise."""
+    kind = {"add": "drop", "drop": "add"}.get(scene["type"], scene["type"])
+    return {"type": kind, "before": scene["after"], "after": scene["before"], "changed": scene["changed"]}
+
+
+def reversed_captions(scene, key):
+    """Captions of `scene` seen backwards (reverse), drawn as the set's own are, from a stream of their own."""
+    back = reverse(scene)
+    return captions(random.Random(f"clevr-synth-reverse-{key}"), back["type"], back["before"], back["after"],
+                    back["changed"])
+
+
 # -----------------------------------------------------------------------------
 # scene descriptions for CLIP pretraining in miniature (pretrain.py): every visible object, and hard negatives
 

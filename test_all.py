@@ -1361,6 +1361,36 @@ def test_captions_read_back_against_the_scene_records(synth_set):
         assert all(synth.read(c) == ("no change", None) for c in same[f"CLEVR_default_{i}.png"])
 
 
+def test_reversed_pairs_are_captioned_backwards(synth_set, tmp_path):
+    """caption.py --reverse: each training pair also as (after, before), its captions those of the change seen
+    backwards, read back right against the reversed scene (an add is a drop, a colour goes back) and wrong against
+    the forward one wherever the direction shows in the words (add/drop, the new colour or material)."""
+    items = data.load_items("clevr", synth_set, "train", "total")
+    back = data.reversed_pairs(items, synth_set)
+    scenes = synth.read_scenes(synth_set)
+    flipped = {"add": "drop", "drop": "add"}
+    assert len(back) == len(items) and {it.change_type for it in items} >= {"distractor", "color"}
+    for it, r in zip(items, back):
+        assert (r.before, r.after, r.id, r.alt_before) == (it.after, it.before, it.id + "_r", None)
+        if it.change_type == "distractor":
+            assert r.captions == it.captions and r.change_type == "distractor"
+            continue
+        scene, reversed_scene = scenes[it.id], synth.reverse(scenes[it.id])
+        assert r.change_type == reversed_scene["type"] == flipped.get(it.change_type, it.change_type)
+        for c in r.captions:
+            assert synth.judge(c, reversed_scene) == {"change": True, "type": True, "object": True}, (c, scene)
+            if it.change_type in ("add", "drop"):
+                assert not synth.judge(c, scene)["type"]
+            last = synth.WORD.get(c.split()[-1], c.split()[-1])  # "... turned {new}": the value it went back to
+            if it.change_type in ("color", "material") and synth.ATTR_OF.get(last) == it.change_type:
+                assert last == scene["before"][scene["changed"]][it.change_type], (c, scene)
+    assert data.reversed_pairs(items, synth_set) == back  # the same captions every time
+    shutil.copytree(synth_set, tmp_path / "no_records")
+    (tmp_path / "no_records" / "scenes.json").unlink()
+    with pytest.raises(SystemExit, match="scenes.json.*--no-reverse"):
+        data.reversed_pairs(items, tmp_path / "no_records")
+
+
 def test_judge_catches_wrong_captions():
     rng = random.Random(1)
     before, after, k = synth.make_scene(rng, "color")
@@ -1849,8 +1879,11 @@ def test_loss_decreases_on_synthetic_batches(adapt_synth):
 
 
 @pytest.mark.slow
-def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch):
-    base = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2"]
+@pytest.mark.parametrize("draw", [[], ["--draw-captions"]])
+def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch, draw):
+    """Stopped by Ctrl-C in the second epoch and resumed: the same weights as a run that was never stopped; with
+    --draw-captions (one caption per pair and epoch, the mini preset's) too, whose epoch is a pass over the pairs."""
+    base = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2"] + draw
     adapt.main(base + ["--out", str(tmp_path / "a.pt")])
     full = torch.load(tmp_path / "a.last.pt", weights_only=False)
     assert Image.open(tmp_path / "a.curves.png").size == (1280, 240)  # the training curves, after every epoch
@@ -1863,6 +1896,9 @@ def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch):
     adapt.main(base + ["--out", str(tmp_path / "b.pt"), "--resume"])
     resumed = torch.load(tmp_path / "b.last.pt", weights_only=False)
     assert resumed["epoch"] == full["epoch"] == 2
+    pairs = len(data.load_items("clevr", adapt_synth, "train", setting="semantic"))
+    captions = sum(len(it.captions) for it in data.load_items("clevr", adapt_synth, "train", setting="semantic"))
+    assert full["step"] == 2 * ((pairs if draw else captions) // 8)  # --batch-size 8, the last part-batch dropped
     for k, v in full["model"].items():
         assert torch.equal(v, resumed["model"][k]), k
     ckpt = torch.load(tmp_path / "b.pt", weights_only=False)
@@ -1922,6 +1958,16 @@ def test_cider_by_change_type_scores_each_type_alone():
 
 
 @pytest.mark.slow
+def test_reverse_needs_the_scene_records(trained, tmp_path):
+    """--reverse captions a pair backwards from the renderer's record of the change: on a set without one (real
+    CLEVR-Change, here a tiny one in its format) asking for it is a clear error, and the small preset's default
+    leaves it off (the fixture's run trained on the pairs as they are)."""
+    tmp, _ = trained
+    assert torch.load(tmp / "captioner.pt", weights_only=False)["args"]["reverse"] is False
+    with pytest.raises(SystemExit, match="scenes.json.*--no-reverse"):
+        run(tmp, "--reverse", "--out", str(tmp_path / "x.pt"), epochs=1)
+
+
 def test_overfit_exact_captions(trained):
     tmp, results = trained
     preds = {p["id"]: p["caption"] for p in results["predictions"]}
@@ -2310,11 +2356,15 @@ def test_object_loss_names_the_object_under_each_patch(tmp_path):
     assert both[-1]["loss"] < 0.9 * both[0]["loss"], [h["loss"] for h in both]
 
 
-def test_shipped_mini_clip_sees_objects(tmp_path):
-    path = clip_load.resolve("mini-synth")  # its SHA256 checked
+@pytest.mark.parametrize("name, grid", [("mini-synth", 6)])
+def test_shipped_mini_clip_sees_objects(tmp_path, name, grid):
+    """Each shipped mini CLIP: its SHA256 (checked by resolve), at most 10 MB, its patch grid, and image ->
+    description retrieval far above chance on scenes rendered here with a seed neither pretraining saw."""
+    path = clip_load.resolve(name)  # its SHA256 checked
     assert path.stat().st_size <= 10 * 2 ** 20
-    clip = clip_load.load_clip("mini-synth")
+    clip = clip_load.load_clip(name)
     assert clip.cfg.vision_width == 128 and clip.visual.conv1.weight.dtype == torch.float32
+    assert clip.cfg.image_resolution // clip.cfg.vision_patch_size == grid
     # scenes it never saw (another seed than its own): each image against every scene's description (chance 1/n)
     synth.make_synth(tmp_path, 24, seed=99, workers=1)
     images, texts = [], []
@@ -2718,6 +2768,10 @@ def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
                         "--out", str(tmp_path / "cap.pt"), "--results", str(tmp_path / "c.json"), "--epochs", "1",
                         "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
     saved, raw = torch.load(tmp_path / "cap.pt", weights_only=False), clip_load.load_clip(openai_archive).state_dict()
+    # the small preset on a synthetic set trains on every pair both ways round (--reverse): twice the steps
+    n_train = len(data.load_items("clevr", adapt_synth, "train", "total"))
+    assert saved["args"]["reverse"] is True
+    assert torch.load(tmp_path / "cap.last.pt", weights_only=False)["step"] == 2 * n_train // 8
     assert all(torch.equal(saved["model"][k], v) for k, v in raw.items() if k not in M.PAIR_KEYS)
     preds = {p["id"]: p["caption"] for p in res["predictions"]}
     refs = {p["id"]: p["references"] for p in res["predictions"]}
