@@ -2356,7 +2356,7 @@ def test_object_loss_names_the_object_under_each_patch(tmp_path):
     assert both[-1]["loss"] < 0.9 * both[0]["loss"], [h["loss"] for h in both]
 
 
-@pytest.mark.parametrize("name, grid", [("mini-synth", 6)])
+@pytest.mark.parametrize("name, grid", [("mini-synth", 6), ("mini12-synth", 12)])
 def test_shipped_mini_clip_sees_objects(tmp_path, name, grid):
     """Each shipped mini CLIP: its SHA256 (checked by resolve), at most 10 MB, its patch grid, and image ->
     description retrieval far above chance on scenes rendered here with a seed neither pretraining saw."""
