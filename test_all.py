@@ -1882,7 +1882,7 @@ def test_loss_decreases_on_synthetic_batches(adapt_synth):
 @pytest.mark.parametrize("draw", [[], ["--draw-captions"]])
 def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch, draw):
     """Stopped by Ctrl-C in the second epoch and resumed: the same weights as a run that was never stopped; with
-    --draw-captions (one caption per pair and epoch, the mini preset's) too, whose epoch is a pass over the pairs."""
+    --draw-captions (one caption per pair and epoch; off in every preset) too, whose epoch is a pass over the pairs."""
     base = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2"] + draw
     adapt.main(base + ["--out", str(tmp_path / "a.pt")])
     full = torch.load(tmp_path / "a.last.pt", weights_only=False)
@@ -1896,9 +1896,9 @@ def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch, d
     adapt.main(base + ["--out", str(tmp_path / "b.pt"), "--resume"])
     resumed = torch.load(tmp_path / "b.last.pt", weights_only=False)
     assert resumed["epoch"] == full["epoch"] == 2
-    pairs = len(data.load_items("clevr", adapt_synth, "train", setting="semantic"))
-    captions = sum(len(it.captions) for it in data.load_items("clevr", adapt_synth, "train", setting="semantic"))
-    assert full["step"] == 2 * ((pairs if draw else captions) // 8)  # --batch-size 8, the last part-batch dropped
+    items = data.load_items("clevr", adapt_synth, "train", setting="semantic")
+    samples = len(items) if draw else sum(len(it.captions) for it in items)
+    assert full["step"] == 2 * (samples // 8)  # --batch-size 8, the last part-batch dropped
     for k, v in full["model"].items():
         assert torch.equal(v, resumed["model"][k]), k
     ckpt = torch.load(tmp_path / "b.pt", weights_only=False)
