@@ -138,13 +138,18 @@ def model_inputs(batch, device, frozen):
 
 
 @torch.no_grad()
-def encode_all(model, loader, ctx):
-    """Images -> pair-encoder tokens for every item, stored in fp16 (half the memory, far below the noise)."""
-    out = []
+def encode_all(model, loader, ctx, both_ways=False):
+    """Images -> pair-encoder tokens for every item, stored in fp16 (half the memory, far below the noise).
+    both_ways: then every item the other way round, (after, before), in the same order: --reverse's pairs, at the
+    cost of the inter blocks alone."""
+    out, back = [], []
     for batch in loader:
         with ctx.amp:
-            out.append(model.memory(**model_inputs(batch, ctx.device, False)).half().cpu())
-    return torch.cat(out)
+            tokens = model.clip.encode_pair(**model_inputs(batch, ctx.device, False), both_ways=both_ways)[0]
+        tokens = tokens.half().cpu()
+        out.append(tokens[:len(batch[0])])
+        back.append(tokens[len(batch[0]):])  # empty unless both_ways
+    return torch.cat(out + back)
 
 
 def build(ckpt, device, n_inter=None, extra=None):
@@ -571,8 +576,13 @@ def loaders(model, splits, captions, args, ctx):
     feats = {}
     if args.freeze_encoder:
         t0 = time.time()
-        feats = {s: encode_all(model, loader_for(ImageDataset(items, size, cache), args, ctx), ctx)
-                 for s, items in splits.items()}
+        for s, items in splits.items():
+            n = len(items)
+            if s == "train" and args.reverse:  # the training pairs, then the same pairs reversed (load_data)
+                n //= 2
+                assert all(b.id == a.id + "_r" for a, b in zip(items[:n], items[n:])), "reversed pairs out of order"
+            loader = loader_for(ImageDataset(items[:n], size, cache), args, ctx)
+            feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
         log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
     train = CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=captions, draw=True,
                            features=feats.get("train"))

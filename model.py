@@ -157,15 +157,20 @@ class VisionTransformer(nn.Module):
         x = self.transformer(self.stem(x))
         return self.ln_post(x[:, 0]) @ self.proj
 
-    def forward_pair(self, before, after):
-        """(B, 3, H, W) x2 -> tokens (B, 2(n+1), output_dim), pair vector v (B, output_dim)."""
+    def forward_pair(self, before, after, both_ways=False):
+        """(B, 3, H, W) x2 -> tokens (B, 2(n+1), output_dim), pair vector v (B, output_dim). both_ways: also each
+        pair the other way round, (after, before), as rows B..2B-1, at the cost of its inter blocks only (the intra
+        blocks see each image alone, so both orders share their work)."""
         B = before.shape[0]
         x = self.stem(torch.cat([before, after]))  # both images in one batch: (2B, n+1, width)
         blocks = self.transformer.resblocks
         n_intra = len(blocks) - self.n_inter
         for block in blocks[:n_intra]:  # eq. (2): intra blocks, each image alone
             x = block(x)
-        x = torch.cat([x[:B], x[B:]], dim=1)  # (B, 2(n+1), width)
+        x_before, x_after = x[:B], x[B:]
+        x = torch.cat([x_before, x_after], dim=1)  # (B, 2(n+1), width)
+        if both_ways:  # then the same pairs reversed: (2B, 2(n+1), width)
+            x = torch.cat([x, torch.cat([x_after, x_before], dim=1)])
         if self.n_inter > 0:
             n1 = x.shape[1] // 2
             e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
@@ -252,9 +257,10 @@ class CLIP(nn.Module):
         eot = text.argmax(dim=-1)  # the end-of-text id (49407) is the largest id
         return x[torch.arange(x.shape[0]), eot] @ self.text_projection
 
-    def encode_pair(self, before, after):
-        """The CLIP4IDC pair encoder: tokens (B, 2(n+1), embed_dim) and pair vector (B, embed_dim)."""
-        return self.visual.forward_pair(before, after)
+    def encode_pair(self, before, after, both_ways=False):
+        """The CLIP4IDC pair encoder: tokens (B, 2(n+1), embed_dim) and pair vector (B, embed_dim); both_ways:
+        (2B, ...), the pairs and then the same pairs reversed (VisionTransformer.forward_pair)."""
+        return self.visual.forward_pair(before, after, both_ways)
 
     def forward(self, image, text):
         """OpenAI's logits_per_image, logits_per_text."""

@@ -439,6 +439,11 @@ def test_pair_encoder_is_eq_2_to_5_and_order_matters():
     assert_close(t1, ref_t) and assert_close(v1, ref_v)
     assert (v1 - v2).abs().max() > 1e-3  # e1 != e2 and p: the encoder knows which image came first
     assert (t1[:, :17] - t2[:, 17:]).abs().max() > 1e-3
+    # both_ways (caption.py's --reverse pairs): each pair, then the same pair reversed, sharing the intra blocks
+    with torch.no_grad():
+        t, v = model.encode_pair(images, images.roll(1, 0), both_ways=True)
+    assert t.shape == (6, 34, 32) and v.shape == (6, 32)
+    assert_close(t, torch.cat([t1, t2])) and assert_close(v, torch.cat([v1, v2]))
 
 
 def test_sdpa_and_plain_attention_agree():
@@ -1389,6 +1394,28 @@ def test_reversed_pairs_are_captioned_backwards(synth_set, tmp_path):
     (tmp_path / "no_records" / "scenes.json").unlink()
     with pytest.raises(SystemExit, match="scenes.json.*--no-reverse"):
         data.reversed_pairs(items, tmp_path / "no_records")
+
+
+def test_reversed_pairs_get_their_own_tokens(adapt_synth, openai_archive):
+    """caption.loaders encodes --reverse's pairs together with the forward ones (the intra blocks' work shared):
+    each reversed pair's stored tokens are the frozen encoder's on (after, before), and in the items' order."""
+    args = caption.get_args(["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "small",
+                             "--workers", "0", "--eval-batch-size", "5"])
+    ctx = train_utils.setup(0, "cpu")
+    caption.apply_preset(args, {})
+    clip = clip_load.load_clip(openai_archive)
+    name, root, splits, vocab, captions = caption.load_data(args, {}, None, ctx)
+    n = len(splits["train"]) // 2
+    assert args.reverse and n > 5 and splits["train"][n].id == splits["train"][0].id + "_r"
+    model = caption.new_model(args, {}, vocab, ctx, clip).eval()
+    train = caption.loaders(model, splits, captions, args, ctx)[0].dataset
+    assert len(train.features) == 2 * n
+    pairs = data.ImageDataset(splits["train"], clip.cfg.image_resolution)  # the images, read one pair at a time
+    for i in (0, n - 1, n, 2 * n - 1):  # a forward pair and a reversed one at each end
+        before, after = (caption.normalize(x[None]) for x in pairs[i][:2])
+        with torch.no_grad():
+            want = clip.encode_pair(before, after)[0][0]
+        assert_close(train.features[i].float(), want, atol=2e-2)  # stored in fp16
 
 
 def test_judge_catches_wrong_captions():
