@@ -42,9 +42,8 @@ PRESETS = {
     # encoder's inter blocks already mix the two images). Fine-tuning the from-scratch encoder at 3e-4 collapsed
     # to "no change" on every pair (val CIDEr-D 62.9). RESULTS.md "Quickstart trade-offs". On a synthetic set every
     # training pair is also shown the other way round (--reverse; reverse=None: where the scene records allow it),
-    # which taught the captioner which image holds an object: RESULTS.md "The direction of a change". 64 wide:
-    # over the 12x12 grid's 290 memory tokens a step costs a third of 128 wide's (RESULTS.md "The 12x12 quickstart")
-    "small": dict(width=64, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
+    # which taught the captioner which image holds an object: RESULTS.md "The direction of a change"
+    "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                   freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=20, reverse=None),
     # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,

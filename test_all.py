@@ -747,13 +747,14 @@ def test_offline_download_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_a_corrupt_or_missing_shipped_file_is_a_clear_error(tmp_path, monkeypatch):
-    file, _ = clip_load.SHIPPED["mini-synth"]
+    name = adapt.PRESETS["mini"]["clip"]  # the one the quickstart adapts
+    file, _ = clip_load.SHIPPED[name]
     damaged = bytearray((clip_load.ASSETS / file).read_bytes())
     damaged[len(damaged) // 2] ^= 0xFF
     (tmp_path / file).write_bytes(damaged)
     monkeypatch.setattr(clip_load, "ASSETS", tmp_path)
     with pytest.raises(SystemExit, match=f"{re.escape(str(tmp_path / file))} has SHA256 .*git checkout"):
-        clip_load.load_clip("mini-synth")
+        clip_load.load_clip(name)
     (tmp_path / file).unlink()
     with pytest.raises(SystemExit, match=f"{re.escape(str(tmp_path / file))} is missing"):
         adapt.main(["--data-root", str(tmp_path), "--epochs", "1", "--preset", "mini"])
@@ -2758,6 +2759,8 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch, capsys):
+    """The quickstart's two commands in miniature: the mini preset adapts the shipped 6x6 CLIP (2 heads, 37 tokens
+    an image), and the small preset captions over its 74 tokens (128 wide, 4 heads)."""
     monkeypatch.setattr(clip_load, "CACHE", tmp_path)  # no ViT-B-32.pt anywhere
     out = tmp_path / "adapted.pt"
     adapt.main(["--data-root", str(adapt_synth), "--out", str(out), "--preset", "mini"] + FAST)
@@ -2765,13 +2768,24 @@ def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch,
     assert "preset 'mini'" in log and "PRETRAINED ON SYNTHETIC SCENES" in log and "clip=mini-synth" in log
     start, adapted = clip_load.load_clip("mini-synth").state_dict(), torch.load(out, weights_only=False)
     assert adapted["config"]["n_inter"] == 2 and adapted["data"]["image_size"] == 96
+    assert adapted["config"]["vision_patch_size"] == 16 and adapted["config"]["vision_width"] // 64 == 2  # heads
     adapted = adapted["model"]
     frozen = [k for k in start if k.startswith(adapt.FROZEN)]  # the authors' frozen input embeddings
     assert len(frozen) == 7 and all(torch.equal(adapted[k], start[k]) for k in frozen)
     trained = [k for k in start if not k.startswith(adapt.FROZEN + M.PAIR_KEYS) and k != "logit_scale"]
     assert all(not torch.equal(adapted[k], start[k]) for k in trained)  # CLIP's other weights learn, slowly
     p = adapted["visual.joint_positional_embedding"]  # started shared by both images (--shared-p 30), still near it
+    assert p.shape == (2 * 37, 128)  # a 6x6 grid and [CLS], twice
     assert (p[:37] - p[37:]).norm(dim=1).max() < 1 and (p[1:37].norm(dim=1) - 30).abs().max() < 1
+    # caption.py's small preset over those 74 tokens, every training pair both ways round
+    cap = tmp_path / "captioner.pt"
+    res = caption.main(["--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"), "--epochs", "1",
+                        "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
+    saved = torch.load(cap, weights_only=False)
+    assert saved["captioner_config"]["memory_len"] == 74 and saved["captioner_config"]["width"] == 128
+    assert saved["captioner_config"]["heads"] == 4 and saved["args"]["reverse"] is True
+    n_test = len(data.load_items("clevr", adapt_synth, "test", "semantic"))
+    assert len(res["predictions"]) == 2 * n_test and all(p["caption"] for p in res["predictions"])
 
 
 @pytest.mark.slow
