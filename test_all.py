@@ -436,14 +436,16 @@ def test_pair_encoder_is_eq_2_to_5_and_order_matters():
         t2, v2 = model.encode_pair(images.roll(1, 0), images)
         ref_t, ref_v = pair_reference(model.visual, images, images.roll(1, 0))
     assert t1.shape == (3, 34, 32) and v1.shape == (3, 32)
-    assert_close(t1, ref_t) and assert_close(v1, ref_v)
+    assert_close(t1, ref_t)
+    assert_close(v1, ref_v)
     assert (v1 - v2).abs().max() > 1e-3  # e1 != e2 and p: the encoder knows which image came first
     assert (t1[:, :17] - t2[:, 17:]).abs().max() > 1e-3
     # both_ways (caption.py's --reverse pairs): each pair, then the same pair reversed, sharing the intra blocks
     with torch.no_grad():
         t, v = model.encode_pair(images, images.roll(1, 0), both_ways=True)
     assert t.shape == (6, 34, 32) and v.shape == (6, 32)
-    assert_close(t, torch.cat([t1, t2])) and assert_close(v, torch.cat([v1, v2]))
+    assert_close(t, torch.cat([t1, t2]))
+    assert_close(v, torch.cat([v1, v2]))
 
 
 def test_sdpa_and_plain_attention_agree():
@@ -815,7 +817,8 @@ def test_preprocess_any_mode():
                   Image.fromarray(four).convert("CMYK")):
         assert_close(preprocess(image, 24), want), image.mode
     grey = preprocess(Image.fromarray(rgb).convert("L"), 24) * std + mean  # back to 0..1: three equal channels
-    assert_close(grey[0], grey[1]) and assert_close(grey[1], grey[2])
+    assert_close(grey[0], grey[1])
+    assert_close(grey[1], grey[2])
     assert_close(grey[0], preprocess(Image.fromarray(rgb).convert("L").convert("RGB"), 24)[0] * std[0] + mean[0])
     assert_close(preprocess(white8.convert("1"), 24), preprocess(white8, 24))
     # crop=True is OpenAI's: the short side to 32 (60x40 -> 48x32), then the centre 32x32; not a squash
