@@ -35,6 +35,7 @@ import random
 import time
 from dataclasses import asdict
 from multiprocessing import Pool
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,8 @@ def get_args(argv=None):
     p.add_argument("--eval-images", type=at_least(1), default=1000, help="held-out images evaluated")
     p.add_argument("--out", default="pretrained.pt", help="the run's weights (fp32); resumable state in *.last.pt")
     p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
+    p.add_argument("--snapshots", action="store_true", help="at each evaluation also keep the weights as a shipped "
+                   "fp16 file, OUT.<images>.pt (for curves of adapt.py and caption.py against pretraining images)")
     p.add_argument("--time-limit", type=at_least(0.0, float), default=None,
                    help="minutes: stop after the first evaluation past this (the state is saved; --resume continues)")
     p.add_argument("--eval-only", action="store_true", help="evaluate --ckpt on the held-out scenes and stop")
@@ -355,6 +358,11 @@ def shipped(state_dict):
     return {k: v.half() for k, v in state_dict.items() if not k.startswith(M.PAIR_KEYS)}
 
 
+def snapshot_path(out, images):
+    """--snapshots' file for the weights after this many images: pretrained.pt -> pretrained.19200.pt"""
+    return str(Path(out).with_suffix(f".{images}.pt"))
+
+
 def export(args):
     ckpt = torch.load(args.out, map_location="cpu", weights_only=False)
     meta = {k: ckpt[k] for k in ("args", "history") if k in ckpt}
@@ -442,6 +450,9 @@ def main(argv=None):
         save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": step, "history": history},
                     last_path(args.out))
+        if args.snapshots:
+            save_atomic({"model": shipped(model.state_dict()), "pretrain": {"args": vars(args), "history": history}},
+                        snapshot_path(args.out, step * args.batch_size))
         if args.time_limit is not None and time.time() - t_start > 60 * args.time_limit and step < total:
             log(ctx, f"--time-limit {args.time_limit:g} min reached at step {step}/{total}: the state is in "
                      f"{last_path(args.out)}; continue with --resume")

@@ -2278,7 +2278,7 @@ def test_probe_aligned_comparator_and_attention_weights(adapt_synth, tmp_path, c
 @pytest.mark.slow
 def test_pretrain_lowers_its_loss_and_resumes_exactly(tmp_path, capsys):
     args = TINY_PRETRAIN + ["--root", str(tmp_path / "scenes")]
-    full = pretrain.main(args + ["--out", str(tmp_path / "full.pt"), "--eval-every", "30"])
+    full = pretrain.main(args + ["--out", str(tmp_path / "full.pt"), "--eval-every", "30", "--snapshots"])
     assert len(full) == 2 and full[-1]["loss"] < 0.9 * full[0]["loss"], [h["loss"] for h in full]
     assert 0 <= full[-1]["hard-negative R@1"] <= 100 and all(f"probe {a}" in full[-1] for a in synth.ATTRS)
     # stopped by --time-limit after its first evaluation (step 20, inside the run above's first 30 steps), then
@@ -2294,6 +2294,10 @@ def test_pretrain_lowers_its_loss_and_resumes_exactly(tmp_path, capsys):
     assert all(v.dtype == torch.float16 for v in sd.values()) and not any(k in sd for k in M.PAIR_KEYS)
     loaded = clip_load.load_clip(tmp_path / "ship.pt", n_inter=1)
     assert_close(loaded.state_dict()["visual.proj"], a["visual.proj"].half().float(), atol=0)
+    # --snapshots: the shipped form at every evaluation, named by the images seen; the last one is the export
+    snaps = [clip_load.read_state_dict(pretrain.snapshot_path(tmp_path / "full.pt", h["samples"]))[0] for h in full]
+    assert all(torch.equal(snaps[-1][k], sd[k]) for k in sd) and snaps[-1].keys() == sd.keys()
+    assert not torch.equal(snaps[0]["visual.proj"], sd["visual.proj"])
 
 
 @pytest.mark.slow
