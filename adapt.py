@@ -292,11 +292,14 @@ def fmt(m):
 def banner(ctx, args):
     """What is being adapted, said plainly, and every setting."""
     log(ctx, f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
-    if args.preset == "mini":
-        log(ctx, "   no OpenAI weights given or found: adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that "
-                 "ships in assets/ (pretrain.py; the paper in miniature, a CPU demo; --preset scratch trains a "
-                 "small model from nothing instead). For the paper's results put OpenAI's ViT-B-32.pt in "
-                 "~/.cache/clip/ or pass --clip (README 'Weights').")
+    if args.preset == "mini" and args.clip in clip_load.SHIPPED:
+        log(ctx, f"   no OpenAI weights given or found: adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that "
+                 f"ships in assets/ ({clip_load.SHIPPED[args.clip][0]}, made by pretrain.py; the paper in miniature, "
+                 f"a CPU demo; --preset scratch trains a small model from nothing instead). For the paper's results "
+                 f"put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip (README 'Weights').")
+    elif args.preset == "mini":
+        log(ctx, f"   adapting the CLIP in {args.clip} with the settings made for the small CLIPs pretrained on "
+                 f"synthetic scenes (--preset mini; for OpenAI's ViT-B-32.pt use --preset paper)")
     if args.preset == "scratch":
         log(ctx, "   training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo, the from-scratch ablation; the "
                  "default adapts the small CLIP pretrained on synthetic scenes). For the paper's results put "

@@ -762,6 +762,20 @@ def test_a_corrupt_or_missing_shipped_file_is_a_clear_error(tmp_path, monkeypatc
         adapt.main(["--data-root", str(tmp_path), "--epochs", "1", "--preset", "mini"])
 
 
+def test_the_mini_banner_says_which_clip_it_adapts(tmp_path, capsys):
+    """--preset mini with a shipped name says the shipped file is adapted; with a file of one's own (a pretrain.py
+    snapshot) it names that file, and does not claim the shipped one."""
+    snap = tmp_path / "pretrained.19200.pt"
+    snap.write_bytes(b"")  # the banner reads only the name
+    ctx = train_utils.setup(0, "cpu", "off")
+    for clip in ("mini-synth", "mini12-synth", str(snap)):
+        adapt.banner(ctx, adapt.get_args(["--preset", "mini", "--clip", clip]))
+        out = capsys.readouterr().out
+        shipped = clip in clip_load.SHIPPED
+        assert ("PRETRAINED ON SYNTHETIC SCENES" in out) == shipped, out
+        assert (clip_load.SHIPPED[clip][0] if shipped else f"adapting the CLIP in {snap}") in out, out
+
+
 def shared_captions():
     texts = []
     for f in sorted((SHARED / "data").glob("**/*.json")):
