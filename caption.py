@@ -44,10 +44,10 @@ PRESETS = {
     # training pair is also shown the other way round (--reverse; reverse=None: where the scene records allow it),
     # which taught the captioner which image holds an object: RESULTS.md "The direction of a change"
     "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
-                  freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=20, reverse=None),
+                  freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=20, reverse=None, mem_diff=False),
     # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
-                  freeze_encoder=False, weight_decay=0.01, warmup=0.1, epochs=50, reverse=False),
+                  freeze_encoder=False, weight_decay=0.01, warmup=0.1, epochs=50, reverse=False, mem_diff=False),
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
@@ -396,6 +396,9 @@ def get_args(argv=None):
     p.add_argument("--enc-layers", type=at_least(0), default=None,
                    help=f"captioner encoder layers {pre('enc_layers')}")
     p.add_argument("--dec-layers", type=at_least(1), default=None, help=f"captioner decoder layers {pre('dec_layers')}")
+    p.add_argument("--mem-diff", action=argparse.BooleanOptionalAction, default=None,
+                   help="not in the paper: each memory token also gets after minus before at its position "
+                        f"(model.Captioner.encode) {pre('mem_diff')}")
     p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout (paper 0.1)")
     p.add_argument("--max-len", type=at_least(2), default=32, help="most tokens per caption, <eos> included (paper 32)")
     p.add_argument("--min-count", type=at_least(1), default=1,
@@ -540,7 +543,7 @@ def new_model(args, extra, vocab, ctx, clip):
     n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size) ** 2
     cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
-                          max_len=args.max_len, dropout=args.dropout)
+                          max_len=args.max_len, dropout=args.dropout, mem_diff=args.mem_diff)
     return IDC(clip, Captioner(cfg)).to(ctx.device)  # every process builds the same (setup seeds them alike)
 
 

@@ -333,6 +333,7 @@ class CaptionerConfig:
     dec_layers: int = 3
     max_len: int = 32  # generated tokens, <eos> included
     dropout: float = 0.1
+    mem_diff: bool = False  # not in the paper: each memory token also gets what changed at its position
 
 
 class Attention(nn.Module):
@@ -417,6 +418,9 @@ class Captioner(nn.Module):
         # pair encoder's e1/e2 end small beside p (norm ~1 vs 30), so without it an added object (in the after
         # image) reads like a removed one (in the before image); per-position mem_pos did not learn the split
         self.mem_image = nn.Parameter(torch.zeros(2, cfg.width))
+        # not in the paper (caption.py --mem-diff): after minus before at each position, projected and added to both
+        # images' tokens there, so that a token says what changed where it is (cross-attention cannot subtract)
+        self.mem_diff = nn.Linear(cfg.memory_dim, cfg.width) if cfg.mem_diff else None
         self.encoder = nn.ModuleList([CaptionBlock(cfg.width, cfg.heads, cfg.dropout) for _ in range(cfg.enc_layers)])
         self.ln_enc = LayerNorm(cfg.width)
         self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
@@ -436,8 +440,13 @@ class Captioner(nn.Module):
 
     def encode(self, memory):
         """Pair encoder tokens (B, 2(n+1), memory_dim) -> encoded memory (B, 2(n+1), width)."""
-        image = self.mem_image.repeat_interleave(memory.shape[1] // 2, dim=0)  # (2(n+1), width): before's, after's
-        x = self.drop(self.mem_proj(memory.to(self.mem_proj.weight.dtype)) + self.mem_pos + image)
+        n1 = memory.shape[1] // 2
+        image = self.mem_image.repeat_interleave(n1, dim=0)  # (2(n+1), width): before's, after's
+        memory = memory.to(self.mem_proj.weight.dtype)
+        x = self.mem_proj(memory) + self.mem_pos + image
+        if self.mem_diff is not None:
+            x = x + self.mem_diff(memory[:, n1:] - memory[:, :n1]).repeat(1, 2, 1)
+        x = self.drop(x)
         for block in self.encoder:
             x = block(x)
         return self.ln_enc(x)

@@ -94,6 +94,16 @@ def named_right(pred, where):
     return torch.tensor(right, dtype=torch.float)
 
 
+def read_as_captions(pred, y, where):
+    """Print and return the right type and the right object (named_right) of the (N, 5) answers, as synth.judge
+    reads the quickstart's captions, overall and per change type."""
+    obj, typ = named_right(pred, where), (pred[:, 0] == y[:, 0]).float()
+    print(f"read as captions (synth.resolve): right type {typ.mean():.0%}, right object {obj.mean():.0%}; by type "
+          + ", ".join(f"{t} {typ[y[:, 0] == i].mean():.0%} / {obj[y[:, 0] == i].mean():.0%}"
+                      for i, t in enumerate(ANSWERS["type"]) if (y[:, 0] == i).any()))
+    return typ.mean().item(), obj.mean().item()
+
+
 def changed_objects(root, name):
     """Each change pair of a split: `changed` of its scene, as synth.judge reads it."""
     scenes = synth.read_scenes(root)
@@ -212,11 +222,7 @@ def supervised(train, test, args, where=None):
         report(f"epoch {epoch + 1}/{args.epochs} | train loss {total / per_epoch:.3f} | {time.time() - t0:.0f}s"
                " | test: ", acc, yt)
     if where is not None:  # the last epoch's answers read as the quickstart's captions are (synth.judge)
-        obj = named_right(pred, where)
-        typ = (pred[:, 0] == yt[:, 0]).float()
-        print(f"read as captions (synth.resolve): right type {typ.mean():.0%}, right object {obj.mean():.0%}; by type "
-              + ", ".join(f"{t} {typ[yt[:, 0] == i].mean():.0%} / {obj[yt[:, 0] == i].mean():.0%}"
-                          for i, t in enumerate(ANSWERS["type"]) if (yt[:, 0] == i).any()))
+        read_as_captions(pred, yt, where)
     return history
 
 
@@ -232,9 +238,9 @@ def image_tokens(visual, x, blocks, batch=256):
     return torch.cat(out)
 
 
-def aligned(clip, train, test, args):
+def aligned(clip, train, test, args, where=None):
     """Frozen per-image tokens, compared position by position by a small trained MLP -> (mean train loss per
-    epoch, test accuracies)."""
+    epoch, test accuracies); with `where`, its answers are also read as captions are (read_as_captions)."""
     feats = []
     for b, a, _ in (train, test):
         tb, ta = image_tokens(clip.visual, b, args.block), image_tokens(clip.visual, a, args.block)
@@ -259,9 +265,12 @@ def aligned(clip, train, test, args):
         losses.append(total / (len(y) // B))
     with torch.no_grad():
         h = net(xt).amax(dim=1)
-        acc = [(head(h).argmax(1) == yt[:, j]).float().mean().item() for j, head in enumerate(heads)]
+        pred = torch.stack([head(h).argmax(1) for head in heads], dim=1)
+        acc = (pred == yt).float().mean(0).tolist()
     report(f"block {args.block}, {args.epochs} epochs, train loss {losses[0]:.3f} -> {losses[-1]:.3f} | test: ", acc,
            yt)
+    if where is not None:
+        read_as_captions(pred, yt, where)
     return losses, acc
 
 
@@ -346,7 +355,8 @@ def main(argv=None):
             args.block = layers - clip.visual.n_inter
         if args.block > layers:
             p.error(f"argument --block: {args.clip} has {layers} vision blocks: give 0 to {layers}, got {args.block}")
-        return aligned(clip, split(args.data_root, "train", size), split(args.data_root, "test", size), args)
+        return aligned(clip, split(args.data_root, "train", size), split(args.data_root, "test", size), args,
+                       changed_objects(args.data_root, "test"))
     if args.cmd == "linear":
         clip = clip_load.load_clip(args.ckpt)
         size = clip.cfg.image_resolution

@@ -673,6 +673,27 @@ def test_captioner_knows_which_image_a_token_came_from():
                               atol=1e-5)
 
 
+def test_mem_diff_tells_each_token_what_changed_at_its_position():
+    """--mem-diff: a memory token's encoding depends on the other image's token at its position (with no captioner
+    encoder layer, nothing else mixes them), and not at all where the two images agree there; off, it is the
+    plain captioner, weight for weight."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=20, memory_dim=24, memory_len=2 * 13, width=32, heads=4, enc_layers=0, dec_layers=1)
+    plain, diff = (M.Captioner(M.CaptionerConfig(**cfg, mem_diff=d)).eval() for d in (False, True))
+    assert plain.mem_diff is None and diff.mem_diff.weight.shape == (32, 24)
+    diff.load_state_dict(plain.state_dict(), strict=False)  # the same weights, mem_diff's aside
+    half = torch.randn(3, 13, 24)
+    same, other = torch.cat([half, half], 1), torch.cat([half, half + torch.randn(3, 13, 24)], 1)
+    with torch.no_grad():
+        assert_close(diff.encode(same), plain.encode(same))  # no change anywhere: no difference term
+        b = same.clone()
+        b[:, 13 + 5] += 1.0  # the after image differs at position 5 only
+        moved = lambda cap: ((cap.encode(same) - cap.encode(b)).abs().amax(-1)[0] > 1e-4).nonzero().flatten().tolist()
+        assert moved(diff) == [5, 13 + 5]  # the before image's token there moves too
+        assert moved(plain) == [13 + 5]
+        assert (diff.encode(other) - plain.encode(other)).abs().amax() > 0.01
+
+
 # -------------------------------------------------------------------------------------------------------------
 # clip_load.py: checkpoints (OpenAI's archive, the authors', the shipped mini CLIP), tokenizer, preprocessing
 
@@ -2228,7 +2249,8 @@ def test_probe_commands_run_on_a_synthetic_set(adapt_synth, tmp_path, capsys):
                        "--lr", "1e-3"])
     assert len(hist) == 20 and all(len(acc) == 5 and all(0 <= a <= 1 for a in acc) for _, acc in hist)
     assert hist[-1][0] < 0.7 * hist[0][0]  # it trains: 21 pairs' answers are learnt by heart
-    assert "epoch 20/20" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "epoch 20/20" in out and "read as captions (synth.resolve): right type" in out
     early = probe.main(["supervised", "--fusion", "early", "--data-root", str(adapt_synth), "--epochs", "20",
                         "--batch-size", "4", "--lr", "1e-3"])  # the 6-channel reference trains too
     assert early[-1][0] < 0.7 * early[0][0]
@@ -2283,7 +2305,9 @@ def test_probe_aligned_comparator_and_attention_weights(adapt_synth, tmp_path, c
         losses, acc = probe.main(["aligned", "--clip", str(tmp_path / "clip.pt"), "--data-root", str(adapt_synth),
                                   "--epochs", "15", "--batch-size", "4"] + extra)
         assert len(acc) == 5 and losses[-1] < 0.5 * losses[0], losses  # 21 pairs' answers learnt by heart
-    assert "block 1, 15 epochs" in capsys.readouterr().out  # the intra blocks: 3 - 2 inter
+    out = capsys.readouterr().out
+    assert "block 1, 15 epochs" in out  # the intra blocks: 3 - 2 inter
+    assert out.count("read as captions (synth.resolve): right type") == 2  # its answers judged as captions are
 
 
 # -------------------------------------------------------------------------------------------------------------
