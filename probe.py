@@ -25,7 +25,8 @@ quickstart's captions are read (synth.resolve, what synth.judge applies): the ri
 Two more locate what is missing. `aligned` keeps a CLIP frozen and gives it the comparator CLIP4IDC does not
 have: each image's patch tokens after --block blocks, before and after minus before at the same position, a small
 MLP shared by all positions, the maximum over positions, five heads. If it reads the change, the per-image tokens
-hold it and what the pair encoder lacks is the comparison (`--random`: the same architecture, random weights).
+hold it and what the pair encoder lacks is the comparison (`--random`: the same architecture, random weights);
+its answers are also read as captions are.
 `attention` runs the pair encoder (eq. 2-5, fresh pair parameters) and reports, per inter block, how much
 weight a patch gives the patch at its own position in the other image and itself, relative to uniform attention:
 CLIP4IDC's inter blocks compare the two images only if such weights stand out. `supervised --align-bias B`

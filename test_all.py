@@ -694,6 +694,22 @@ def test_mem_diff_tells_each_token_what_changed_at_its_position():
         assert (diff.encode(other) - plain.encode(other)).abs().amax() > 0.01
 
 
+def test_caption_mem_diff_trains_saves_and_loads(tmp_path):
+    """caption.py --mem-diff through main: the saved captioner carries the flag and its difference projection,
+    and caption.build reads them back; without the flag there is none."""
+    tiny_clevr(tmp_path / "clevr")
+    tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
+    run(tmp_path, "--mem-diff", epochs=1)
+    saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
+    assert saved["captioner_config"]["mem_diff"] is True and "mem_diff.weight" in saved["captioner"]
+    model, _ = caption.build(tmp_path / "captioner.pt", "cpu", extra=saved)
+    assert model.captioner.mem_diff is not None
+    assert torch.equal(model.captioner.mem_diff.weight, saved["captioner"]["mem_diff.weight"])
+    run(tmp_path, epochs=1)  # the small preset: off
+    saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
+    assert saved["captioner_config"]["mem_diff"] is False and "mem_diff.weight" not in saved["captioner"]
+
+
 # -------------------------------------------------------------------------------------------------------------
 # clip_load.py: checkpoints (OpenAI's archive, the authors', the shipped mini CLIP), tokenizer, preprocessing
 
