@@ -96,13 +96,12 @@ def named_right(pred, where):
 
 
 def read_as_captions(pred, y, where):
-    """Print and return the right type and the right object (named_right) of the (N, 5) answers, as synth.judge
-    reads the quickstart's captions, overall and per change type."""
+    """Print the right type and the right object (named_right) of the (N, 5) answers, as synth.judge reads the
+    quickstart's captions, overall and per change type."""
     obj, typ = named_right(pred, where), (pred[:, 0] == y[:, 0]).float()
     print(f"read as captions (synth.resolve): right type {typ.mean():.0%}, right object {obj.mean():.0%}; by type "
           + ", ".join(f"{t} {typ[y[:, 0] == i].mean():.0%} / {obj[y[:, 0] == i].mean():.0%}"
                       for i, t in enumerate(ANSWERS["type"]) if (y[:, 0] == i).any()))
-    return typ.mean().item(), obj.mean().item()
 
 
 def changed_objects(root, name):
