@@ -44,10 +44,12 @@ PRESETS = {
     # training pair is also shown the other way round (--reverse; reverse=None: where the scene records allow it),
     # which taught the captioner which image holds an object: RESULTS.md "The direction of a change"
     "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
-                  freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=20, reverse=None, mem_diff=False),
+                  freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=20, reverse=None, mem_diff=False,
+                  captions_per_pair=1),
     # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
-                  freeze_encoder=False, weight_decay=0.01, warmup=0.1, epochs=50, reverse=False, mem_diff=False),
+                  freeze_encoder=False, weight_decay=0.01, warmup=0.1, epochs=50, reverse=False, mem_diff=False,
+                  captions_per_pair=1),
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
@@ -407,6 +409,9 @@ def get_args(argv=None):
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
     p.add_argument("--batch-size", type=at_least(1), default=None,
                    help=f"pairs per step, all processes together {pre('batch_size')}")
+    p.add_argument("--captions-per-pair", type=at_least(1), default=None,
+                   help="captions each training pair is shown per epoch, in one step: its memory encoded once for "
+                        f"them all {pre('captions_per_pair')}")
     p.add_argument("--lr", type=at_least(0.0, float), default=None, help=f"captioner learning rate {pre('lr')}")
     p.add_argument("--encoder-lr", type=at_least(0.0, float), default=None,
                    help=f"pair-encoder learning rate, 0 = frozen {pre('encoder_lr')}")
@@ -587,8 +592,8 @@ def loaders(model, splits, captions, args, ctx):
             loader = loader_for(ImageDataset(items[:n], size, cache), args, ctx)
             feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
         log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
-    train = CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=captions, draw=True,
-                           features=feats.get("train"))
+    train = CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=captions,
+                           draw=args.captions_per_pair, features=feats.get("train"))
     return (loader_for(train, args, ctx, shuffle=True, batch=local_batch(ctx, args.batch_size)),
             *(loader_for(ImageDataset(splits[s], size, cache, feats.get(s)), args, ctx) for s in ("val", "test")))
 
@@ -676,9 +681,10 @@ def train(args, extra):
     start, stop, step, best, best_epoch, bad, history = resume_from(resume, model, optimizer, scheduler, args, ctx)
 
     def loss_fn(batch):  # (inputs..., each pair's drawn caption, item index): word-level cross entropy
-        words = batch[-2][:, :int((batch[-2] != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
+        words = batch[-2].flatten(0, -2)  # (B, T), or (B K, T) with --captions-per-pair K
+        words = words[:, :int((words != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
         logits = net(words[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))
-        return caption_loss(logits, words[:, 1:], ctx.world), len(words)
+        return caption_loss(logits, words[:, 1:], ctx.world), len(batch[-1])  # pairs, for the pairs/s
 
     # training: select on val CIDEr-D, stop after --patience epochs without gain
     t_start = time.time()

@@ -460,8 +460,17 @@ class Captioner(nn.Module):
         return self.ln_final(x) @ self.token_embedding.weight.t()
 
     def forward(self, memory, tokens):
-        """Teacher forcing: (B, M, memory_dim), (B, T) -> logits (B, T, vocab)."""
-        return self.decode(tokens, self.encode(memory))
+        """Teacher forcing: (B, M, memory_dim), (B, T) -> logits (B, T, vocab). tokens (B K, T), K captions per pair
+        (pair b's are rows bK..bK+K-1): each pair's memory is encoded, and projected to each decoder layer's keys
+        and values, once for its K captions."""
+        memory = self.encode(memory)
+        K = tokens.shape[0] // memory.shape[0]
+        assert K * memory.shape[0] == tokens.shape[0], f"{tokens.shape[0]} captions for {memory.shape[0]} pairs"
+        if K == 1:
+            return self.decode(tokens, memory)
+        caches = [{"cross": dict(zip("kv", (t.repeat_interleave(K, dim=0) for t in
+                                            block.cross_attn.keys_values(memory))))} for block in self.decoder]
+        return self.decode(tokens, memory, caches)
 
     @torch.no_grad()
     def generate(self, memory, bos, eos, max_len=None, use_cache=True):

@@ -693,14 +693,32 @@ def test_mem_diff_tells_each_token_what_changed_at_its_position():
         assert moved(plain) == [13 + 5]
 
 
+def test_several_captions_per_pair_share_one_memory_encoding():
+    """--captions-per-pair K: the captioner encodes each pair's memory, and projects it to every decoder layer's keys
+    and values, once for its K captions; the logits are those of each caption decoded against its own copy of the
+    memory (several heads, two decoder layers, a memory of another length than the captions)."""
+    torch.manual_seed(0)
+    for mem_diff in (False, True):
+        cap = M.Captioner(M.CaptionerConfig(vocab_size=20, memory_dim=24, memory_len=2 * 13, width=32, heads=4,
+                                            enc_layers=1, dec_layers=2, mem_diff=mem_diff)).eval()
+        memory, words = torch.randn(3, 26, 24), torch.randint(4, 20, (3 * 4, 7))  # 3 pairs, 4 captions each
+        with torch.no_grad():
+            want = cap(memory.repeat_interleave(4, dim=0), words)  # pair b's captions are rows 4b..4b+3
+            assert_close(cap(memory, words), want)
+            assert_close(caption.IDC(None, cap)(words, tokens=memory), want)  # what caption.py's training calls
+            assert (cap(memory.roll(1, 0), words) - want).abs().amax() > 0.02  # another pair's memory reads otherwise
+
+
 def test_caption_mem_diff_is_saved_and_read_back(tmp_path):
     """caption.py --mem-diff through main: the saved captioner carries the flag and its difference projection,
-    and caption.build reads them back; without the flag there is none."""
+    and caption.build reads them back; without the flag there is none. The first run trains on 3 captions per
+    pair and step (--captions-per-pair)."""
     tiny_clevr(tmp_path / "clevr")
     tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
-    run(tmp_path, "--mem-diff", epochs=1)
+    run(tmp_path, "--mem-diff", "--captions-per-pair", "3", epochs=1)  # and 3 captions per pair and step
     saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
     assert saved["captioner_config"]["mem_diff"] is True and "mem_diff.weight" in saved["captioner"]
+    assert saved["args"]["captions_per_pair"] == 3
     model, _ = caption.build(tmp_path / "captioner.pt", "cpu", extra=saved)
     assert model.captioner.mem_diff is not None
     assert torch.equal(model.captioner.mem_diff.weight, saved["captioner"]["mem_diff.weight"])
@@ -1046,6 +1064,13 @@ def test_drawn_captions_and_features_in_place_of_images(synth_set):
     assert torch.equal(images[2], ds[5][1]) and images[3] == 5  # the same draw as with features
     f, i = data.ImageDataset(items, 32, features=feats)[2]
     assert i == 2 and torch.equal(f, feats[2])
+    several = data.CaptionDataset(items, 32, ids=rows, draw=4, seed=3, features=feats)  # --captions-per-pair 4
+    for epoch in range(3):
+        several.epoch = epoch
+        f, ids, idx = several.__getitems__([0, 5])
+        assert ids.shape == (2, 4, 3) and idx.tolist() == [0, 5]
+        for i, pair in zip((0, 5), ids[:, :, 0].tolist()):
+            assert len(set(pair)) == 4 and all(owner[r] == i for r in pair)  # 4 distinct captions of its own
 
 
 def test_annotation_files_of_the_wrong_shape_say_so(tmp_path):
