@@ -680,7 +680,7 @@ def train(args, extra):
         model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
     start, stop, step, best, best_epoch, bad, history = resume_from(resume, model, optimizer, scheduler, args, ctx)
 
-    def loss_fn(batch):  # (inputs..., each pair's drawn caption, item index): word-level cross entropy
+    def loss_fn(batch):  # (inputs..., each pair's drawn caption(s), item index): word-level cross entropy
         words = batch[-2].flatten(0, -2)  # (B, T), or (B K, T) with --captions-per-pair K
         words = words[:, :int((words != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
         logits = net(words[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))

@@ -709,16 +709,19 @@ def test_several_captions_per_pair_share_one_memory_encoding():
             assert (cap(memory.roll(1, 0), words) - want).abs().amax() > 0.02  # another pair's memory reads otherwise
 
 
-def test_caption_mem_diff_is_saved_and_read_back(tmp_path):
+def test_caption_mem_diff_is_saved_and_read_back(tmp_path, monkeypatch):
     """caption.py --mem-diff through main: the saved captioner carries the flag and its difference projection,
     and caption.build reads them back; without the flag there is none. The first run trains on 3 captions per
-    pair and step (--captions-per-pair)."""
+    pair and step (--captions-per-pair): every training step hands the captioner 3 caption rows per pair."""
     tiny_clevr(tmp_path / "clevr")
     tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
-    run(tmp_path, "--mem-diff", "--captions-per-pair", "3", epochs=1)  # and 3 captions per pair and step
+    per_pair, forward = [], M.Captioner.forward
+    monkeypatch.setattr(M.Captioner, "forward", lambda cap, memory, tokens: (
+        per_pair.append(tokens.shape[0] / memory.shape[0]), forward(cap, memory, tokens))[1])
+    run(tmp_path, "--mem-diff", "--captions-per-pair", "3", epochs=1)
+    assert per_pair and set(per_pair) == {3.0}
     saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
     assert saved["captioner_config"]["mem_diff"] is True and "mem_diff.weight" in saved["captioner"]
-    assert saved["args"]["captions_per_pair"] == 3
     model, _ = caption.build(tmp_path / "captioner.pt", "cpu", extra=saved)
     assert model.captioner.mem_diff is not None
     assert torch.equal(model.captioner.mem_diff.weight, saved["captioner"]["mem_diff.weight"])
