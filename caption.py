@@ -45,11 +45,11 @@ PRESETS = {
     # which taught the captioner which image holds an object: RESULTS.md "The direction of a change"
     "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                   freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=20, reverse=None, mem_diff=False,
-                  captions_per_pair=1),
+                  captions_per_pair=1, mem_pool=1),
     # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
                   freeze_encoder=False, weight_decay=0.01, warmup=0.1, epochs=50, reverse=False, mem_diff=False,
-                  captions_per_pair=1),
+                  captions_per_pair=1, mem_pool=1),
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
@@ -401,6 +401,9 @@ def get_args(argv=None):
     p.add_argument("--mem-diff", action=argparse.BooleanOptionalAction, default=None,
                    help="not in the paper: each memory token also gets after minus before at its position "
                         f"(model.Captioner.encode) {pre('mem_diff')}")
+    p.add_argument("--mem-pool", type=at_least(1), default=None,
+                   help="not in the paper: the captioner reads each image's patch tokens averaged over k x k cells "
+                        f"(model.Captioner.pool; the grid must divide by k) {pre('mem_pool')}")
     p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout (paper 0.1)")
     p.add_argument("--max-len", type=at_least(2), default=32, help="most tokens per caption, <eos> included (paper 32)")
     p.add_argument("--min-count", type=at_least(1), default=1,
@@ -545,10 +548,11 @@ def new_model(args, extra, vocab, ctx, clip):
                  + (f", p shared by both images (--shared-p {args.shared_p:g})" if args.shared_p else ""))
         if args.shared_p and clip.cfg.n_inter:
             share_joint_positions_(clip.visual, args.shared_p)
-    n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size) ** 2
+    n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // args.mem_pool) ** 2  # (pooled) patches an image
     cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
-                          max_len=args.max_len, dropout=args.dropout, mem_diff=args.mem_diff)
+                          max_len=args.max_len, dropout=args.dropout, mem_diff=args.mem_diff,
+                          mem_pool=args.mem_pool)
     return IDC(clip, Captioner(cfg)).to(ctx.device)  # every process builds the same (setup seeds them alike)
 
 
@@ -661,6 +665,8 @@ def train(args, extra):
     preset = apply_preset(args, extra)
     resume = load_resume(args.out, "cpu") if args.resume else None
     clip = load_clip(args.ckpt, ctx.device, args.n_inter)
+    if (grid := clip.cfg.image_resolution // clip.cfg.vision_patch_size) % args.mem_pool:  # before any data is made
+        flag_error("--mem-pool", f"{args.mem_pool} does not divide {args.ckpt}'s {grid}x{grid} patch grid")
     log(ctx, f"caption.py: preset {preset} on {where(ctx)} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
     name, root, splits, vocab, captions = load_data(args, extra, resume, ctx)
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the synthetic set's record of each change

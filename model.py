@@ -334,6 +334,7 @@ class CaptionerConfig:
     max_len: int = 32  # generated tokens, <eos> included
     dropout: float = 0.1
     mem_diff: bool = False  # not in the paper: each memory token also gets what changed at its position
+    mem_pool: int = 1  # not in the paper: each image's patch grid averaged over mem_pool x mem_pool cells first
 
 
 class Attention(nn.Module):
@@ -438,8 +439,22 @@ class Captioner(nn.Module):
         nn.init.normal_(self.mem_image, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
 
+    def pool(self, memory):
+        """(B, 2(n+1), D) -> (B, 2(m+1), D): each image's g x g patch tokens averaged over k x k cells (k =
+        cfg.mem_pool; m = (g/k)^2), its [CLS] kept. What the captioner reads per step is what it costs: 290
+        memory tokens at a 12x12 grid, 74 pooled 2x2."""
+        k = self.cfg.mem_pool
+        if k == 1:
+            return memory
+        B, T, D = memory.shape
+        g = math.isqrt(T // 2 - 1)
+        x = memory.reshape(2 * B, T // 2, D)  # before's and after's tokens of each pair, one after the other
+        grid = F.avg_pool2d(x[:, 1:].transpose(1, 2).reshape(2 * B, D, g, g), k)  # (2B, D, g/k, g/k)
+        return torch.cat([x[:, :1], grid.flatten(2).transpose(1, 2)], dim=1).reshape(B, -1, D)
+
     def encode(self, memory):
-        """Pair encoder tokens (B, 2(n+1), memory_dim) -> encoded memory (B, 2(n+1), width)."""
+        """Pair encoder tokens (B, 2(n+1), memory_dim) -> encoded memory (B, 2(m+1), width) (m = n unpooled)."""
+        memory = self.pool(memory)
         n1 = memory.shape[1] // 2
         image = self.mem_image.repeat_interleave(n1, dim=0)  # (2(n+1), width): before's, after's
         memory = memory.to(self.mem_proj.weight.dtype)

@@ -693,6 +693,31 @@ def test_mem_diff_tells_each_token_what_changed_at_its_position():
         assert moved(plain) == [13 + 5]
 
 
+def test_mem_pool_averages_each_images_patch_grid():
+    """--mem-pool k: each image's g x g patch tokens are averaged over k x k cells in row-major order (a 4x4 grid
+    pooled 2x2: cell 0 is patches 0, 1, 4, 5), its [CLS] kept, the two images apart; the captioner reads the
+    2((g/k)^2 + 1) pooled tokens, with mem_diff on them."""
+    torch.manual_seed(0)
+    cfg = M.CaptionerConfig(vocab_size=20, memory_dim=24, memory_len=2 * (4 + 1), width=32, heads=4, enc_layers=0,
+                            dec_layers=2, mem_diff=True, mem_pool=2)
+    cap = M.Captioner(cfg).eval()
+    memory = torch.randn(3, 2 * (16 + 1), 24)  # 3 pairs, a 4x4 grid and [CLS] an image
+    pooled = cap.pool(memory)
+    assert pooled.shape == (3, 10, 24)
+    for image in (0, 1):
+        cls, grid = memory[:, 17 * image], memory[:, 17 * image + 1:17 * (image + 1)].reshape(3, 4, 4, 24)
+        want = grid.reshape(3, 2, 2, 2, 2, 24).mean((2, 4)).reshape(3, 4, 24)  # (row cell, col cell) row-major
+        assert torch.equal(pooled[:, 5 * image], cls)
+        assert_close(pooled[:, 5 * image + 1:5 * (image + 1)], want)
+    assert_close(pooled[:, 1], memory[:, [1, 2, 5, 6]].mean(1))
+    words = torch.randint(4, 20, (3, 7))
+    with torch.no_grad():
+        logits = cap(memory, words)
+        assert logits.shape == (3, 7, 20)
+        cap.cfg.mem_pool = 1
+        assert_close(cap(pooled, words), logits)  # pooling first is all that mem_pool changes
+
+
 def test_several_captions_per_pair_share_one_memory_encoding():
     """--captions-per-pair K: the captioner encodes each pair's memory, and projects it to every decoder layer's keys
     and values, once for its K captions; the logits are those of each caption decoded against its own copy of the
@@ -710,20 +735,21 @@ def test_several_captions_per_pair_share_one_memory_encoding():
 
 
 def test_caption_mem_diff_is_saved_and_read_back(tmp_path, monkeypatch):
-    """caption.py --mem-diff through main: the saved captioner carries the flag and its difference projection,
-    and caption.build reads them back; without the flag there is none. The first run trains on 3 captions per
+    """caption.py --mem-diff through main: the saved captioner carries the flag and its difference projection
+    (and --mem-pool), and caption.build reads them back; without the flag there is none. The first run trains on 3 captions per
     pair and step (--captions-per-pair): every training step hands the captioner 3 caption rows per pair."""
     tiny_clevr(tmp_path / "clevr")
     tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
     per_pair, forward = [], M.Captioner.forward
     monkeypatch.setattr(M.Captioner, "forward", lambda cap, memory, tokens: (
         per_pair.append(tokens.shape[0] / memory.shape[0]), forward(cap, memory, tokens))[1])
-    run(tmp_path, "--mem-diff", "--captions-per-pair", "3", epochs=1)
+    run(tmp_path, "--mem-diff", "--captions-per-pair", "3", "--mem-pool", "2", epochs=1)
     assert per_pair and set(per_pair) == {3.0}
     saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
     assert saved["captioner_config"]["mem_diff"] is True and "mem_diff.weight" in saved["captioner"]
-    model, _ = caption.build(tmp_path / "captioner.pt", "cpu", extra=saved)
-    assert model.captioner.mem_diff is not None
+    assert saved["captioner_config"]["mem_pool"] == 2 and saved["captioner"]["mem_pos"].shape[0] == 2 * (4 + 1)
+    model, _ = caption.build(tmp_path / "captioner.pt", "cpu", extra=saved)  # its 4x4 grid read pooled 2x2
+    assert model.captioner.mem_diff is not None and model.captioner.cfg.mem_pool == 2
     assert torch.equal(model.captioner.mem_diff.weight, saved["captioner"]["mem_diff.weight"])
     run(tmp_path, epochs=1)  # the small preset: off
     saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
@@ -2663,7 +2689,8 @@ BAD_FLAGS = {
                    "--ckpt mini-synth --before a.png => --after",
                    "--ckpt mini-synth --resume --out x.pt => --resume", "--ckpt mini-synth --n-inter 9 => --n-inter",
                    "--ckpt mini-synth --width 130 --heads 4 => --heads",
-                   "--ckpt mini-synth --no-freeze-encoder => --encoder-lr"],
+                   "--ckpt mini-synth --no-freeze-encoder => --encoder-lr", "--mem-pool 0",
+                   "--ckpt mini-synth --mem-pool 4 => --mem-pool"],
     "pretrain.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu", "--scenes 0",
                     "--image-size 0", "--patch-size 0", "--image-size 100 => --image-size", "--vision-width 0",
                     "--vision-width 200", "--vision-layers 0", "--text-width 0", "--text-layers 0", "--embed-dim 0",
