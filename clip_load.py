@@ -42,7 +42,7 @@ CACHE = Path(os.environ.get("CLIP_CACHE", Path.home() / ".cache" / "clip"))
 # command that made it). Loaded by name through the same code as OpenAI's file, and checked the same way
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED = {"mini-synth": ("clip_mini_synth.pt", "01b1c8f6b466124bc64bbec45f9943b00de0b6110118ea78b5ab3607776e228a"),
-           # the 12x12-grid one (8-px patches, --object-loss 1): not the quickstart's default yet (RESULTS.md)
+           # the 12x12-grid one (8-px patches, --object-loss 1): the quickstart's (adapt.py's mini preset)
            "mini12-synth": ("clip_mini12_synth.pt", "c867cbc98bafedfaab3a87372ef481f514ed50fd41b4cee028ffb0ce11bcdae6")}
 NON_PARAMETERS = ("input_resolution", "context_length", "vocab_size")  # scalars in OpenAI's state dict
 

@@ -751,7 +751,7 @@ def test_caption_mem_diff_is_saved_and_read_back(tmp_path, monkeypatch):
     model, _ = caption.build(tmp_path / "captioner.pt", "cpu", extra=saved)  # its 4x4 grid read pooled 2x2
     assert model.captioner.mem_diff is not None and model.captioner.cfg.mem_pool == 2
     assert torch.equal(model.captioner.mem_diff.weight, saved["captioner"]["mem_diff.weight"])
-    run(tmp_path, epochs=1)  # the small preset: off
+    run(tmp_path, "--no-mem-diff", epochs=1)  # off (the small preset has it on)
     saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
     assert saved["captioner_config"]["mem_diff"] is False and "mem_diff.weight" not in saved["captioner"]
 
@@ -2457,8 +2457,8 @@ def test_shared_p_lines_up_the_two_images_of_a_mimetic_clip():
     shared = [other for other, _ in probe.attention(clip, before, after)]
     for r, s in zip(random_p, shared):  # per inter block, per head (2 heads)
         assert len(s) == 2 and min(s) > 20 and min(s) > 2 * max(r), (random_p, shared)
-    # adapt.py: the mini preset starts from it, the paper and scratch presets from the authors' random p
-    assert [adapt.get_args(["--preset", k]).shared_p for k in ("mini", "paper", "scratch")] == [30.0, 0.0, 0.0]
+    # adapt.py: every preset starts from the authors' random p (the 6x6 CLIP's quickstart passed --shared-p 30)
+    assert [adapt.get_args(["--preset", k]).shared_p for k in ("mini", "paper", "scratch")] == [0.0, 0.0, 0.0]
     args = adapt.get_args(["--preset", "scratch", "--shared-p", "5", "--vision-width", "128", "--vision-layers", "4",
                            "--n-inter", "2"])
     p = adapt.new_model(args).visual.joint_positional_embedding.detach()
@@ -2874,31 +2874,34 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch, capsys):
-    """The quickstart's two commands in miniature: the mini preset adapts the shipped 6x6 CLIP (2 heads, 37 tokens
-    an image), and the small preset captions over its 74 tokens (128 wide, 4 heads)."""
+    """The quickstart's two commands in miniature: the mini preset adapts the shipped 12x12 CLIP (2 heads, 145
+    tokens an image, the authors' random p), and the small preset captions over its memory pooled 2x2 (74 tokens,
+    128 wide, 4 heads, after minus before at each position, every pair both ways round)."""
     monkeypatch.setattr(clip_load, "CACHE", tmp_path)  # no ViT-B-32.pt anywhere
     out = tmp_path / "adapted.pt"
     adapt.main(["--data-root", str(adapt_synth), "--out", str(out), "--preset", "mini"] + FAST)
     log = capsys.readouterr().out
-    assert "preset 'mini'" in log and "PRETRAINED ON SYNTHETIC SCENES" in log and "clip=mini-synth" in log
-    start, adapted = clip_load.load_clip("mini-synth").state_dict(), torch.load(out, weights_only=False)
+    assert "preset 'mini'" in log and "PRETRAINED ON SYNTHETIC SCENES" in log and "clip=mini12-synth" in log
+    start, adapted = clip_load.load_clip("mini12-synth").state_dict(), torch.load(out, weights_only=False)
     assert adapted["config"]["n_inter"] == 2 and adapted["data"]["image_size"] == 96
-    assert adapted["config"]["vision_patch_size"] == 16 and adapted["config"]["vision_width"] // 64 == 2  # heads
+    assert adapted["config"]["vision_patch_size"] == 8 and adapted["config"]["vision_width"] // 64 == 2  # heads
+    assert adapted["args"]["draw_captions"] is True
     adapted = adapted["model"]
     frozen = [k for k in start if k.startswith(adapt.FROZEN)]  # the authors' frozen input embeddings
     assert len(frozen) == 7 and all(torch.equal(adapted[k], start[k]) for k in frozen)
     trained = [k for k in start if not k.startswith(adapt.FROZEN + M.PAIR_KEYS) and k != "logit_scale"]
     assert all(not torch.equal(adapted[k], start[k]) for k in trained)  # CLIP's other weights learn, slowly
-    p = adapted["visual.joint_positional_embedding"]  # started shared by both images (--shared-p 30), still near it
-    assert p.shape == (2 * 37, 128)  # a 6x6 grid and [CLS], twice
-    assert (p[:37] - p[37:]).norm(dim=1).max() < 1 and (p[1:37].norm(dim=1) - 30).abs().max() < 1
-    # caption.py's small preset over those 74 tokens, every training pair both ways round
+    p = adapted["visual.joint_positional_embedding"]  # the authors' random p: each token its own, small
+    assert p.shape == (2 * 145, 128)  # a 12x12 grid and [CLS], twice
+    assert (p[:145] - p[145:]).norm(dim=1).min() > 0.1 and p.norm(dim=1).max() < 5
+    # caption.py's small preset over those tokens pooled 2x2, every training pair both ways round
     cap = tmp_path / "captioner.pt"
     res = caption.main(["--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"), "--epochs", "1",
                         "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
     saved = torch.load(cap, weights_only=False)
-    assert saved["captioner_config"]["memory_len"] == 74 and saved["captioner_config"]["width"] == 128
-    assert saved["captioner_config"]["heads"] == 4 and saved["args"]["reverse"] is True
+    config = saved["captioner_config"]
+    assert (config["memory_len"], config["mem_pool"], config["width"], config["heads"]) == (74, 2, 128, 4)
+    assert config["mem_diff"] is True and saved["args"]["reverse"] is True
     n_test = len(data.load_items("clevr", adapt_synth, "test", "semantic"))
     assert len(res["predictions"]) == 2 * n_test and all(p["caption"] for p in res["predictions"])
 
