@@ -11,7 +11,9 @@ cross entropy. The pair encoder is fine-tuned at its own tiny learning rate (aut
 "total" setting in training and evaluation: (default, semantic) pairs with change captions and (default,
 non-semantic) distractor pairs with no-change captions. The model is chosen on val CIDEr-D with early stopping
 (the authors chose on test); the test scores (metrics.py: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D), CIDEr-D per change
-type (paper Table 2) and the best constant-caption baseline go to --results.
+type (paper Table 2) and the best constant-caption baseline go to --results. The small preset (adapt.py's small
+encoders, on a CPU) also hands the captioner after minus before at each position (--mem-diff) and pools a 12x12
+grid's patch tokens 2x2 (--mem-pool): not in the paper, README "Quickstart".
 """
 import argparse
 import json
@@ -394,8 +396,9 @@ def get_args(argv=None):
     p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks of the pair encoder (default: the "
                    "checkpoint's, 3 for a raw CLIP)")
     p.add_argument("--shared-p", type=at_least(0.0, float), default=0.0,
-                   help="the no-adaptation ablation: initialize a raw CLIP's fresh p as adapt.py --shared-p does "
-                        "(adapt.py's mini preset: 30), to compare like with like")
+                   help="the no-adaptation ablation: initialize a raw CLIP's fresh p as adapt.py --shared-p does, "
+                        "to compare like with like (0, the authors' random p, as every adapt.py preset; the 6x6 "
+                        "CLIP's quickstart used 30)")
     p.add_argument("--width", type=at_least(1), default=None, help=f"captioner width {pre('width')}")
     p.add_argument("--heads", type=at_least(1), default=None, help=f"captioner attention heads {pre('heads')}")
     p.add_argument("--enc-layers", type=at_least(0), default=None,
