@@ -546,6 +546,17 @@ def load_data(args, extra, resume, ctx):
     return name, root, splits, vocab, captions
 
 
+def resolve_mem_pool(args, clip):
+    """--mem-pool for this CLIP's patch grid: the small preset's None is 2 (2x2 cells) on a grid of 12x12 or more
+    that 2 divides, else 1 (every patch); the grid must divide by it."""
+    grid = clip.cfg.image_resolution // clip.cfg.vision_patch_size
+    if args.mem_pool is None:
+        args.mem_pool = 2 if grid >= 12 and grid % 2 == 0 else 1
+    if grid % args.mem_pool:
+        flag_error("--mem-pool", f"{args.mem_pool} does not divide {args.ckpt}'s {grid}x{grid} patch grid")
+    return args.mem_pool
+
+
 def new_model(args, extra, vocab, ctx, clip):
     """The pair encoder from --ckpt (load_clip, read before the data: a bad --n-inter says so at once) and a fresh
     captioner over its 2(n+1) tokens, in one module."""
@@ -555,7 +566,7 @@ def new_model(args, extra, vocab, ctx, clip):
                  + (f", p shared by both images (--shared-p {args.shared_p:g})" if args.shared_p else ""))
         if args.shared_p and clip.cfg.n_inter:
             share_joint_positions_(clip.visual, args.shared_p)
-    n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // args.mem_pool) ** 2  # (pooled) patches an image
+    n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // resolve_mem_pool(args, clip)) ** 2  # pooled
     cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
                           max_len=args.max_len, dropout=args.dropout, mem_diff=args.mem_diff,
@@ -672,11 +683,7 @@ def train(args, extra):
     preset = apply_preset(args, extra)
     resume = load_resume(args.out, "cpu") if args.resume else None
     clip = load_clip(args.ckpt, ctx.device, args.n_inter)
-    grid = clip.cfg.image_resolution // clip.cfg.vision_patch_size
-    if args.mem_pool is None:  # the small preset: 2x2 cells on the 12x12 grid, every patch on smaller ones
-        args.mem_pool = 2 if grid >= 12 and grid % 2 == 0 else 1
-    if grid % args.mem_pool:  # before any data is made
-        flag_error("--mem-pool", f"{args.mem_pool} does not divide {args.ckpt}'s {grid}x{grid} patch grid")
+    resolve_mem_pool(args, clip)  # a bad --mem-pool stops here, before any data is made
     log(ctx, f"caption.py: preset {preset} on {where(ctx)} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
     name, root, splits, vocab, captions = load_data(args, extra, resume, ctx)
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the synthetic set's record of each change
