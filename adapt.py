@@ -45,11 +45,11 @@ PRESETS = {
     # a 12x12 grid of 8-px patches, so that an object spans several), 4 intra + 2 inter blocks (the paper's last
     # quarter of 12 is 3; of 6, 2); the authors' policy: CLIP's input embeddings frozen, the new pair parameters at
     # a high rate, CLIP's weights at the authors' 1e-7 (3e-4 gave the same retrieval and cost the captions the
-    # object: 52 against 82 %, RESULTS.md "The quickstart today"); one epoch of one caption drawn per pair (val
-    # retrieval peaks at epoch 1-2 of 3 at this rate). The authors' random p: a p shared by the two images
-    # (--shared-p 30) lines them up but drowns their content, and the captions lose the object (RESULTS.md "Where
-    # the 12x12 quickstart loses the object"). The 6x6 CLIP's quickstart, the default before: --clip mini-synth
-    # --epochs 1 --lr-clip 1e-4 --shared-p 30 --no-draw-captions
+    # object: 52 against 82 %, RESULTS.md "The quickstart today"); one epoch of one caption drawn per pair (at this
+    # rate val retrieval was highest after the first of 3 on every seed). The authors' random p: a p shared by the
+    # two images (--shared-p 30) lines them up but drowns their content, and the captions lose the object
+    # (RESULTS.md "Where the 12x12 quickstart loses the object"). The 6x6 CLIP's quickstart, the default before:
+    # --clip mini-synth --epochs 1 --lr-clip 1e-4 --shared-p 30 --no-draw-captions
     "mini": dict(clip="mini12-synth", n_inter=2, image_size=96, context_length=32, batch_size=32, epochs=1,
                  lr_new=1e-3, lr_clip=1e-7, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
                  eval_batch_size=256, shared_p=0.0, draw_captions=True),

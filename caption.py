@@ -48,7 +48,7 @@ PRESETS = {
     # token also gets after minus before at its position (--mem-diff), and on a grid of 12x12 or more (the default
     # mini CLIP's) the captioner reads each image's patches averaged over 2x2 cells (mem_pool=None: 2 there, else
     # 1): 74 memory tokens instead of 290, a third of the step's cost. 15 epochs: 30 name the object more often
-    # (82 against 74 %) in twice the time (RESULTS.md "The quickstart today")
+    # (82 against 75 %) in twice the time (RESULTS.md "The quickstart today")
     "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                   freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=15, reverse=None, mem_diff=True,
                   captions_per_pair=1, mem_pool=None),
