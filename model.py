@@ -456,7 +456,7 @@ class Captioner(nn.Module):
         """Pair encoder tokens (B, 2(n+1), memory_dim) -> encoded memory (B, 2(m+1), width) (m = n unpooled)."""
         memory = self.pool(memory)
         n1 = memory.shape[1] // 2
-        image = self.mem_image.repeat_interleave(n1, dim=0)  # (2(n+1), width): before's, after's
+        image = self.mem_image.repeat_interleave(n1, dim=0)  # (2(m+1), width): before's, after's
         memory = memory.to(self.mem_proj.weight.dtype)
         x = self.mem_proj(memory) + self.mem_pos + image
         if self.mem_diff is not None:

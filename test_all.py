@@ -45,6 +45,7 @@ from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -718,6 +719,21 @@ def test_mem_pool_averages_each_images_patch_grid():
         assert_close(cap(pooled, words), logits)  # pooling first is all that mem_pool changes
 
 
+def test_the_small_presets_mem_pool_follows_the_patch_grid(capsys):
+    """caption.resolve_mem_pool: the small preset (None) pools 2x2 on a grid of 12x12 or more that 2 divides and
+    reads every patch of a smaller or odd one (the 6x6 CLIP, ViT-B/32's 7x7); a k the grid does not divide is a
+    clear --mem-pool error."""
+    for (size, patch), want in {(96, 8): 2, (96, 16): 1, (224, 32): 1, (208, 16): 1, (224, 16): 2}.items():
+        clip = SimpleNamespace(cfg=SimpleNamespace(image_resolution=size, vision_patch_size=patch))
+        args = SimpleNamespace(mem_pool=None, ckpt="x.pt")
+        assert caption.resolve_mem_pool(args, clip) == want == args.mem_pool, (size, patch)
+    clip = SimpleNamespace(cfg=SimpleNamespace(image_resolution=96, vision_patch_size=8))
+    assert caption.resolve_mem_pool(SimpleNamespace(mem_pool=3, ckpt="x.pt"), clip) == 3  # 12 / 3: 4x4 cells
+    with pytest.raises(SystemExit):
+        caption.resolve_mem_pool(SimpleNamespace(mem_pool=5, ckpt="x.pt"), clip)
+    assert "argument --mem-pool: 5 does not divide x.pt's 12x12 patch grid" in capsys.readouterr().err
+
+
 def test_several_captions_per_pair_share_one_memory_encoding():
     """--captions-per-pair K: the captioner encodes each pair's memory, and projects it to every decoder layer's keys
     and values, once for its K captions; the logits are those of each caption decoded against its own copy of the
@@ -736,8 +752,9 @@ def test_several_captions_per_pair_share_one_memory_encoding():
 
 def test_caption_mem_diff_is_saved_and_read_back(tmp_path, monkeypatch):
     """caption.py --mem-diff through main: the saved captioner carries the flag and its difference projection
-    (and --mem-pool), and caption.build reads them back; without the flag there is none. The first run trains on 3 captions per
-    pair and step (--captions-per-pair): every training step hands the captioner 3 caption rows per pair."""
+    (and --mem-pool), and caption.build reads them back; without the flag there is none. The first run trains on 3
+    captions per pair and step (--captions-per-pair): every training step hands the captioner 3 caption rows per
+    pair."""
     tiny_clevr(tmp_path / "clevr")
     tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
     per_pair, forward = [], M.Captioner.forward
@@ -2890,7 +2907,9 @@ def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch,
     frozen = [k for k in start if k.startswith(adapt.FROZEN)]  # the authors' frozen input embeddings
     assert len(frozen) == 7 and all(torch.equal(adapted[k], start[k]) for k in frozen)
     trained = [k for k in start if not k.startswith(adapt.FROZEN + M.PAIR_KEYS) and k != "logit_scale"]
-    assert all(not torch.equal(adapted[k], start[k]) for k in trained)  # CLIP's other weights learn, slowly
+    assert all(not torch.equal(adapted[k], start[k]) for k in trained)  # CLIP's other weights learn, slowly:
+    steps = torch.load(train_utils.last_path(out), weights_only=False)["step"]  # at the authors' 1e-7, Adam moves
+    assert max(max_change(adapted, start, trained).values()) <= 2 * steps * 1e-7  # a weight by about lr a step
     p = adapted["visual.joint_positional_embedding"]  # the authors' random p: each token its own, small
     assert p.shape == (2 * 145, 128)  # a 12x12 grid and [CLS], twice
     assert (p[:145] - p[145:]).norm(dim=1).min() > 0.1 and p.norm(dim=1).max() < 5
