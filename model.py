@@ -442,9 +442,10 @@ class Captioner(nn.Module):
     def pool(self, memory):
         """(B, 2(n+1), D) -> (B, 2(m+1), D): each image's g x g patch tokens averaged over k x k cells (k =
         cfg.mem_pool; m = (g/k)^2), its [CLS] kept. What the captioner reads per step is what it costs: 290
-        memory tokens at a 12x12 grid, 74 pooled 2x2."""
+        memory tokens at a 12x12 grid, 74 pooled 2x2. Tokens already pooled (cfg.memory_len of them: a frozen
+        encoder's, pooled once by caption.encode_all) pass through."""
         k = self.cfg.mem_pool
-        if k == 1:
+        if k == 1 or memory.shape[1] == self.cfg.memory_len:  # nothing to pool, or pooled already (encode_all)
             return memory
         B, T, D = memory.shape
         g = math.isqrt(T // 2 - 1)

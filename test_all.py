@@ -715,6 +715,7 @@ def test_mem_pool_averages_each_images_patch_grid():
     with torch.no_grad():
         logits = cap(memory, words)
         assert logits.shape == (3, 7, 20)
+        assert_close(cap(pooled, words), logits)  # tokens pooled already (caption.encode_all's) pass through
         cap.cfg.mem_pool = 1
         assert_close(cap(pooled, words), logits)  # pooling first is all that mem_pool changes
 
@@ -1521,11 +1522,13 @@ def test_reversed_pairs_are_captioned_backwards(synth_set, tmp_path):
         data.reversed_pairs(items, tmp_path / "no_records")
 
 
-def test_reversed_pairs_get_their_own_tokens(adapt_synth, openai_archive):
+@pytest.mark.parametrize("pool", [1, 2])
+def test_reversed_pairs_get_their_own_tokens(adapt_synth, openai_archive, pool):
     """caption.loaders encodes --reverse's pairs together with the forward ones (the intra blocks' work shared):
-    each reversed pair's stored tokens are the frozen encoder's on (after, before), and in the items' order."""
+    each reversed pair's stored tokens are the frozen encoder's on (after, before), and in the items' order; with
+    --mem-pool 2 they are stored pooled, as the captioner reads them (the 4x4 grid's 2x2 cells)."""
     args = caption.get_args(["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "small",
-                             "--workers", "0", "--eval-batch-size", "5"])
+                             "--workers", "0", "--eval-batch-size", "5", "--mem-pool", str(pool)])
     ctx = train_utils.setup(0, "cpu")
     caption.apply_preset(args, {})
     clip = clip_load.load_clip(openai_archive)
@@ -1539,8 +1542,12 @@ def test_reversed_pairs_get_their_own_tokens(adapt_synth, openai_archive):
     for i in (0, n - 1, n, 2 * n - 1):  # a forward pair and a reversed one at each end
         before, after = (caption.normalize(x[None]) for x in pairs[i][:2])
         with torch.no_grad():
-            want = clip.encode_pair(before, after)[0][0]
-        assert_close(train.features[i].float(), want, atol=2e-2)  # stored in fp16
+            want = clip.encode_pair(before, after)[0]
+        if pool > 1:  # each image's 16 patch tokens -> 4 cell means, [CLS] kept: 2 (4 + 1) tokens
+            g = want.reshape(2, 17, -1)[:, 1:].reshape(2, 2, 2, 2, 2, -1).mean((2, 4)).reshape(2, 4, -1)
+            want = torch.cat([want.reshape(2, 17, -1)[:, :1], g], 1).reshape(1, 10, -1)
+        assert train.features[i].shape == (2 * (16 // pool ** 2 + 1), want.shape[-1])
+        assert_close(train.features[i].float(), want[0], atol=2e-2)  # stored in fp16
 
 
 def test_judge_catches_wrong_captions():
