@@ -12,6 +12,8 @@
                                             #   random-weight ViT-B/32 in OpenAI's archive format
     python bench.py pair                    # ViT-B/32 pair encoder forward, 8 pairs (CPU fp32 / CUDA bf16)
     python bench.py metrics                 # = python metrics.py --bench (8,000 candidates x 6 references)
+    python bench.py alloc                   # the 12x12 mini CLIP on the CPU: glibc's allocator as it comes vs
+                                            #   freed memory kept for reuse (train_utils.setup)
     python bench.py matmul                  # this CPU's fp32 GFLOP/s (2048^3 matmul): quote it beside any timing
 
 Every subcommand runs on the CPU too (--device cpu; slowly, and the authors' step and the loops only on CUDA).
@@ -23,6 +25,8 @@ figure is the worst case; random weights and memory are enough, since the cost d
 """
 import argparse
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -31,7 +35,8 @@ from types import SimpleNamespace
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
-from train_utils import (at_least, autocast, device_arg, freeze, make_optimizer, matmul_gflops, param_groups,
+from train_utils import (at_least, autocast, device_arg, freeze, keep_freed_memory, make_optimizer, matmul_gflops,
+                         param_groups,
                          train_step, warmup_cosine)
 
 # -----------------------------------------------------------------------------
@@ -685,6 +690,38 @@ def bench_cuda_path(args):
     return failed
 
 
+def bench_alloc(args):
+    """The shipped 12x12 mini CLIP on the CPU with glibc's allocator as it comes, then with its freed memory kept
+    for reuse (train_utils.keep_freed_memory, which setup calls): each in a fresh process, since the setting holds
+    for the rest of a process. Its MLP activations at batch 64 are 38 MiB, above glibc's mmap threshold."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.inner:
+        if args.inner == "kept":
+            keep_freed_memory()
+        import clip_load
+        clip = clip_load.load_clip("mini12-synth", n_inter=2)
+        x, ids = torch.randn(args.batch, 3, 96, 96), torch.randint(1, 49000, (args.batch, 32))
+        with torch.no_grad():  # caption.encode_all: each pair both ways round
+            forward = timed(lambda: clip.visual.forward_pair(x, x.flip(0), both_ways=True), torch.device("cpu"),
+                            args.repeats)[0]
+
+        def step():  # adapt.py's: the pair vectors against the captions' features, forward and backward
+            loss = (clip.encode_pair(x, x.flip(0))[1] @ clip.encode_text(ids).t()).logsumexp(1).mean()
+            loss.backward()
+        backward = timed(step, torch.device("cpu"), args.repeats)[0]
+        print(f"{1000 * forward / args.batch:.2f} {1000 * backward / args.batch:.2f}")
+        return
+    print(f"the 12x12 mini CLIP, batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
+          f"{matmul_gflops():.0f} GFLOP/s fp32, ms per pair:")
+    print(f"{'allocator':<34} {'forward, both ways':>19} {'training step':>14}")
+    for how, label in (("as it comes", "glibc as it comes"), ("kept", "freed memory kept (setup's)")):
+        cmd = [sys.executable, os.path.abspath(__file__), "alloc", "--inner", how, "--batch", str(args.batch),
+               "--repeats", str(args.repeats), "--threads", str(args.threads)]
+        forward, step = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
+        print(f"{label:<34} {forward:>19} {step:>14}")
+
+
 def bench_matmul(args):
     print(f"fp32 matmul {args.n}^3 on the CPU, {torch.get_num_threads()} threads, torch {torch.__version__}: "
           f"{matmul_gflops(args.n):.0f} GFLOP/s")
@@ -769,6 +806,14 @@ def main(argv=None):
                    "adapt, caption, your own two images, adapt under torchrun + compile, caption under torchrun")
     q.set_defaults(func=bench_cuda_path)
     sub.add_parser("metrics", help="scoring speed: python metrics.py --bench").set_defaults(func=bench_metrics)
+    q = sub.add_parser("alloc", help="the 12x12 mini CLIP's pair forward and training step on the CPU, glibc's "
+                                     "allocator as it comes and with freed memory kept (train_utils.setup)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("--batch", type=at_least(1), default=64, help="pairs per batch (caption.py encodes 64 at a time)")
+    q.add_argument("--repeats", type=at_least(1), default=5, help="timed runs (the median is reported)")
+    q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
+    q.add_argument("--inner", choices=["as it comes", "kept"], default=None, help=argparse.SUPPRESS)
+    q.set_defaults(func=bench_alloc)
     m = sub.add_parser("matmul", help="this CPU's fp32 GFLOP/s, the figure to quote beside a timing",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m.add_argument("--n", type=at_least(1), default=2048, help="matrix size")
