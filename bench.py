@@ -36,8 +36,7 @@ import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
 from train_utils import (at_least, autocast, device_arg, freeze, keep_freed_memory, make_optimizer, matmul_gflops,
-                         param_groups,
-                         train_step, warmup_cosine)
+                         param_groups, train_step, warmup_cosine)
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
