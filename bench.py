@@ -714,7 +714,7 @@ def bench_alloc(args):
     print(f"the 12x12 mini CLIP, batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
           f"{matmul_gflops():.0f} GFLOP/s fp32, ms per pair:")
     print(f"{'allocator':<34} {'forward, both ways':>19} {'training step':>14}")
-    for how, label in (("as it comes", "glibc as it comes"), ("kept", "freed memory kept (setup's)")):
+    for how, label in (("plain", "glibc as it comes"), ("kept", "freed memory kept (setup's)")):
         cmd = [sys.executable, os.path.abspath(__file__), "alloc", "--inner", how, "--batch", str(args.batch),
                "--repeats", str(args.repeats), "--threads", str(args.threads)]
         forward, step = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
@@ -811,7 +811,7 @@ def main(argv=None):
     q.add_argument("--batch", type=at_least(1), default=64, help="pairs per batch (caption.py encodes 64 at a time)")
     q.add_argument("--repeats", type=at_least(1), default=5, help="timed runs (the median is reported)")
     q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
-    q.add_argument("--inner", choices=["as it comes", "kept"], default=None, help=argparse.SUPPRESS)
+    q.add_argument("--inner", choices=["plain", "kept"], default=None, help=argparse.SUPPRESS)  # one side
     q.set_defaults(func=bench_alloc)
     m = sub.add_parser("matmul", help="this CPU's fp32 GFLOP/s, the figure to quote beside a timing",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -113,7 +113,8 @@ def keep_freed_memory():
 
 def setup(seed=0, device=None, amp="auto"):
     """One process's view of the run. Under `torchrun` (RANK/WORLD_SIZE set) it joins the process group:
-    NCCL on CUDA, gloo on CPU. fp32 master weights everywhere; autocast as `autocast(device, amp)` says.
+    NCCL on CUDA, gloo on CPU. fp32 master weights everywhere; autocast as `autocast(device, amp)` says. On a CPU
+    freed memory is kept for reuse (keep_freed_memory).
     Every process is seeded alike, so that models built next are identical on all of them; `seed_ranks` then
     gives each its own stream."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
