@@ -114,7 +114,8 @@ def get_args(argv=None):
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help="lr of the CLIP weights")
     p.add_argument("--freeze-intra", action="store_true",
                    help="keep CLIP's intra blocks as they are (the authors' 1e-7 nearly does): no gradient through "
-                        "them, 1.8x the pairs/s at 12x12, but half the retrieval there (RESULTS.md)")
+                        "them, 1.8x the pairs/s at 12x12; with --lr-clip 3e-4 --shared-p 10 --epochs 24 the inter "
+                        "blocks learn to compare the images (RESULTS.md 'Teaching the inter blocks to compare')")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None, help="AdamW weight decay (matrices only)")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=None,
                    help="fraction of steps of linear warmup, then cosine")
