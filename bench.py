@@ -8,8 +8,6 @@
     python bench.py decode                  # greedy captions/s at batch 64: key/value cache vs re-running the prefix
     python bench.py e2e                     # the adaptation loop with its data, ours vs the authors' data path, on a
                                             #   synthetic set at 480x320; projected hours for real CLEVR-Change
-    python bench.py cuda-path               # both stages, --before/--after, torchrun (NCCL) + --compile, on a
-                                            #   random-weight ViT-B/32 in OpenAI's archive format
     python bench.py pair                    # ViT-B/32 pair encoder forward, 8 pairs (CPU fp32 / CUDA bf16)
     python bench.py metrics                 # = python metrics.py --bench (8,000 candidates x 6 references)
     python bench.py alloc                   # the 12x12 mini CLIP on the CPU: glibc's allocator as it comes vs
@@ -629,66 +627,6 @@ def fmt_min(seconds):
     return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
-# ---- the whole paper path on CUDA, through the stages' own command lines
-
-
-def bench_cuda_path(args):
-    """A random-weight ViT-B/32 in OpenAI's archive format and a small synthetic set at 480x320, then both stages
-    for one epoch each, --before/--after, and torchrun (NCCL, one process) with --compile: every CUDA-only line
-    of the code (pinned memory, non_blocking copies, autocast, fused AdamW, compile, NCCL) runs once."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    import clip_load
-    import synth
-    work = Path(args.workdir)
-    work.mkdir(parents=True, exist_ok=True)
-    archive, root = work / "ViT-B-32.pt", work / "set"
-    if not archive.is_file():
-        torch.manual_seed(0)
-        clip_load.save_archive(CLIP(CLIPConfig()), archive)
-    if not (root / "synth.json").is_file():
-        synth.make_synth(root, args.scenes, seed=0, size=(480, 320), workers=os.cpu_count())
-    py, run = [sys.executable], [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
-    adapt = ["adapt.py", "--data", "clevr", "--data-root", str(root), "--clip", str(archive), "--epochs", "1",
-             "--batch-size", "32", "--log-every", "5"]
-    caption = ["caption.py", "--epochs", "1", "--batch-size", "16", "--log-every", "10"]
-    steps = [
-        ("adapt", py + adapt + ["--out", str(work / "adapted.pt")]),
-        ("caption", py + caption + ["--ckpt", str(work / "adapted.pt"), "--out", str(work / "cap.pt"),
-                                    "--results", str(work / "cap.json")]),
-        ("caption your own two images", py + ["caption.py", "--ckpt", str(work / "cap.pt"), "--before",
-                                              str(root / "images/CLEVR_default_000000.png"), "--after",
-                                              str(root / "sc_images/CLEVR_semantic_000000.png")]),
-        ("adapt, torchrun (NCCL) + compile", run + adapt + ["--compile", "--out", str(work / "adapted_ddp.pt")]),
-        ("caption, torchrun (NCCL)", run + caption + ["--ckpt", str(work / "adapted.pt"), "--out",
-                                                      str(work / "cap_ddp.pt"), "--results", str(work / "ddp.json")]),
-    ]
-    steps = [s for i, s in enumerate(steps) if not args.steps or i + 1 in args.steps]
-    failed = 0
-    for name, cmd in steps:
-        t0 = time.time()
-        # its own process group, so that a timeout ends torchrun's workers too, not only torchrun
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            out, rc = proc.communicate(timeout=args.timeout)[0], proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, rc = proc.communicate()[0], "timeout"
-        failed += rc != 0
-        lines, skip = [], False
-        for line in str(out).strip().splitlines():  # library warnings and the source line they quote: left out
-            if "Warning" in line or skip:
-                skip = "Warning" in line
-                continue
-            lines.append(line)
-        tail = "\n".join("    " + line for line in lines[-args.tail:])
-        print(f"== {name}: {'ok' if rc == 0 else f'FAILED ({rc})'} in {time.time() - t0:.0f}s\n{tail}", flush=True)
-    print(f"cuda-path: {len(steps) - failed} of {len(steps)} steps ran")
-    return failed
-
-
 def bench_alloc(args):
     """The shipped 12x12 mini CLIP on the CPU with glibc's allocator as it comes, then with its freed memory kept
     for reuse (train_utils.keep_freed_memory, which setup calls): each in a fresh process, since the setting holds
@@ -794,16 +732,6 @@ def main(argv=None):
     q.add_argument("--skip-authors", action="store_true", help="time our loop only")
     common(q)
     q.set_defaults(func=bench_e2e)
-    q = sub.add_parser("cuda-path", help="both stages, --before/--after, torchrun + compile on a random ViT-B/32",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    q.add_argument("--workdir", default="data/cuda_path", help="archive, set and checkpoints go here")
-    q.add_argument("--scenes", type=at_least(1), default=200, help="synthetic scenes at 480x320")
-    q.add_argument("--timeout", type=at_least(1), default=300, help="seconds per command")
-    q.add_argument("--tail", type=at_least(1), default=6, help="output lines shown per command")
-    q.add_argument("--steps", type=int, choices=range(1, 6), nargs="*", default=[],
-                   help="run only these steps (1-5; default all): "
-                   "adapt, caption, your own two images, adapt under torchrun + compile, caption under torchrun")
-    q.set_defaults(func=bench_cuda_path)
     sub.add_parser("metrics", help="scoring speed: python metrics.py --bench").set_defaults(func=bench_metrics)
     q = sub.add_parser("alloc", help="the 12x12 mini CLIP's pair forward and training step on the CPU, glibc's "
                                      "allocator as it comes and with freed memory kept (train_utils.setup)",

@@ -2,11 +2,16 @@
 -m "not slow"` (the fast subset, under a minute). Tiny models and data the tests make themselves (or the real files
 in ../shared/, skipped cleanly when absent).
 
+Devices: every test but the cuda group runs on the CPU on any machine. Each stage run names `--device cpu` (CPU,
+below), torchrun tests join a gloo group on the CPU, and the entry points' bad-flag cases run with CUDA hidden
+(CUDA_VISIBLE_DEVICES=), where `--device cuda` is a bad value. The cuda group (`pytest test_all.py -rs -m cuda`,
+the last section) runs on a GPU machine and skips in one line per test elsewhere.
+
 Sections follow the modules: shared configs, helpers and fixtures first, then model, clip_load, data, synth,
-metrics, adapt, caption, probe, pretrain, plots, train_utils, and the paths that span stages. Markers (pytest.ini):
-slow (training runs: seconds to a minute each), subprocess (real processes, under a timeout), torchrun (gloo
-process groups, under a timeout). What the tests build goes to temporary folders or .pytest_cache, never the
-user's ~/.cache (caches_out_of_home).
+metrics, adapt, caption, probe, pretrain, plots, train_utils, the paths that span stages, and CUDA. Markers
+(pytest.ini): slow (training runs: seconds to a minute each), subprocess (real processes, under a timeout),
+torchrun (process groups, under a timeout), cuda (needs a GPU). What the tests build goes to temporary folders or
+.pytest_cache, never the user's ~/.cache (caches_out_of_home).
 
 What they prove of the paper path on a CPU, with a small CLIP in OpenAI's archive format and several attention
 heads in both towers:
@@ -22,7 +27,9 @@ heads in both towers:
   weights and the chosen model of a run never stopped;
 - greedy decoding (with and without the cache) and beam search equal plain references written per pair (a
   textbook beam search, exhaustive search), and every bad value of every entry point's flags is one argparse line.
-Speed, memory, NCCL, the CUDA kernels and `--compile` need a GPU: BENCHMARKS.md, `python bench.py cuda-path`."""
+On a GPU the cuda group adds: both stages under bf16 autocast (the mini CLIP, and a random ViT-B/32 through the
+paper preset), checkpoints written there holding CPU tensors and captioning alike on the CPU, --before/--after,
+greedy decoding in fp32, torchrun with --compile, DDP over NCCL. Speed and memory: bench.py, BENCHMARKS.md."""
 
 import argparse
 import gzip
@@ -86,12 +93,13 @@ TINY = M.CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=4, vision_w
                     context_length=77, vocab_size=49408, transformer_width=128, transformer_heads=2,
                     transformer_layers=2, n_inter=2)  # model.py and clip_load.py: 2 intra + 2 inter blocks
 MH = M.CLIPConfig(**{**TINY.__dict__, "n_inter": 3})  # the paper path's OpenAI-format archive: 1 intra + 3 inter
-TINY_ADAPT = ["--preset", "scratch", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
+CPU = ["--device", "cpu"]  # every stage run by a test names its device: on a CUDA machine the CPU tests stay on the CPU
+TINY_ADAPT = [*CPU, "--preset", "scratch", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
               "--vision-layers", "2", "--n-inter", "1", "--text-width", "128", "--text-layers", "1",
               "--embed-dim", "16", "--batch-size", "8", "--eval-batch-size", "16", "--log-every", "1"]  # from scratch
 # adapt.py on a CLIP archive: one quick epoch
-FAST = ["--epochs", "1", "--batch-size", "8", "--eval-batch-size", "16", "--workers", "0", "--log-every", "1"]
-TINY_PRETRAIN = ["--scenes", "30", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
+FAST = [*CPU, "--epochs", "1", "--batch-size", "8", "--eval-batch-size", "16", "--workers", "0", "--log-every", "1"]
+TINY_PRETRAIN = [*CPU, "--scenes", "30", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
                  "--vision-layers", "2", "--text-width", "64", "--text-layers", "1", "--embed-dim", "32",
                  "--batch-size", "16", "--samples", "960", "--eval-every", "20", "--eval-images", "20", "--lr", "1e-3",
                  "--workers", "1", "--log-every", "5"]  # pretrain.py: 2 heads in the image tower
@@ -260,7 +268,7 @@ def tiny_encoder(path, root):
 
 
 def run(tmp, *extra, epochs):
-    return caption.main(["--ckpt", str(tmp / "adapted.pt"), "--out", str(tmp / "captioner.pt"), "--results",
+    return caption.main([*CPU, "--ckpt", str(tmp / "adapted.pt"), "--out", str(tmp / "captioner.pt"), "--results",
                          str(tmp / "captions.json"), "--preset", "small", "--width", "64", "--heads", "2",
                          "--enc-layers", "1", "--dec-layers", "1", "--epochs", str(epochs), "--batch-size", "4",
                          "--lr", "2e-3", "--patience", "100", "--workers", "0", "--log-every", "1000", *extra])
@@ -860,7 +868,7 @@ def test_a_corrupt_or_missing_shipped_file_is_a_clear_error(tmp_path, monkeypatc
         clip_load.load_clip(name)
     (tmp_path / file).unlink()
     with pytest.raises(SystemExit, match=f"{re.escape(str(tmp_path / file))} is missing"):
-        adapt.main(["--data-root", str(tmp_path), "--epochs", "1", "--preset", "mini"])
+        adapt.main([*CPU, "--data-root", str(tmp_path), "--epochs", "1", "--preset", "mini"])
 
 
 def test_the_mini_banner_says_which_clip_it_adapts(tmp_path, capsys):
@@ -2155,30 +2163,30 @@ def test_overfit_exact_captions(trained):
 @pytest.mark.skipif(not REAL.is_dir(), reason="needs ../shared/data/real_pairs")
 def test_two_image_cli(trained, capsys, tmp_path):
     tmp, _ = trained
-    caption.main(["--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
+    caption.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
                   "--after", str(REAL / "CLEVR_new_000000_del.png")])
     assert capsys.readouterr().out.strip() == CHANGES[0][1]
     # any size and mode: 8-bit grey and 16-bit grey images of other sizes still give a caption of known words
     grey = Image.open(REAL / "CLEVR_new_000000.png").convert("L").resize((200, 90))
     grey.save(tmp_path / "grey.png")
     Image.fromarray((np.asarray(grey).astype(np.uint16) * 257)).save(tmp_path / "grey16.png")
-    caption.main(["--ckpt", str(tmp / "captioner.pt"), "--before", str(tmp_path / "grey.png"),
+    caption.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--before", str(tmp_path / "grey.png"),
                   "--after", str(tmp_path / "grey16.png")])
     vocab = set(torch.load(tmp / "captioner.pt", weights_only=True)["vocab"]) - set(caption.SPECIALS)
     said = capsys.readouterr().out.split()
     assert said and set(said) <= vocab  # words it learnt (an empty caption is no caption)
     # evaluating a saved captioner (beam search) and drawing the gallery
-    out = caption.main(["--ckpt", str(tmp / "captioner.pt"), "--results", str(tmp_path / "r.json"), "--beam", "2",
+    out = caption.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--results", str(tmp_path / "r.json"), "--beam", "2",
                         "--gallery", str(tmp_path / "g.png"), "--workers", "0"])
     assert out["scores"]["CIDEr-D"] > 0 and Image.open(tmp_path / "g.png").size[1] > 100
     # --explain: the caption, the two images and their heat maps in one PNG (two rows of 192 px images)
-    caption.main(["--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
+    caption.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
                   "--after", str(REAL / "CLEVR_new_000000_del.png"), "--explain", str(tmp_path / "why.png")])
     w, h = Image.open(tmp_path / "why.png").size
     assert h > 2 * 192 and w > 2 * 192 and CHANGES[0][1] in capsys.readouterr().out
     assert Image.open(tmp / "captioner.curves.png").size == (1280, 240)  # written after every epoch
     with pytest.raises(SystemExit, match="trained captioner"):
-        caption.main(["--ckpt", str(tmp / "adapted.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
+        caption.main([*CPU, "--ckpt", str(tmp / "adapted.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
                       "--after", str(REAL / "CLEVR_new_000000_del.png")])
 
 
@@ -2672,6 +2680,26 @@ def test_step_flops_match_torch_counter():
     assert abs(counter.get_total_flops() - want) / want < 1e-4, (counter.get_total_flops(), want)
 
 
+def test_warmup_cosine_is_the_authors_schedule():
+    """train_utils.warmup_cosine, step by step against its formula: the rate climbs linearly from lr / warmup at
+    step 0 to the full lr at the last warmup step, then falls along a half cosine to 0 at the last step; each
+    parameter group keeps its own base lr (two groups, as both stages have)."""
+    total, frac = 50, 0.2
+    warmup = int(frac * total)  # 10 steps
+    net = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD([{"params": [net.weight], "lr": 1e-3}, {"params": [net.bias], "lr": 1e-7}])
+    sched = train_utils.warmup_cosine(opt, total, frac)
+    want = [(s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup)))
+            for s in range(total + 1)]
+    for step in range(total + 1):
+        for group, base in zip(opt.param_groups, (1e-3, 1e-7)):
+            assert group["lr"] == pytest.approx(base * want[step], rel=1e-9, abs=1e-15), (step, group["lr"])
+        opt.step()
+        sched.step()
+    assert want[0] == 0.1 and want[warmup - 1] == want[warmup] == max(want) == 1.0 and want[total] == 0.0  # shape
+    assert all(a > b for a, b in zip(want[warmup:total], want[warmup + 1:]))  # only down after the peak
+
+
 def test_train_epoch_stops_on_nan():
     model = torch.nn.Linear(2, 1)
     opt = train_utils.make_optimizer([{"params": list(model.parameters()), "lr": 0.1}], "cpu")
@@ -2759,7 +2787,7 @@ BAD_FLAGS = {
                  "adapt --batch 0", "adapt --text-len 0", "adapt --impl foo", "adapt --profile foo",
                  "numerics --batch 0", "caption --batches 0", "caption --vocab 0", "caption --caption-len 1",
                  "e2e --root nowhere", "e2e --scenes 0", "e2e --batch 0", "e2e --workers -1", "e2e --batches 0",
-                 "cuda-path --steps 9", "cuda-path --timeout 0", "matmul --n 0"],
+                 "matmul --n 0"],
     "synth.py": ["make --pairs 0", "make --size 0 0", "make --workers 0", "make --change-jitter -1",
                  "sheet --root nowhere", "sheet --n 0", "sheet --size -1", "sheet --split foo"],
     "data.py": ["cache --size 0", "cache --data-root nowhere", "bench --root nowhere", "bench --size 0",
@@ -2802,7 +2830,11 @@ def test_every_bad_flag_is_one_line_not_a_traceback(script, tmp_path):
     (tmp_path / "refs.json").write_text(json.dumps({"1": ["a cube"]}))
     cases = [case.split(" => ") for case in BAD_FLAGS[script]]
     argvs = [argv.split() for argv, *_ in cases]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent), "CLIP4IDC_IMAGE_CACHE": str(tmp_path)}
+    # CUDA hidden: `--device cuda` is then a bad value on every machine, and no case can start real work on a GPU;
+    # the repository prepended to PYTHONPATH, so that packages found through it (module systems) stay found
+    here = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "CLIP4IDC_IMAGE_CACHE": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-c", _RUN_CASES, str(Path(__file__).resolve().parent / script),
                         json.dumps(argvs)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -2900,7 +2932,7 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
 
     # captioning with the paper preset: the encoder fine-tuned at --encoder-lr, a captioner from scratch
     cap, results = tmp_path / "captioner.pt", tmp_path / "captions.json"
-    caption.main(["--ckpt", str(out), "--preset", "paper", "--out", str(cap), "--results", str(results), "--epochs",
+    caption.main([*CPU, "--ckpt", str(out), "--preset", "paper", "--out", str(cap), "--results", str(results), "--epochs",
                   "2", "--batch-size", "4", "--workers", "0", "--encoder-lr", "1e-6", "--log-every", "1000"])
     trained = torch.load(cap, weights_only=False)
     steps = torch.load(train_utils.last_path(cap), weights_only=False)["step"]
@@ -2912,10 +2944,10 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     assert history[-1]["loss"] < history[0]["loss"] < math.log(len(trained["vocab"])), history  # it learns
     # the saved captioner, evaluated again, and on two images of one's own
     first = json.loads(results.read_text())["predictions"]
-    again = caption.main(["--ckpt", str(cap), "--results", str(tmp_path / "again.json"), "--workers", "0"])
+    again = caption.main([*CPU, "--ckpt", str(cap), "--results", str(tmp_path / "again.json"), "--workers", "0"])
     assert [p["caption"] for p in again["predictions"]] == [p["caption"] for p in first]
     capsys.readouterr()
-    caption.main(["--ckpt", str(cap), "--before", first[0]["before"], "--after", first[0]["after"]])
+    caption.main([*CPU, "--ckpt", str(cap), "--before", first[0]["before"], "--after", first[0]["after"]])
     assert capsys.readouterr().out.strip() == first[0]["caption"]
 
 
@@ -2945,7 +2977,7 @@ def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch,
     assert (p[:145] - p[145:]).norm(dim=1).min() > 0.1 and p.norm(dim=1).max() < 5
     # caption.py's small preset over those tokens pooled 2x2, every training pair both ways round
     cap = tmp_path / "captioner.pt"
-    res = caption.main(["--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"), "--epochs", "1",
+    res = caption.main([*CPU, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"), "--epochs", "1",
                         "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
     saved = torch.load(cap, weights_only=False)
     config = saved["captioner_config"]
@@ -2972,7 +3004,7 @@ def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
     with torch.no_grad():
         assert_close(adapted.encode_pair(b, a)[1], (adapted.encode_image(b) + adapted.encode_image(a)) / 2)
     # no adaptation: the raw CLIP archive as caption.py's encoder, frozen (the small preset)
-    res = caption.main(["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "small",
+    res = caption.main([*CPU, "--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "small",
                         "--out", str(tmp_path / "cap.pt"), "--results", str(tmp_path / "c.json"), "--epochs", "1",
                         "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
     saved, raw = torch.load(tmp_path / "cap.pt", weights_only=False), clip_load.load_clip(openai_archive).state_dict()
@@ -2998,7 +3030,7 @@ def test_bf16_autocast_through_main(adapt_synth, tmp_path):
         adapt.main(TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "1", "--amp", amp, "--out", str(out)])
         loss["adapt", amp] = torch.load(train_utils.last_path(out), weights_only=False)["history"][0]["loss"]
         cap = tmp_path / f"cap_{amp}.pt"
-        caption.main(["--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / f"{amp}.json"), "--amp", amp,
+        caption.main([*CPU, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / f"{amp}.json"), "--amp", amp,
                       "--epochs", "1", "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
         loss["caption", amp] = torch.load(train_utils.last_path(cap), weights_only=False)["history"][0]["loss"]
     for stage in ("adapt", "caption"):
@@ -3020,7 +3052,7 @@ def test_torchrun_equals_one_process(adapt_synth, openai_archive, tmp_path):
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-5, rtol=1e-4), k
     # captioning: dropout off (each process draws its own masks); patience 1 stops early
-    argv = ["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--freeze-encoder", "--dropout", "0",
+    argv = [*CPU, "--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--freeze-encoder", "--dropout", "0",
             "--epochs", "6", "--patience", "1", "--batch-size", "8", "--workers", "0", "--log-every", "1000"]
     caption.main(argv + ["--out", str(tmp_path / "cap1.pt"), "--results", str(tmp_path / "c1.json")])
     torchrun("caption", argv + ["--out", str(tmp_path / "cap2.pt"), "--results", str(tmp_path / "c2.json")])
@@ -3036,7 +3068,7 @@ def test_torchrun_resume_gives_each_process_its_own_random_stream(adapt_synth, o
     """Dropout on, 2 processes: a run stopped by Ctrl-C after epoch 1 and resumed ends with the weights of one
     that never stopped, because each process gets back its own random stream (not rank 0's: the same masks on
     both processes)."""
-    argv = ["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--freeze-encoder", "--dropout", "0.3",
+    argv = [*CPU, "--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--freeze-encoder", "--dropout", "0.3",
             "--epochs", "2", "--batch-size", "8", "--workers", "0", "--log-every", "1000"]
     torchrun("caption", argv + ["--out", str(tmp_path / "a.pt"), "--results", str(tmp_path / "a.json")])
     cut = argv + ["--out", str(tmp_path / "b.pt"), "--results", str(tmp_path / "b.json")]
@@ -3054,7 +3086,7 @@ def test_torchrun_resume_gives_each_process_its_own_random_stream(adapt_synth, o
 def test_torchrun_early_stop_is_one_decision(adapt_synth, openai_archive, tmp_path):
     """Were each process to decide early stopping from its own val figure, one that disagrees would leave the
     loop while the other waits in the next collective, forever; rank 0's decision is shared."""
-    argv = ["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--freeze-encoder", "--epochs", "5",
+    argv = [*CPU, "--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--freeze-encoder", "--epochs", "5",
             "--patience", "1", "--batch-size", "8", "--workers", "0", "--log-every", "1000",
             "--out", str(tmp_path / "cap.pt"), "--results", str(tmp_path / "c.json")]
     torchrun("caption", argv, timeout=120, skew=True)
@@ -3068,7 +3100,7 @@ def test_sigkilled_runs_resume_to_the_same_weights(adapt_synth, tmp_path):
     checkpoint, then resumed: the final weights and the chosen model equal those of a run never stopped."""
     stages = {
         "adapt": TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2", "--workers", "0"],
-        "caption": ["--ckpt", str(tmp_path / "full_adapt.pt"), "--preset", "small", "--width", "64", "--heads", "2",
+        "caption": [*CPU, "--ckpt", str(tmp_path / "full_adapt.pt"), "--preset", "small", "--width", "64", "--heads", "2",
                     "--enc-layers", "1", "--dec-layers", "1", "--epochs", "2", "--batch-size", "8", "--workers", "0",
                     "--patience", "100", "--log-every", "1"],
     }
@@ -3095,3 +3127,178 @@ def test_sigkilled_runs_resume_to_the_same_weights(adapt_synth, tmp_path):
             assert chosen[0]["metrics"]["epoch"] == chosen[1]["metrics"]["epoch"]
             assert all(torch.equal(v, chosen[1][key][k]) for k, v in chosen[0][key].items()), (stage, name)
         assert not list(tmp_path.glob("*.tmp*"))  # the killed writes' partial files went with the next save
+
+
+# -------------------------------------------------------------------------------------------------------------
+# CUDA: `pytest test_all.py -rs -m cuda` on a GPU machine (one GPU is enough); skipped in one line without one.
+# Both stages' main on the GPU under bf16 autocast (the quickstart's mini CLIP, and a random ViT-B/32 through the
+# paper preset), checkpoints written on the GPU read on the CPU, --before/--after, greedy decoding in fp32,
+# torchrun with --compile, and DDP over NCCL. Timings are bench.py's.
+
+NO_CUDA = "needs a CUDA GPU: the cuda group runs with `pytest test_all.py -rs -m cuda` on a GPU machine"
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    """The cuda group's device flag. Without a GPU the whole group skips here, one line in the summary, before any
+    of its fixtures is built."""
+    if not torch.cuda.is_available():
+        pytest.skip(NO_CUDA)
+    return ["--device", "cuda"]
+
+
+@pytest.fixture
+def fp32_matmuls():
+    """Plain fp32 on the GPU: a stage's setup turns TF32 on for a run under autocast, and the flag is global."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def watch_steps(monkeypatch):
+    """Record each training step's (loss device, autocast dtype, weight dtype): what a run really trained in."""
+    seen, real = [], train_utils.train_step
+
+    def step(ctx, model, *args, **kwargs):
+        loss, n = real(ctx, model, *args, **kwargs)
+        seen.append((loss.device.type, getattr(ctx.amp, "fast_dtype", None), next(model.parameters()).dtype))
+        return loss, n
+    monkeypatch.setattr(train_utils, "train_step", step)
+    return seen
+
+
+def tensor_devices(obj):
+    """The devices of every tensor in a checkpoint's dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return {obj.device.type}
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return set().union(*(tensor_devices(v) for v in values))
+
+
+def assert_cpu_checkpoints(*outs):
+    """Each run's chosen model and resumable state hold CPU tensors only (loaded without map_location)."""
+    for out in outs:
+        for path in (out, train_utils.last_path(out)):
+            assert tensor_devices(torch.load(path, weights_only=False)) == {"cpu"}, path
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_cuda_quickstart_stages_in_bf16_read_back_on_the_cpu(gpu, adapt_synth, tmp_path, monkeypatch, capsys):
+    """The quickstart's two commands on a tiny synthetic set on the GPU: the mini preset adapts the shipped 12x12
+    CLIP, the small preset captions (with --gallery: the attention maps on the GPU). Every step trains on the GPU
+    under bf16 autocast with fp32 weights. The checkpoints hold CPU tensors, and the captioner written on the GPU
+    writes the same test captions, and the same caption of one pair (--before/--after), on the GPU and on the CPU,
+    fp32 on both sides."""
+    monkeypatch.setattr(clip_load, "CACHE", tmp_path)  # no ViT-B-32.pt here: the mini preset
+    steps = watch_steps(monkeypatch)
+    out, cap = tmp_path / "adapted.pt", tmp_path / "captioner.pt"
+    adapt.main([*gpu, "--data-root", str(adapt_synth), "--out", str(out), "--preset", "mini", "--epochs", "1",
+                "--batch-size", "8", "--eval-batch-size", "16", "--workers", "0", "--log-every", "1"])
+    assert "preset 'mini'" in capsys.readouterr().out
+    caption.main([*gpu, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"), "--epochs", "3",
+                  "--batch-size", "8", "--workers", "0", "--log-every", "1000", "--gallery", str(tmp_path / "g.png")])
+    assert len(steps) > 10 and set(steps) == {("cuda", torch.bfloat16, torch.float32)}, set(steps)
+    assert (tmp_path / "g.png").stat().st_size > 0
+    assert_cpu_checkpoints(out, cap)
+    again = {name: caption.main([*device, "--amp", "off", "--ckpt", str(cap), "--results",
+                                 str(tmp_path / f"{name}.json"), "--workers", "0"])
+             for name, device in (("gpu", gpu), ("cpu", CPU))}  # --amp off: no autocast, no TF32
+    assert [p["caption"] for p in again["gpu"]["predictions"]] == [p["caption"] for p in again["cpu"]["predictions"]]
+    assert again["gpu"]["scores"] == pytest.approx(again["cpu"]["scores"])
+    pair = again["cpu"]["predictions"][0]
+    capsys.readouterr()
+    for device in (gpu, CPU):
+        caption.main([*device, "--ckpt", str(cap), "--before", pair["before"], "--after", pair["after"]])
+    assert capsys.readouterr().out.split("\n")[:2] == [pair["caption"]] * 2
+
+
+@pytest.fixture(scope="module")
+def vit_b32_archive(gpu, tmp_path_factory):
+    """A random-weight ViT-B/32 (OpenAI's sizes: 12 blocks, 768 wide, 224 px) in OpenAI's archive format."""
+    path = tmp_path_factory.mktemp("vit_b32") / "ViT-B-32.pt"
+    torch.manual_seed(0)
+    clip_load.save_archive(M.CLIP(M.CLIPConfig()), path)
+    return path
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_cuda_paper_preset_on_vit_b32(gpu, vit_b32_archive, adapt_synth, tmp_path, monkeypatch, capsys):
+    """The paper path on the GPU: a ViT-B/32 archive in the cache chooses the paper preset (9 + 3 blocks at 224 px),
+    both stages train under bf16 autocast (adaptation at two learning rates, the encoder fine-tuned while
+    captioning), and their checkpoints hold CPU tensors."""
+    as_cached_release(monkeypatch, vit_b32_archive)
+    steps = watch_steps(monkeypatch)
+    out, cap = tmp_path / "adapted.pt", tmp_path / "captioner.pt"
+    adapt.main([*gpu, "--data-root", str(adapt_synth), "--out", str(out), "--epochs", "1", "--batch-size", "16",
+                "--eval-batch-size", "32", "--workers", "0", "--log-every", "1"])
+    log = capsys.readouterr().out
+    assert "preset 'paper'" in log and "lr 1.00e-04/1.00e-07" in log
+    res = caption.main([*gpu, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"),
+                        "--epochs", "1", "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
+    assert "preset paper" in capsys.readouterr().out
+    assert steps and set(steps) == {("cuda", torch.bfloat16, torch.float32)}, set(steps)
+    assert torch.load(out, weights_only=False)["config"]["vision_width"] == 768 and res["predictions"]
+    assert_cpu_checkpoints(out, cap)
+
+
+@pytest.mark.cuda
+def test_cuda_greedy_decoding_with_and_without_the_cache(gpu, fp32_matmuls):
+    """generate() on the GPU in fp32, with the key/value cache and without, equals greedy decoding written out per
+    pair on the whole prefix (the CPU test's captioners, moved to the GPU)."""
+    for seed in (0, 5, 6):
+        cap, memory = sharp_captioner(seed)
+        cap, memory = cap.cuda(), memory.cuda()
+        want = [greedy_reference(cap, m) for m in memory]
+        width = max(len(c) for c in want)
+        for use_cache in (True, False):
+            assert torch.equal(cap.generate(memory, BOS, EOS, use_cache=use_cache).cpu(), padded(want, width))
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_cuda_torchrun_one_process_with_compile(gpu, adapt_synth, tmp_path):
+    """`torchrun --nproc_per_node 1 adapt.py --compile` on the GPU (a real process under a timeout): the compiled
+    training step with its static caption length, launched as multi-GPU users launch it."""
+    out = tmp_path / "a.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "adapt.py",
+           *TINY_ADAPT, *gpu, "--data-root", str(adapt_synth), "--epochs", "1", "--workers", "0", "--compile",
+           "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            cwd=Path(__file__).resolve().parent)
+    try:
+        log = proc.communicate(timeout=240)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # torchrun's worker too
+        pytest.fail("torchrun adapt.py --compile did not finish in 240 s")
+    assert proc.returncode == 0 and "done in" in log, log[-3000:]
+    assert_cpu_checkpoints(out)
+
+
+def _nccl_worker(rank, world):
+    """One process in an NCCL group: DDP's loss and gradients equal the plain model's on the same GPU."""
+    ctx = train_utils.setup(seed=0, device="cuda", amp="off")
+    torch.distributed.init_process_group("nccl")  # setup forms a group only for several processes
+    model, batch = _ddp_problem()
+    model = model.to(ctx.device)
+    batch = [t.to(ctx.device) for t in batch]
+    net = torch.nn.parallel.DistributedDataParallel(adapt.PairText(model), device_ids=[ctx.device.index])
+    loss = adapt.contrastive_loss(*net(*batch))
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    plain = adapt.contrastive_loss(*adapt.PairText(model)(*batch))
+    plain.backward()
+    assert torch.allclose(loss, plain, atol=1e-6)
+    for k, p in model.named_parameters():
+        assert torch.allclose(grads[k], p.grad, atol=1e-6, rtol=1e-4), k
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.torchrun
+def test_cuda_ddp_over_nccl(gpu):
+    run_ranks(_nccl_worker, world=1, timeout=120)

@@ -113,8 +113,8 @@ def keep_freed_memory():
 
 def setup(seed=0, device=None, amp="auto"):
     """One process's view of the run. Under `torchrun` (RANK/WORLD_SIZE set) it joins the process group:
-    NCCL on CUDA, gloo on CPU. fp32 master weights everywhere; autocast as `autocast(device, amp)` says. On a CPU
-    freed memory is kept for reuse (keep_freed_memory).
+    NCCL on CUDA, gloo on CPU (a single process forms no group). fp32 master weights everywhere; autocast as
+    `autocast(device, amp)` says. On a CPU freed memory is kept for reuse (keep_freed_memory).
     Every process is seeded alike, so that models built next are identical on all of them; `seed_ranks` then
     gives each its own stream."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -126,8 +126,8 @@ def setup(seed=0, device=None, amp="auto"):
         device = torch.device("cuda", local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        # TF32 matmuls beside bf16 autocast; --amp off is plain fp32 throughout
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = amp != "off"
     if device.type == "cpu":
         keep_freed_memory()
     if world > 1 and not dist.is_initialized():
@@ -356,13 +356,25 @@ def fmt_time(seconds):
 # checkpoints: plain dicts, written to a temp file and renamed (a crash never leaves half a file)
 
 
+def to_cpu(obj):
+    """Every tensor in a checkpoint's dicts, lists and tuples moved to the CPU (CPU tensors stay as they are)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
 def save_atomic(obj, path):
     """torch.save to a temporary file, renamed into place: a process killed while writing leaves the previous
-    checkpoint whole (and a partial temporary file, removed by the next save of the same path)."""
+    checkpoint whole (and a partial temporary file, removed by the next save of the same path). Tensors are
+    written from the CPU whatever device trained them, so a file written on a GPU loads on any machine."""
     path = str(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(obj, tmp)
+    torch.save(to_cpu(obj), tmp)
     os.replace(tmp, path)
     for left in glob.glob(glob.escape(path) + ".tmp*"):  # one process writes a path: these are dead writers'
         os.remove(left)
