@@ -171,8 +171,9 @@ def new_model(args):
     return clip
 
 
-def lr_for(args, frozen_blocks=0):
-    """New pair parameters at lr_new, CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and
+def lr_rule(args, frozen_blocks=0):
+    """The learning-rate rule, parameter name -> learning rate (None: frozen): the new pair parameters at lr_new,
+    CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and
     the first `frozen_blocks` vision blocks (--freeze-intra: the intra module).
     Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors (train_utils.param_groups)."""
     def lr(name):
@@ -195,7 +196,7 @@ class PairText(torch.nn.Module):
         self.clip = clip
 
     def forward(self, before, after, ids):
-        return self.clip.encode_pair(before, after)[1], self.clip.encode_text(ids), self.clip.logit_scale
+        return self.clip.encode_pair(before, after).vector, self.clip.encode_text(ids), self.clip.logit_scale
 
 
 def contrastive_loss(v, g, logit_scale):
@@ -224,7 +225,7 @@ def encode_split(model, items, args, ctx, cache=None):
     for before, after, _ in loader:
         before, after = (clip_load.normalize(x.to(ctx.device, non_blocking=True)) for x in (before, after))
         with ctx.amp:
-            pairs.append(model.encode_pair(before, after)[1].float())
+            pairs.append(model.encode_pair(before, after).vector.float())
     # every caption is a retrieval target (load_items has dropped the empty ones)
     owner, captions = map(list, zip(*[(i, c) for i, it in enumerate(items) for c in it.captions]))
     owner = torch.tensor(owner)
@@ -318,7 +319,7 @@ def load_data(args, root, ctx):
     split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
     splits = {s: split(s) for s in ("train", "val", "test")}
     # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
-    cache = data.open_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache,
+    cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache,
                             args.cache_dir, ctx.world, ctx.rank, log=lambda m: log(ctx, m))
     train = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
                                 cache=cache, seed=args.seed, draw=args.draw_captions)
@@ -379,8 +380,8 @@ def main(argv=None):
     seed_ranks(ctx, args.seed)
     splits, cache, loader = load_data(args, root, ctx)
 
-    # what trains at which rate (lr_for, above), the optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
-    rule = lr_for(args, model.cfg.vision_layers - model.cfg.n_inter if args.freeze_intra else 0)
+    # what trains at which rate (lr_rule, above), the optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
+    rule = lr_rule(args, model.cfg.vision_layers - model.cfg.n_inter if args.freeze_intra else 0)
     freeze(model.named_parameters(), rule)
     log(ctx, "   what trains:\n" + policy_table(model.named_parameters(), rule))
     groups = param_groups(model.named_parameters(), rule, args.weight_decay)

@@ -72,21 +72,21 @@ def bench_decode(args):
         memory = torch.randn(args.batch, cfg.memory_len, cfg.memory_dim, device=device)
         label = f"{name}: {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide"
         results = {}
-        for use_cache in (True, False):
+        for use_kv_cache in (True, False):
             def run():
                 with amp:  # eos = -1: never stops early, every caption takes max_len steps
-                    return model.generate(memory, bos=1, eos=-1, use_cache=use_cache)
-            results[use_cache] = timed(run, device, args.repeats)
-        for use_cache in (True, False):
-            seconds = results[use_cache][0]
-            speedup = f"{results[False][0] / seconds:.1f}x" if use_cache else "1.0x"
-            print(f"{label:<34} {'yes' if use_cache else 'no':>5} {args.batch / seconds:>11.1f} "
+                    return model.generate(memory, bos=1, eos=-1, use_kv_cache=use_kv_cache)
+            results[use_kv_cache] = timed(run, device, args.repeats)
+        for use_kv_cache in (True, False):
+            seconds = results[use_kv_cache][0]
+            speedup = f"{results[False][0] / seconds:.1f}x" if use_kv_cache else "1.0x"
+            print(f"{label:<34} {'yes' if use_kv_cache else 'no':>5} {args.batch / seconds:>11.1f} "
                   f"{1000 * seconds / args.max_len:>8.2f} {speedup:>8}")
         same = torch.equal(results[True][1], results[False][1])
         note = ""
         if device.type == "cuda":  # bf16 rounds the two paths' sums differently: random logits are near ties
             torch.backends.cuda.matmul.allow_tf32 = False
-            ids = [model.generate(memory, bos=1, eos=-1, use_cache=c) for c in (True, False)]
+            ids = [model.generate(memory, bos=1, eos=-1, use_kv_cache=c) for c in (True, False)]
             torch.backends.cuda.matmul.allow_tf32 = True
             note = f" (bf16); in fp32: {torch.equal(*ids)}"
         print(f"{'':<34} identical ids with and without the cache: {same}{note}")
@@ -187,7 +187,7 @@ def throughput(fn, device, steps=10, warmup=3):
 
 
 def paper_adapt_args(n_inter=3):
-    """adapt.py's paper preset, as lr_for reads it."""
+    """adapt.py's paper preset, as lr_rule reads it."""
     from adapt import PRESETS
     p = PRESETS["paper"]
     return SimpleNamespace(clip="ViT-B/32", n_inter=n_inter, lr_new=p["lr_new"], lr_clip=p["lr_clip"],
@@ -197,13 +197,13 @@ def paper_adapt_args(n_inter=3):
 def our_adapt_step(device, amp, compile=False, batch=128, text_len=32):
     """adapt.py's training step on a random-weight ViT-B/32: its frozen set, two learning rates, fused AdamW,
     schedule and clipping (train_utils.train_step), images arriving as uint8 and normalized on the device."""
-    from adapt import PairText, contrastive_loss, lr_for
+    from adapt import PairText, contrastive_loss, lr_rule
     import clip_load
     args = paper_adapt_args()
     model = vit_b32(device).train()
     net = torch.compile(PairText(model)) if compile else PairText(model)
-    freeze(model.named_parameters(), lr_for(args))
-    groups = param_groups(model.named_parameters(), lr_for(args), args.weight_decay)
+    freeze(model.named_parameters(), lr_rule(args))
+    groups = param_groups(model.named_parameters(), lr_rule(args), args.weight_decay)
     optimizer = make_optimizer(groups, device)
     scheduler = warmup_cosine(optimizer, 1000, args.warmup)
     params = [p for g in groups for p in g["params"]]
@@ -253,7 +253,7 @@ def authors_adapt_step(device, batch=128, text_len=32):
     blocks per image, e1/e2 + joint positional embedding + ln_mid, 3 inter blocks, mean of the two [CLS]), the
     same frozen set, learning rates, AdamW, clipping and loss."""
     import torch.nn as nn
-    from adapt import contrastive_loss, lr_for
+    from adapt import contrastive_loss, lr_rule
     ref = openai_code("model")
     if ref is None:
         raise SystemExit("the authors' configuration needs OpenAI's clip/model.py: pip install --no-deps "
@@ -291,7 +291,7 @@ def authors_adapt_step(device, batch=128, text_len=32):
         return (tokens[:, 0] + tokens[:, 50]) / 2
 
     args = paper_adapt_args()
-    lr = lr_for(args)
+    lr = lr_rule(args)
     freeze(clip.named_parameters(), lr)
     groups = param_groups(clip.named_parameters(), lr, args.weight_decay)
     optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6)  # on the fp16 weights themselves
@@ -320,7 +320,7 @@ def same_function(their_clip, their_pair, device, batch=4):
     ours.load_state_dict({k: v.float() for k, v in their_clip.state_dict().items()})
     x = torch.randn(2, batch, 3, 224, 224, device=device)
     with torch.no_grad():
-        theirs, mine = their_pair(x[0], x[1]).float(), ours.encode_pair(x[0], x[1])[1]
+        theirs, mine = their_pair(x[0], x[1]).float(), ours.encode_pair(x[0], x[1]).vector
     return F.cosine_similarity(theirs, mine, dim=-1).mean().item()
 
 
@@ -437,7 +437,7 @@ def bench_caption(args):
     """caption.py's paper preset step: ViT-B/32 9/3 fine-tuned at 1e-7, a 3+3-layer 512-wide captioner at 1e-4,
     word-level cross entropy, images arriving as uint8."""
     import clip_load
-    from caption import IDC, PRESETS, caption_loss, lr_for
+    from caption import PairCaptioner, PRESETS, caption_loss, lr_rule
     device, amp, where = device_and_amp(args)
     p = PRESETS["paper"]
     cfg = CaptionerConfig(vocab_size=args.vocab, memory_dim=512, memory_len=100, width=p["width"],
@@ -445,8 +445,8 @@ def bench_caption(args):
     print(f"captioning step, ViT-B/32 9/3 fine-tuned + {cfg.enc_layers}+{cfg.dec_layers}-layer {cfg.width}-wide "
           f"captioner, captions of {args.caption_len} tokens, {where}, torch {torch.__version__}")
     for batch in args.batches:
-        model = IDC(vit_b32(device), Captioner(cfg)).to(device).train()
-        rule = lr_for(SimpleNamespace(lr=p["lr"], encoder_lr=p["encoder_lr"], freeze_encoder=False), 3)
+        model = PairCaptioner(vit_b32(device), Captioner(cfg)).to(device).train()
+        rule = lr_rule(SimpleNamespace(lr=p["lr"], encoder_lr=p["encoder_lr"], freeze_encoder=False), 3)
         freeze(model.named_parameters(), rule)
         groups = param_groups(model.named_parameters(), rule, p["weight_decay"])
         optimizer = make_optimizer(groups, device)
@@ -644,7 +644,7 @@ def bench_alloc(args):
                             args.repeats)[0]
 
         def step():  # adapt.py's: the pair vectors against the captions' features, forward and backward
-            loss = (clip.encode_pair(x, x.flip(0))[1] @ clip.encode_text(ids).t()).logsumexp(1).mean()
+            loss = (clip.encode_pair(x, x.flip(0)).vector @ clip.encode_text(ids).t()).logsumexp(1).mean()
             loss.backward()
         backward = timed(step, torch.device("cpu"), args.repeats)[0]
         print(f"{1000 * forward / args.batch:.2f} {1000 * backward / args.batch:.2f}")

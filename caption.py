@@ -26,12 +26,12 @@ from dataclasses import asdict
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import clip_load
+import data
 import metrics
 import plots
 import synth
-from clip_load import MODELS, SHIPPED, load_clip, load_image, normalize, open_image, resolve, to_rgb
-from data import (BadImage, CaptionDataset, EpochSampler, ImageDataset, exit_message, load_items, make_loader,
-                  open_cache, resolve_root, reversed_pairs, set_epoch)
 from model import PAIR_KEYS, Captioner, CaptionerConfig, share_joint_positions_
 from train_utils import (Progress, at_least, device_arg, flag_error, fmt_time, freeze, interrupted, last_path,
                          load_resume, local_batch, log, make_optimizer, no_state, param_groups, policy_table,
@@ -115,7 +115,7 @@ def caption_loss(logits, targets, world=1):
 # the model: pair encoder + captioner in one module (one optimizer, one DDP wrapper, one state dict)
 
 
-class IDC(nn.Module):
+class PairCaptioner(nn.Module):
     def __init__(self, clip, captioner):
         super().__init__()
         self.clip, self.captioner = clip, captioner
@@ -123,7 +123,7 @@ class IDC(nn.Module):
     def memory(self, before=None, after=None, tokens=None):
         """The captioner's memory (B, 2(n+1), embed_dim): the pair encoder's tokens of the two images, or `tokens`,
         those tokens computed already (a frozen encoder runs once per pair, before training)."""
-        return tokens if tokens is not None else self.clip.encode_pair(before, after)[0]
+        return tokens if tokens is not None else self.clip.encode_pair(before, after).tokens
 
     def forward(self, words, **inputs):
         return self.captioner(self.memory(**inputs), words)  # (B, T, vocab)
@@ -137,11 +137,11 @@ class IDC(nn.Module):
 
 
 def model_inputs(batch, device, frozen):
-    """IDC's inputs on the device from a batch's leading entries: a frozen encoder's tokens (the datasets'
+    """PairCaptioner's inputs on the device from a batch's leading entries: a frozen encoder's tokens (the datasets'
     `features`), else the two uint8 images, normalized here."""
     if frozen:
         return {"tokens": batch[0].to(device, non_blocking=True)}
-    before, after = (normalize(x.to(device, non_blocking=True)) for x in batch[:2])
+    before, after = (clip_load.normalize(x.to(device, non_blocking=True)) for x in batch[:2])
     return {"before": before, "after": after}
 
 
@@ -154,35 +154,35 @@ def encode_all(model, loader, ctx, both_ways=False):
     out, back = [], []
     for batch in loader:
         with ctx.amp:
-            tokens = model.clip.encode_pair(**model_inputs(batch, ctx.device, False), both_ways=both_ways)[0]
+            tokens = model.clip.encode_pair(**model_inputs(batch, ctx.device, False), both_ways=both_ways).tokens
         tokens = model.captioner.pool(tokens.float()).half().cpu()
         out.append(tokens[:len(batch[0])])
         back.append(tokens[len(batch[0]):])  # empty unless both_ways
     return torch.cat(out + back)
 
 
-def build(ckpt, device, n_inter=None, extra=None):
-    """A captioner checkpoint (caption.py's own) -> (IDC model, vocab)."""
-    clip = load_clip(ckpt, device, n_inter)
-    captioner = Captioner(CaptionerConfig(**extra["captioner_config"]))
+def build(ckpt, device, n_inter=None, ckpt_info=None):
+    """A captioner checkpoint (caption.py's own) -> (PairCaptioner model, vocab)."""
+    clip = clip_load.load_clip(ckpt, device, n_inter)
+    captioner = Captioner(CaptionerConfig(**ckpt_info["captioner_config"]))
     # a captioner saved before mem_image existed reads exactly as it did with mem_image at zero
-    captioner.load_state_dict({"mem_image": torch.zeros_like(captioner.mem_image), **extra["captioner"]})
-    return IDC(clip, captioner).to(device).eval(), extra["vocab"]
+    captioner.load_state_dict({"mem_image": torch.zeros_like(captioner.mem_image), **ckpt_info["captioner"]})
+    return PairCaptioner(clip, captioner).to(device).eval(), ckpt_info["vocab"]
 
 
-def read_extra(path):
+def read_ckpt_info(path):
     """The non-model entries of our own checkpoints ({} for OpenAI's archive or a bare state dict). mmap: reading
     the small entries of a big file costs nothing."""
-    path = resolve(path)
+    path = clip_load.resolve(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # TorchScript archives and legacy files: load_clip reads them (or explains why not)
+    except Exception:  # TorchScript archives and legacy files: clip_load.load_clip reads them (or explains why not)
         return {}
     return {k: v for k, v in obj.items() if k != "model"} if isinstance(obj, dict) and "model" in obj else {}
 
 
-def lr_for(args, n_inter):
-    """The training rule: parameter name -> learning rate, or None for frozen. One case per line, with its reason.
+def lr_rule(args, n_inter):
+    """The learning-rate rule, parameter name -> learning rate (None: frozen). One case per line, with its reason.
     Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors (train_utils.param_groups)."""
     unused = PAIR_KEYS if n_inter == 0 else ()
 
@@ -262,7 +262,8 @@ def encoder_maps(model, pairs, size, device, batch=64):
     grid = size // model.clip.cfg.vision_patch_size
     out = []
     for i in range(0, len(pairs), batch):
-        b, a = (torch.stack([load_image(p, size) for p in paths]).to(device) for paths in zip(*pairs[i:i + batch]))
+        b, a = (torch.stack([clip_load.load_image(p, size) for p in paths]).to(device)
+                for paths in zip(*pairs[i:i + batch]))
         weights = model.clip.visual.inter_attention(b, a, last=1)[0].float().cpu()
         out += [plots.pair_maps(w, grid) for w in weights]
     return out
@@ -282,6 +283,11 @@ def maps_on_change(maps, items, root):
     return 100 * sum(hits) / len(hits), 100 * sum(chance) / len(chance)
 
 
+def rgb(path):
+    """An image file as an RGB array, as the pictures show it."""
+    return clip_load.to_rgb(clip_load.open_image(path))
+
+
 def draw_gallery(path, items, preds, model=None, size=None, device="cpu", n=8):
     """Test pairs, one per row: before | after | (their heat maps, when the encoder has inter blocks) | the
     generated and the first reference caption."""
@@ -289,7 +295,7 @@ def draw_gallery(path, items, preds, model=None, size=None, device="cpu", n=8):
     maps = [None] * len(picks)
     if model is not None and model.clip.cfg.n_inter > 0:
         maps = encoder_maps(model, [(it.before, it.after) for it in picks], size, device)
-    rows = [{"before": to_rgb(open_image(it.before)), "after": to_rgb(open_image(it.after)), "maps": m,
+    rows = [{"before": rgb(it.before), "after": rgb(it.after), "maps": m,
              "lines": [f"[{it.change_type or it.id}]", f"generated: {preds[it.id]}", f"reference: {it.captions[0]}"]}
             for it, m in zip(picks, maps)]
     plots.gallery(path, rows)
@@ -455,7 +461,7 @@ def get_args(argv=None):
         p.error("--before and --after go together")
     if args.explain and not args.before:
         p.error("--explain draws one pair: give --before and --after too")
-    if not os.path.isfile(args.ckpt) and args.ckpt not in MODELS and args.ckpt not in SHIPPED:
+    if not os.path.isfile(args.ckpt) and args.ckpt not in clip_load.MODELS and args.ckpt not in clip_load.SHIPPED:
         p.error(f"argument --ckpt: no file at {args.ckpt}. Run `python adapt.py` first (it writes adapted.pt), or "
                 f"pass a CLIP file / 'ViT-B/32' / 'mini-synth' for the no-adaptation ablation")
     for flag in ("--before", "--after"):
@@ -467,10 +473,10 @@ def get_args(argv=None):
     return args
 
 
-def apply_preset(args, extra):
+def apply_preset(args, ckpt_info):
     """auto: small for adapt.py's small encoders (the shipped mini CLIP, adapted or raw, and the from-scratch one),
     paper for a ViT-B/32 (OpenAI's, adapted or raw)."""
-    small = args.ckpt in SHIPPED or extra.get("config", {}).get("vision_width", 768) < 768  # raw mini: no config
+    small = args.ckpt in clip_load.SHIPPED or ckpt_info.get("config", {}).get("vision_width", 768) < 768  # raw mini
     name = args.preset if args.preset != "auto" else ("small" if small else "paper")
     for k, v in PRESETS[name].items():
         if getattr(args, k) is None:
@@ -488,32 +494,32 @@ def apply_preset(args, extra):
 
 
 def caption_images(args):
-    extra = read_extra(args.ckpt)
-    if extra.get("stage") != "caption":
+    ckpt_info = read_ckpt_info(args.ckpt)
+    if ckpt_info.get("stage") != "caption":
         raise SystemExit(f"--before/--after need a trained captioner: {args.ckpt} is not one (train it with "
                          f"`python caption.py --ckpt adapted.pt`, then pass --ckpt captioner.pt)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, vocab = build(args.ckpt, device, extra=extra)
+    model, vocab = build(args.ckpt, device, ckpt_info=ckpt_info)
     size = model.clip.cfg.image_resolution  # any size and mode: squashed to the encoder's input, RGB
-    before, after = (load_image(p, size)[None].to(device) for p in (args.before, args.after))  # normalized
+    before, after = (clip_load.load_image(p, size)[None].to(device) for p in (args.before, args.after))  # normalized
     text = to_text(model.caption(args.beam, before=before, after=after)[0].tolist(), vocab)
     print(text)
     if args.explain:
         if model.clip.cfg.n_inter == 0:
             raise SystemExit("--explain draws the last inter block's attention: this encoder (12/0) has none")
         maps = encoder_maps(model, [(args.before, args.after)], size, device)[0]
-        plots.explain(args.explain, to_rgb(open_image(args.before)), to_rgb(open_image(args.after)), text, maps)
+        plots.explain(args.explain, rgb(args.before), rgb(args.after), text, maps)
         print(f"caption, images and attention maps -> {args.explain}")
     return text
 
 
-def evaluate_captioner(args, extra):
+def evaluate_captioner(args, ckpt_info):
     """--ckpt captioner.pt without --before: test scores, baseline, predictions (and --gallery) of that model."""
     ctx = setup(args.seed, args.device, args.amp)
-    model, vocab = build(args.ckpt, ctx.device, extra=extra)
-    name, root = data_source(args, extra, ctx)
-    train_items, test_items = (load_items(name, root, s, "total", args.skip_missing) for s in ("train", "test"))
-    loader = loader_for(ImageDataset(test_items, model.clip.cfg.image_resolution), args, ctx)
+    model, vocab = build(args.ckpt, ctx.device, ckpt_info=ckpt_info)
+    name, root = data_source(args, ckpt_info, ctx)
+    train_items, test_items = (data.load_items(name, root, s, "total", args.skip_missing) for s in ("train", "test"))
+    loader = loader_for(data.ImageDataset(test_items, model.clip.cfg.image_resolution), args, ctx)
     return final_test(model, loader, train_items, test_items, vocab, args, ctx, name, root)
 
 
@@ -521,24 +527,24 @@ def evaluate_captioner(args, extra):
 # training: the pieces of train(), in the order it uses them
 
 
-def data_source(args, extra, ctx):
+def data_source(args, ckpt_info, ctx):
     """Dataset name and directory: the flags, else what the encoder was adapted on (rank 0 first: it may be
     rendering the synthetic set)."""
-    info = extra.get("data") or {}
+    info = ckpt_info.get("data") or {}
     name = args.data or info.get("name", "clevr")
     root = args.data_root or (info.get("root") if info.get("name") == name else None)
-    return name, rank0_first(ctx, lambda: resolve_root(name, root))
+    return name, rank0_first(ctx, lambda: data.resolve_root(name, root))
 
 
-def load_data(args, extra, resume, ctx):
+def load_data(args, ckpt_info, resume, ctx):
     """The dataset in the "total" setting (CLEVR-Change: change pairs + distractor pairs) -> (name, root, splits,
     vocabulary (a resumed run's own), every training caption's word ids)."""
-    name, root = data_source(args, extra, ctx)
-    splits = {s: load_items(name, root, s, "total", args.skip_missing) for s in ("train", "val", "test")}
+    name, root = data_source(args, ckpt_info, ctx)
+    splits = {s: data.load_items(name, root, s, "total", args.skip_missing) for s in ("train", "val", "test")}
     if args.reverse is None:  # the small preset: on where the renderer's scene records allow it
         args.reverse = synth.read_scenes(root) is not None
     if args.reverse:
-        splits["train"] = splits["train"] + reversed_pairs(splits["train"], root)
+        splits["train"] = splits["train"] + data.reversed_pairs(splits["train"], root)
     vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions],
                                                        args.min_count)
     captions = encode_captions(splits["train"], vocab, args.max_len)
@@ -559,10 +565,10 @@ def resolve_mem_pool(args, clip):
     return args.mem_pool
 
 
-def new_model(args, extra, vocab, ctx, clip):
+def new_model(args, ckpt_info, vocab, ctx, clip):
     """The pair encoder from --ckpt (load_clip, read before the data: a bad --n-inter says so at once) and a fresh
     captioner over its 2(n+1) tokens, in one module."""
-    if extra.get("stage") != "adapt":
+    if ckpt_info.get("stage") != "adapt":
         log(ctx, f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
                  f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized"
                  + (f", p shared by both images (--shared-p {args.shared_p:g})" if args.shared_p else ""))
@@ -573,7 +579,7 @@ def new_model(args, extra, vocab, ctx, clip):
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
                           max_len=args.max_len, dropout=args.dropout, mem_diff=args.mem_diff,
                           mem_pool=args.mem_pool)
-    return IDC(clip, Captioner(cfg)).to(ctx.device)  # every process builds the same (setup seeds them alike)
+    return PairCaptioner(clip, Captioner(cfg)).to(ctx.device)  # every process builds the same (setup seeds them alike)
 
 
 def describe(ctx, model, rule, optimizer, args):
@@ -588,13 +594,13 @@ def describe(ctx, model, rule, optimizer, args):
 
 
 def loader_for(dataset, args, ctx, shuffle=False, batch=None):
-    """Batches of `dataset` in order, or (for training) shuffled as a function of (seed, epoch) by an EpochSampler,
+    """Batches of `dataset` in order, or (for training) shuffled as a function of (seed, epoch) by an data.EpochSampler,
     each process its share under torchrun, so that a resumed run sees the same batches (call data.set_epoch(loader,
     e) before each epoch). Image-loading processes only when there are images to load."""
     share = dict(rank=ctx.rank, world=ctx.world) if shuffle else {}  # evaluation: every process sees everything
-    sampler = EpochSampler(len(dataset), shuffle, args.seed, **share)
+    sampler = data.EpochSampler(len(dataset), shuffle, args.seed, **share)
     workers = 0 if dataset.features is not None else args.workers
-    return make_loader(dataset, batch or args.eval_batch_size, shuffle, workers, ctx.device, sampler=sampler,
+    return data.make_loader(dataset, batch or args.eval_batch_size, shuffle, workers, ctx.device, sampler=sampler,
                        drop_last=shuffle and len(dataset) > (batch or 1))
 
 
@@ -603,8 +609,8 @@ def loaders(model, splits, captions, args, ctx):
     are decoded once (the cache adapt.py built, when it used the same images and size); a frozen encoder then runs
     once per pair, here, and the loaders give its tokens; a fine-tuned one reads the images at every step."""
     size = model.clip.cfg.image_resolution
-    cache = open_cache([it for v in splits.values() for it in v], size, args.image_cache, args.cache_dir, ctx.world,
-                       ctx.rank, log=lambda m: log(ctx, m))
+    cache = data.open_image_cache([it for v in splits.values() for it in v], size, args.image_cache, args.cache_dir,
+                             ctx.world, ctx.rank, log=lambda m: log(ctx, m))
     feats = {}
     if args.freeze_encoder:
         t0 = time.time()
@@ -613,13 +619,13 @@ def loaders(model, splits, captions, args, ctx):
             if s == "train" and args.reverse:  # the training pairs, then the same pairs reversed (load_data)
                 n //= 2
                 assert all(b.id == a.id + "_r" for a, b in zip(items[:n], items[n:])), "reversed pairs out of order"
-            loader = loader_for(ImageDataset(items[:n], size, cache), args, ctx)
+            loader = loader_for(data.ImageDataset(items[:n], size, cache), args, ctx)
             feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
         log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
-    train = CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=captions,
+    train = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=captions,
                            draw=args.captions_per_pair, features=feats.get("train"))
     return (loader_for(train, args, ctx, shuffle=True, batch=local_batch(ctx, args.batch_size)),
-            *(loader_for(ImageDataset(splits[s], size, cache, feats.get(s)), args, ctx) for s in ("val", "test")))
+            *(loader_for(data.ImageDataset(splits[s], size, cache, feats.get(s)), args, ctx) for s in ("val", "test")))
 
 
 def validate(model, loader, items, vocab, scenes, ctx):
@@ -645,7 +651,8 @@ def checkpoint(model, vocab, source, args, metrics_):
             "data": source, "args": vars(args), "metrics": metrics_, "stage": "caption"}
 
 
-RUN = ("epoch", "step", "best", "best_epoch", "bad", "history")  # where a run stands, in its resumable file
+# where a run stands, in its resumable file
+RUN_STATE = ("epoch", "step", "best", "best_epoch", "epochs_without_gain", "history")
 
 
 def resume_from(state, model, optimizer, scheduler, args, ctx):
@@ -654,14 +661,14 @@ def resume_from(state, model, optimizer, scheduler, args, ctx):
     if state is None:
         return 0, args.epochs, 0, -1.0, -1, 0, []
     restore(state, model, optimizer, scheduler, ctx)
-    start, step, best, best_epoch, bad, history = (state[k] for k in RUN)
+    start, step, best, best_epoch, no_gain, history = (state[k] for k in RUN_STATE)
     log(ctx, f"resumed from {last_path(args.out)} at epoch {start + 1} (best val CIDEr-D {best:.1f})")
-    if bad < args.patience:
-        return start, args.epochs, step, best, best_epoch, bad, history
+    if no_gain < args.patience:
+        return start, args.epochs, step, best, best_epoch, no_gain, history
     if start < args.epochs:  # a run that had stopped early stays stopped
-        log(ctx, f"the run had stopped early after epoch {start} (no val CIDEr-D gain for {bad} epochs): no more "
+        log(ctx, f"the run had stopped early after epoch {start} (no val CIDEr-D gain for {no_gain} epochs): no more "
                  f"training, the test of epoch {best_epoch}'s model")
-    return start, start, step, best, best_epoch, bad, history
+    return start, start, step, best, best_epoch, no_gain, history
 
 
 def test_best(model, loader, splits, vocab, source, history, args, ctx):
@@ -677,24 +684,24 @@ def test_best(model, loader, splits, vocab, source, history, args, ctx):
     return results
 
 
-def train(args, extra):
+def train(args, ckpt_info):
     """Train a captioner on the pair encoder of --ckpt, select it on val CIDEr-D, test it once."""
     ctx = setup(args.seed, args.device, args.amp)
     if not ctx.main:  # one copy of each warning, not one per process
         warnings.filterwarnings("ignore")
-    preset = apply_preset(args, extra)
+    preset = apply_preset(args, ckpt_info)
     resume = load_resume(args.out, "cpu") if args.resume else None
-    clip = load_clip(args.ckpt, ctx.device, args.n_inter)
+    clip = clip_load.load_clip(args.ckpt, ctx.device, args.n_inter)
     resolve_mem_pool(args, clip)  # a bad --mem-pool stops here, before any data is made
     log(ctx, f"caption.py: preset {preset} on {where(ctx)} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
-    name, root, splits, vocab, captions = load_data(args, extra, resume, ctx)
+    name, root, splits, vocab, captions = load_data(args, ckpt_info, resume, ctx)
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the synthetic set's record of each change
 
-    # model, what trains at which rate (lr_for, above), optimizer, loaders, schedule
-    model = new_model(args, extra, vocab, ctx, clip)
+    # model, what trains at which rate (lr_rule, above), optimizer, loaders, schedule
+    model = new_model(args, ckpt_info, vocab, ctx, clip)
     source = {"name": name, "root": str(root), "image_size": model.clip.cfg.image_resolution}  # saved with it
     seed_ranks(ctx, args.seed)
-    rule = lr_for(args, model.clip.cfg.n_inter)
+    rule = lr_rule(args, model.clip.cfg.n_inter)
     freeze(model.named_parameters(), rule)
     optimizer = make_optimizer(param_groups(model.named_parameters(), rule, args.weight_decay), ctx.device)
     describe(ctx, model, rule, optimizer, args)
@@ -703,7 +710,7 @@ def train(args, extra):
     scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
     net = model if ctx.world == 1 else nn.parallel.DistributedDataParallel(
         model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
-    start, stop, step, best, best_epoch, bad, history = resume_from(resume, model, optimizer, scheduler, args, ctx)
+    start, stop, step, best, best_epoch, no_gain, history = resume_from(resume, model, optimizer, scheduler, args, ctx)
 
     def loss_fn(batch):  # (inputs..., each pair's drawn caption(s), item index): word-level cross entropy
         words = batch[-2].flatten(0, -2)  # (B, T), or (B K, T) with --captions-per-pair K
@@ -715,7 +722,7 @@ def train(args, extra):
     t_start = time.time()
     try:
         for epoch in range(start, stop):
-            set_epoch(train_loader, epoch)
+            data.set_epoch(train_loader, epoch)
             t0 = time.time()
             progress = Progress(epoch, args.epochs, step, total_steps, args.log_every)
             loss = train_epoch(ctx, net, train_loader, loss_fn, optimizer, scheduler, progress, args.grad_clip)
@@ -723,11 +730,11 @@ def train(args, extra):
             val = validate(model, val_loader, splits["val"], vocab, scenes, ctx)
             history.append({"epoch": epoch + 1, "loss": loss, **{f"val {k}": v for k, v in val.items()}})
             if val["CIDEr-D"] > best:
-                best, best_epoch, bad = val["CIDEr-D"], epoch + 1, 0
+                best, best_epoch, no_gain = val["CIDEr-D"], epoch + 1, 0
                 if ctx.main:
                     save_atomic(checkpoint(model, vocab, source, args, {"val": val, "epoch": epoch + 1}), args.out)
             else:
-                bad += 1
+                no_gain += 1
             right = "".join(f", {k} {val[k]:.0f}%" for k in ("right type", "right object") if k in val)
             log(ctx, f"epoch {epoch + 1}/{args.epochs} | loss {loss:.3f} | val {summary(val)}{right} | best CIDEr-D "
                      f"{best:.1f} (epoch {best_epoch}) | {time.time() - t0:.0f}s")
@@ -736,9 +743,10 @@ def train(args, extra):
                 plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, "val CIDEr-D")
                 save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "vocab": vocab,
                              "scheduler": scheduler.state_dict(), "rng": rng,
-                             **dict(zip(RUN, (epoch + 1, step, best, best_epoch, bad, history)))}, last_path(args.out))
-            if bad >= args.patience:
-                log(ctx, f"early stop: no val CIDEr-D gain for {bad} epochs")
+                             **dict(zip(RUN_STATE, (epoch + 1, step, best, best_epoch, no_gain, history)))},
+                            last_path(args.out))
+            if no_gain >= args.patience:
+                log(ctx, f"early stop: no val CIDEr-D gain for {no_gain} epochs")
                 break
     except KeyboardInterrupt:
         interrupted(ctx, args.out)
@@ -754,14 +762,14 @@ def main(argv=None):
     args = get_args(argv)
     if args.before:
         return caption_images(args)
-    extra = read_extra(args.ckpt)
-    if extra.get("stage") == "caption":
-        return evaluate_captioner(args, extra)
-    return train(args, extra)
+    ckpt_info = read_ckpt_info(args.ckpt)
+    if ckpt_info.get("stage") == "caption":
+        return evaluate_captioner(args, ckpt_info)
+    return train(args, ckpt_info)
 
 
 if __name__ == "__main__":
     try:
         main()
-    except BadImage as e:  # an undecodable image met while training: its name and what to do, no traceback
-        raise SystemExit(exit_message(e)) from None
+    except data.BadImage as e:  # an undecodable image met while training: its name and what to do, no traceback
+        raise SystemExit(data.exit_message(e)) from None

@@ -297,7 +297,7 @@ def cache_dir(directory=None):
     return Path(directory or os.environ.get("CLIP4IDC_IMAGE_CACHE") or home / "clip4idc" / "images")
 
 
-def use_cache(items, size, flag=None, directory=None):
+def use_image_cache(items, size, flag=None, directory=None):
     """Decode into an ImageCache? flag True/False decides; None (auto): yes, unless the cache's disk lacks room
     for it (CLEVR-Change at 224 px is 119k images, 17.9 GB; the synthetic set at 96 px, 0.2 GB)."""
     if flag is not None:
@@ -431,11 +431,11 @@ def _alive(tmp, grace=600):
             return True  # gone meanwhile: nothing to remove
 
 
-def open_cache(items, size, flag=None, directory=None, world=1, rank=0, log=print):
+def open_image_cache(items, size, flag=None, directory=None, world=1, rank=0, log=print):
     """The ImageCache of these items (None when not used): under torchrun, rank 0 decides whether to use it (one
     decision: near the disk-space threshold, ranks deciding alone could disagree and no longer meet at the
     barrier), builds it while the others wait, then each opens it."""
-    use = [use_cache(items, size, flag, directory) if rank == 0 else None]
+    use = [use_image_cache(items, size, flag, directory) if rank == 0 else None]
     if world > 1:
         torch.distributed.broadcast_object_list(use, src=0)
     if not use[0]:

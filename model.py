@@ -12,6 +12,7 @@ N_inter blocks attend across both images. Its tokens (B, 2(n+1), embed) feed the
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -115,6 +116,13 @@ class Transformer(nn.Module):
 # CLIP's vision tower, extended into the pair encoder
 
 
+class PairEncoding(NamedTuple):
+    """The pair encoder's output: all 2(n+1) tokens (B, 2(n+1), embed_dim), the captioner's memory, and the pair
+    vector v (B, embed_dim) of eq. (5), the mean of the two [CLS] tokens, for retrieval."""
+    tokens: torch.Tensor
+    vector: torch.Tensor
+
+
 class VisionTransformer(nn.Module):
     def __init__(self, input_resolution, patch_size, width, layers, heads, output_dim, n_inter=3):
         super().__init__()
@@ -158,9 +166,9 @@ class VisionTransformer(nn.Module):
         return self.ln_post(x[:, 0]) @ self.proj
 
     def forward_pair(self, before, after, both_ways=False):
-        """(B, 3, H, W) x2 -> tokens (B, 2(n+1), output_dim), pair vector v (B, output_dim). both_ways: also each
-        pair the other way round, (after, before), as rows B..2B-1, at the cost of its inter blocks only (the intra
-        blocks see each image alone, so both orders share their work)."""
+        """(B, 3, H, W) x2 -> PairEncoding: tokens (B, 2(n+1), output_dim), pair vector v (B, output_dim).
+        both_ways: also each pair the other way round, (after, before), as rows B..2B-1, at the cost of its inter
+        blocks only (the intra blocks see each image alone, so both orders share their work)."""
         B = before.shape[0]
         x = self.stem(torch.cat([before, after]))  # both images in one batch: (2B, n+1, width)
         blocks = self.transformer.resblocks
@@ -179,7 +187,7 @@ class VisionTransformer(nn.Module):
                 x = block(x)
         tokens = self.ln_post(x) @ self.proj  # all 2(n+1) tokens go to the captioner: (B, 2(n+1), output_dim)
         v = (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2  # eq. (5): mean of the two [CLS] tokens
-        return tokens, v
+        return PairEncoding(tokens, v)
 
     def inter_attention(self, before, after, last=None):
         """The inter blocks' attention weights on these pairs, one (B, heads, 2(n+1), 2(n+1)) per block (the `last`
@@ -258,7 +266,7 @@ class CLIP(nn.Module):
         return x[torch.arange(x.shape[0]), eot] @ self.text_projection
 
     def encode_pair(self, before, after, both_ways=False):
-        """The CLIP4IDC pair encoder: tokens (B, 2(n+1), embed_dim) and pair vector (B, embed_dim); both_ways:
+        """The CLIP4IDC pair encoder -> PairEncoding(tokens (B, 2(n+1), embed_dim), vector (B, embed_dim)); both_ways:
         (2B, ...), the pairs and then the same pairs reversed (VisionTransformer.forward_pair)."""
         return self.visual.forward_pair(before, after, both_ways)
 
@@ -339,7 +347,7 @@ class CaptionerConfig:
 
 class Attention(nn.Module):
     """Multi-head attention: self-attention (source=None) or cross-attention (queries from x, keys and values from
-    `source`, the memory). `cache` (a dict per layer and kind) serves decoding: self-attention appends the new
+    `source`, the memory). `kv_cache` (a dict per layer and kind) serves decoding: self-attention appends the new
     positions' keys/values to the prefix's, so a step costs one token; cross-attention projects the memory once.
     Why a second attention class: CLIP's MultiheadAttention keeps OpenAI's one fused in_proj so that ViT-B-32.pt
     loads as it is; here queries and keys/values are projected apart, so that the memory's keys and values are
@@ -359,27 +367,27 @@ class Attention(nn.Module):
     def keys_values(self, x):
         return map(self.split, self.kv_proj(x).chunk(2, dim=-1))
 
-    def self_keys_values(self, x, cache):
+    def self_keys_values(self, x, kv_cache):
         """This call's positions' keys/values, after the cached prefix's (then cached in turn)."""
         k, v = self.keys_values(x)
-        if cache is not None:
-            if cache:
-                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
+        if kv_cache is not None:
+            if kv_cache:
+                k, v = torch.cat([kv_cache["k"], k], dim=2), torch.cat([kv_cache["v"], v], dim=2)
+            kv_cache["k"], kv_cache["v"] = k, v
         return k, v
 
-    def cross_keys_values(self, memory, cache):
+    def cross_keys_values(self, memory, kv_cache):
         """The memory's keys/values: projected at the first decoding step, reused at the others."""
-        if cache is None or not cache:
+        if kv_cache is None or not kv_cache:
             k, v = self.keys_values(memory)
-            if cache is None:
+            if kv_cache is None:
                 return k, v
-            cache["k"], cache["v"] = k, v
-        return cache["k"], cache["v"]
+            kv_cache["k"], kv_cache["v"] = k, v
+        return kv_cache["k"], kv_cache["v"]
 
-    def forward(self, x, source=None, causal=False, cache=None):
+    def forward(self, x, source=None, causal=False, kv_cache=None):
         q = self.split(self.q_proj(x))
-        k, v = self.self_keys_values(x, cache) if source is None else self.cross_keys_values(source, cache)
+        k, v = self.self_keys_values(x, kv_cache) if source is None else self.cross_keys_values(source, kv_cache)
         y = attention(q, k, v, causal)  # causal: x's positions are the last of k's (see attention)
         return self.out_proj(y.transpose(1, 2).flatten(2))  # (B, T, width)
 
@@ -399,13 +407,13 @@ class CaptionBlock(nn.Module):
             ("c_fc", nn.Linear(width, 4 * width)), ("gelu", nn.GELU()), ("c_proj", nn.Linear(4 * width, width))]))
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x, memory=None, cache=None):
+    def forward(self, x, memory=None, kv_cache=None):
         c_self = c_cross = None
-        if cache is not None:
-            c_self, c_cross = cache.setdefault("self", {}), cache.setdefault("cross", {})
-        x = x + self.drop(self.attn(self.ln_1(x), causal=self.cross_attn is not None, cache=c_self))
+        if kv_cache is not None:
+            c_self, c_cross = kv_cache.setdefault("self", {}), kv_cache.setdefault("cross", {})
+        x = x + self.drop(self.attn(self.ln_1(x), causal=self.cross_attn is not None, kv_cache=c_self))
         if self.cross_attn is not None:
-            x = x + self.drop(self.cross_attn(self.ln_x(x), memory, cache=c_cross))
+            x = x + self.drop(self.cross_attn(self.ln_x(x), memory, kv_cache=c_cross))
         return x + self.drop(self.mlp(self.ln_2(x)))
 
 
@@ -467,12 +475,12 @@ class Captioner(nn.Module):
             x = block(x)
         return self.ln_enc(x)
 
-    def decode(self, tokens, memory, caches=None, start=0):
+    def decode(self, tokens, memory, kv_caches=None, start=0):
         """Token ids (B, T) at positions start..start+T-1 -> next-token logits (B, T, vocab). Output
         projection tied to the input embedding (fewer parameters, better with small caption sets)."""
         x = self.drop(self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]])
         for i, block in enumerate(self.decoder):
-            x = block(x, memory, None if caches is None else caches[i])
+            x = block(x, memory, None if kv_caches is None else kv_caches[i])
         return self.ln_final(x) @ self.token_embedding.weight.t()
 
     def forward(self, memory, tokens):
@@ -484,24 +492,24 @@ class Captioner(nn.Module):
         assert K * memory.shape[0] == tokens.shape[0], f"{tokens.shape[0]} captions for {memory.shape[0]} pairs"
         if K == 1:
             return self.decode(tokens, memory)
-        caches = [{"cross": dict(zip("kv", (t.repeat_interleave(K, dim=0) for t in
-                                            block.cross_attn.keys_values(memory))))} for block in self.decoder]
-        return self.decode(tokens, memory, caches)
+        kv_caches = [{"cross": dict(zip("kv", (t.repeat_interleave(K, dim=0) for t in
+                                               block.cross_attn.keys_values(memory))))} for block in self.decoder]
+        return self.decode(tokens, memory, kv_caches)
 
     @torch.no_grad()
-    def generate(self, memory, bos, eos, max_len=None, use_cache=True):
+    def generate(self, memory, bos, eos, max_len=None, use_kv_cache=True):
         """Batched greedy decoding -> ids (B, <= max_len), <eos> included where reached, 0 (pad) after it.
-        With the cache each step runs the decoder on the newest token only; without it, on the whole prefix
-        (the reference the tests compare against)."""
+        With the key/value cache each step runs the decoder on the newest token only; without it, on the whole
+        prefix (the reference the tests compare against)."""
         max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
         mem = self.encode(memory)
         B = mem.shape[0]
         out = torch.full((B, 1), bos, dtype=torch.long, device=mem.device)
-        caches = [{} for _ in self.decoder] if use_cache else None
+        kv_caches = [{} for _ in self.decoder] if use_kv_cache else None
         done = torch.zeros(B, dtype=torch.bool, device=mem.device)
         for t in range(max_len):
-            if use_cache:
-                logits = self.decode(out[:, -1:], mem, caches, start=t)[:, -1]
+            if use_kv_cache:
+                logits = self.decode(out[:, -1:], mem, kv_caches, start=t)[:, -1]
             else:
                 logits = self.decode(out, mem)[:, -1]
             nxt = logits.argmax(-1).masked_fill(done, 0)  # (B,)
@@ -522,9 +530,9 @@ class Captioner(nn.Module):
         scores[:, 0] = 0  # all beams start equal: keep one so the first step gives K different words
         done = torch.zeros(B * K, dtype=torch.bool, device=dev)
         lengths = torch.zeros(B * K, device=dev)
-        caches = [{} for _ in self.decoder]
+        kv_caches = [{} for _ in self.decoder]
         for t in range(max_len):
-            logp = self.decode(out[:, -1:], mem, caches, start=t)[:, -1].float().log_softmax(-1)  # (B*K, V)
+            logp = self.decode(out[:, -1:], mem, kv_caches, start=t)[:, -1].float().log_softmax(-1)  # (B*K, V)
             V = logp.shape[-1]
             logp[done] = float("-inf")
             logp[done, 0] = 0  # a finished beam continues with padding at no cost
@@ -535,7 +543,7 @@ class Captioner(nn.Module):
             lengths = lengths[src] + (~done[src]).float()
             done = done[src] | (nxt == eos)
             scores = top
-            for c in caches:  # the prefix cache follows its beam; the memory's is the same for all beams
+            for c in kv_caches:  # the prefix's keys/values follow their beam; the memory's is the same for all beams
                 c["self"]["k"], c["self"]["v"] = c["self"]["k"][src], c["self"]["v"][src]
             if done.all():
                 break

@@ -347,8 +347,9 @@ def mimetic_init_(visual, a1=0.7, b1=0.7, a2=0.4, b2=0.4):
             attn.out_proj.bias.zero_()
 
 
-def lr_for(args):
-    """Everything trains at one rate, but CLIP4IDC's pair parameters: single images never use them, and the
+def lr_rule(args):
+    """The learning-rate rule: everything at one rate, but CLIP4IDC's pair parameters are frozen: single images
+    never use them, and the
     shipped file leaves them out (as OpenAI's release has none)."""
     return lambda name: None if name.startswith(M.PAIR_KEYS) else args.lr
 
@@ -387,7 +388,7 @@ def main(argv=None):
     held_out = held_out[:args.eval_images]
     probe_train = train[:2 * args.eval_images]
     items = [data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(train + held_out)]
-    cache = data.open_cache(items, args.image_size, True, log=lambda m: log(ctx, m))
+    cache = data.open_image_cache(items, args.image_size, True, log=lambda m: log(ctx, m))
     log(ctx, f"   {root}: {len(train)} training images, {len(held_out)} held out (other scenes)")
 
     if args.eval_only:
@@ -401,9 +402,9 @@ def main(argv=None):
     if args.mimetic_init:
         mimetic_init_(model.visual)
     model = model.to(ctx.device)
-    groups = param_groups(model.named_parameters(), lr_for(args), args.weight_decay)
+    groups = param_groups(model.named_parameters(), lr_rule(args), args.weight_decay)
     for name, p in model.named_parameters():
-        p.requires_grad_(lr_for(args)(name) is not None)
+        p.requires_grad_(lr_rule(args)(name) is not None)
     optimizer = make_optimizer(groups, ctx.device)
     total = max(1, args.samples // args.batch_size)
     scheduler = warmup_cosine(optimizer, total, args.warmup)

@@ -145,17 +145,18 @@ def linear_probe(x, y, x_test, y_test, steps=300, lr=1e-3, weight_decay=1e-3):
 
 
 def rate(name, args):
-    """From scratch everything trains at --lr; a pretrained CLIP as adapt.py trains it (lr_for): its input
+    """From scratch everything trains at --lr; a pretrained CLIP as adapt.py trains it (lr_rule): its input
     embeddings frozen, its other weights at --lr-clip, the pair parameters (and the heads) at --lr."""
     if not args.clip or not name.startswith("visual.") or (args.fusion == "early" and "conv1" in name):
         return args.lr  # from scratch, a head, or early fusion's new 6-channel patch embedding
     n_inter = 0 if args.fusion == "early" else args.n_inter
-    return adapt.lr_for(argparse.Namespace(clip=args.clip, n_inter=n_inter, lr_new=args.lr, lr_clip=args.lr_clip))(name)
+    rule = adapt.lr_rule(argparse.Namespace(clip=args.clip, n_inter=n_inter, lr_new=args.lr, lr_clip=args.lr_clip))
+    return rule(name)
 
 
 def pair_vector(clip, before, after, early):
     """CLIP4IDC's pair vector v (eq. 5), or with early fusion the [CLS] feature of the 6-channel stack."""
-    return clip.visual(torch.cat([before, after], dim=1)) if early else clip.encode_pair(before, after)[1]
+    return clip.visual(torch.cat([before, after], dim=1)) if early else clip.encode_pair(before, after).vector
 
 
 @contextmanager

@@ -462,10 +462,10 @@ def test_sdpa_and_plain_attention_agree():
     model = M.CLIP(TINY).eval()
     images, text = tiny_inputs()
     with torch.no_grad():
-        a = model.encode_pair(images, images.flip(0))[0], model.encode_text(text)
+        a = model.encode_pair(images, images.flip(0)).tokens, model.encode_text(text)
         M.USE_SDPA = False
         try:
-            b = model.encode_pair(images, images.flip(0))[0], model.encode_text(text)
+            b = model.encode_pair(images, images.flip(0)).tokens, model.encode_text(text)
         finally:
             M.USE_SDPA = True
     assert_close(a[0], b[0])
@@ -508,19 +508,19 @@ def test_bf16_autocast_runs():
         tokens, v = model.encode_pair(images, images)
         t = model.encode_text(text)
     assert torch.isfinite(tokens.float()).all() and torch.isfinite(t.float()).all()
-    assert_close(v.float(), model.encode_pair(images, images)[1].detach(), atol=0.1)
+    assert_close(v.float(), model.encode_pair(images, images).vector.detach(), atol=0.1)
 
 
-def test_cache_equals_no_cache():
+def test_kv_cache_equals_no_kv_cache():
     torch.manual_seed(0)
     cap = Captioner(CaptionerConfig(vocab_size=50, memory_dim=32, memory_len=10, width=64, heads=4, enc_layers=2,
                                     dec_layers=2, max_len=12)).eval()
     memory = torch.randn(16, 10, 32)
-    cached, full = cap.generate(memory, 1, 2, use_cache=True), cap.generate(memory, 1, 2, use_cache=False)
+    cached, full = cap.generate(memory, 1, 2, use_kv_cache=True), cap.generate(memory, 1, 2, use_kv_cache=False)
     assert torch.equal(cached, full)
     # the cached step's logits are the full prefix's last-position logits
-    caches, mem = [{} for _ in cap.decoder], cap.encode(memory)
-    steps = [cap.decode(full[:, t - 1:t] if t else torch.ones(16, 1, dtype=torch.long), mem, caches, start=t)[:, -1]
+    kv_caches, mem = [{} for _ in cap.decoder], cap.encode(memory)
+    steps = [cap.decode(full[:, t - 1:t] if t else torch.ones(16, 1, dtype=torch.long), mem, kv_caches, start=t)[:, -1]
              for t in range(5)]
     prefix = torch.cat([torch.ones(16, 1, dtype=torch.long), full[:, :4]], dim=1)
     torch.testing.assert_close(torch.stack(steps, 1), cap.decode(prefix, mem), atol=1e-5, rtol=1e-5)
@@ -535,9 +535,9 @@ def test_cache_equals_no_cache():
     for sdpa in (True, False):
         model.USE_SDPA = sdpa
         try:
-            caches = [{} for _ in cap.decoder]
-            head = cap.decode(prefix[:, :2], mem, caches)
-            tail = cap.decode(prefix[:, 2:], mem, caches, start=2)  # 3 positions at once, after 2 cached ones
+            kv_caches = [{} for _ in cap.decoder]
+            head = cap.decode(prefix[:, :2], mem, kv_caches)
+            tail = cap.decode(prefix[:, 2:], mem, kv_caches, start=2)  # 3 positions at once, after 2 cached ones
             torch.testing.assert_close(torch.cat([head, tail], 1), cap.decode(prefix, mem), atol=1e-5, rtol=1e-5)
         finally:
             model.USE_SDPA = True
@@ -631,8 +631,8 @@ def test_greedy_decoding_equals_the_plain_loop():
         assert len({tuple(c) for c in want}) > 3  # the check has teeth (and some captions end early: below)
         lengths |= {len(c) for c in want}
         width = max(len(c) for c in want)
-        for use_cache in (True, False):
-            assert torch.equal(cap.generate(memory, BOS, EOS, use_cache=use_cache), padded(want, width))
+        for use_kv_cache in (True, False):
+            assert torch.equal(cap.generate(memory, BOS, EOS, use_kv_cache=use_kv_cache), padded(want, width))
         assert torch.equal(cap.generate(memory, BOS, EOS, max_len=2), padded([c[:2] for c in want], 2))
         ended = [i for i, c in enumerate(want) if c[-1] == EOS]  # all end early: so does decoding, no padding
         if ended:
@@ -653,7 +653,7 @@ def test_beam_search_equals_the_textbook_one_and_exhaustive_search():
             want = [beam_reference(cap, m, k)[0] for m in memory]
             got = cap.beam_search(memory, BOS, EOS, beam=k)
             assert torch.equal(got, padded(want, got.shape[1])), (seed, k)
-            assert torch.equal(caption.IDC(None, cap).caption(k, tokens=memory), got)  # what caption.py calls
+            assert torch.equal(caption.PairCaptioner(None, cap).caption(k, tokens=memory), got)  # what caption.py calls
             differs += sum(w != greedy_reference(cap, m) for w, m in zip(want, memory))
     assert differs > 5
     cap, memory = sharp_captioner(0, max_len=3)
@@ -755,7 +755,7 @@ def test_several_captions_per_pair_share_one_memory_encoding():
         with torch.no_grad():
             want = cap(memory.repeat_interleave(4, dim=0), words)  # pair b's captions are rows 4b..4b+3
             assert_close(cap(memory, words), want)
-            assert_close(caption.IDC(None, cap)(words, tokens=memory), want)  # what caption.py's training calls
+            assert_close(caption.PairCaptioner(None, cap)(words, tokens=memory), want)  # what caption.py trains
             assert (cap(memory.roll(1, 0), words) - want).abs().amax() > 0.02  # another pair's memory reads otherwise
 
 
@@ -774,7 +774,7 @@ def test_caption_mem_diff_is_saved_and_read_back(tmp_path, monkeypatch):
     saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
     assert saved["captioner_config"]["mem_diff"] is True and "mem_diff.weight" in saved["captioner"]
     assert saved["captioner_config"]["mem_pool"] == 2 and saved["captioner"]["mem_pos"].shape[0] == 2 * (4 + 1)
-    model, _ = caption.build(tmp_path / "captioner.pt", "cpu", extra=saved)  # its 4x4 grid read pooled 2x2
+    model, _ = caption.build(tmp_path / "captioner.pt", "cpu", ckpt_info=saved)  # its 4x4 grid read pooled 2x2
     assert model.captioner.mem_diff is not None and model.captioner.cfg.mem_pool == 2
     assert torch.equal(model.captioner.mem_diff.weight, saved["captioner"]["mem_diff.weight"])
     run(tmp_path, "--no-mem-diff", epochs=1)  # off (the small preset has it on)
@@ -799,8 +799,8 @@ def test_archive_roundtrip_and_state_dict(tmp_path):
             assert_close(ours.encode_image(images), original.encode_image(images))
             assert_close(ours.encode_text(text), original.encode_text(text))
             if path.name == "sd.pt":  # the archive's pair parameters are freshly initialized on loading
-                assert_close(ours.encode_pair(images, images.flip(0))[0],
-                             original.encode_pair(images, images.flip(0))[0])
+                assert_close(ours.encode_pair(images, images.flip(0)).tokens,
+                             original.encode_pair(images, images.flip(0)).tokens)
 
 
 def test_strict_load_of_openai_keys():
@@ -1343,8 +1343,8 @@ def test_cache_build_spares_a_live_build_and_takes_a_finished_one(synth_set, tmp
 
 def _cache_rank(rank, world, items, directory, out):
     torch.distributed.init_process_group("gloo")
-    data.use_cache = lambda *args, **kwargs: rank == 0  # near the disk-space threshold: ranks see other room
-    cache = data.open_cache(items, 32, None, directory, world, rank, log=lambda m: None)
+    data.use_image_cache = lambda *args, **kwargs: rank == 0  # near the disk-space threshold: ranks see other room
+    cache = data.open_image_cache(items, 32, None, directory, world, rank, log=lambda m: None)
     (Path(out) / str(rank)).write_text("cache" if cache is not None else "none")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -1548,9 +1548,9 @@ def test_reversed_pairs_get_their_own_tokens(adapt_synth, openai_archive, pool):
     assert len(train.features) == 2 * n
     pairs = data.ImageDataset(splits["train"], clip.cfg.image_resolution)  # the images, read one pair at a time
     for i in (0, n - 1, n, 2 * n - 1):  # a forward pair and a reversed one at each end
-        before, after = (caption.normalize(x[None]) for x in pairs[i][:2])
+        before, after = (clip_load.normalize(x[None]) for x in pairs[i][:2])
         with torch.no_grad():
-            want = clip.encode_pair(before, after)[0]
+            want = clip.encode_pair(before, after).tokens
         if pool > 1:  # each image's 16 patch tokens -> 4 cell means, [CLS] kept: 2 (4 + 1) tokens
             g = want.reshape(2, 17, -1)[:, 1:].reshape(2, 2, 2, 2, 2, -1).mean((2, 4)).reshape(2, 4, -1)
             want = torch.cat([want.reshape(2, 17, -1)[:, :1], g], 1).reshape(1, 10, -1)
@@ -2032,8 +2032,8 @@ def test_loss_decreases_on_synthetic_batches(adapt_synth):
     ds = data.CaptionDataset(items, 32, 32, swap_prob=0.5)
     batch = next(iter(data.make_loader(ds, 8, shuffle=True)))
     batch = [clip_load.normalize(batch[0]), clip_load.normalize(batch[1]), batch[2]]
-    train_utils.freeze(model.named_parameters(), adapt.lr_for(args))
-    opt = torch.optim.AdamW(adapt.param_groups(model.named_parameters(), adapt.lr_for(args), 0.0))
+    train_utils.freeze(model.named_parameters(), adapt.lr_rule(args))
+    opt = torch.optim.AdamW(adapt.param_groups(model.named_parameters(), adapt.lr_rule(args), 0.0))
     net = adapt.PairText(model)
     losses = []
     for _ in range(30):
@@ -2154,7 +2154,7 @@ def test_overfit_exact_captions(trained):
     old = {**saved, "captioner": {k: v for k, v in cap.items() if k != "mem_image"}}
     zero = {**saved, "captioner": {**cap, "mem_image": torch.zeros_like(cap["mem_image"])}}
     assert cap["mem_image"].abs().sum() > 0
-    (m_old, _), (m_zero, _) = (caption.build(tmp / "captioner.pt", "cpu", extra=e) for e in (old, zero))
+    (m_old, _), (m_zero, _) = (caption.build(tmp / "captioner.pt", "cpu", ckpt_info=e) for e in (old, zero))
     assert all(torch.equal(a, b) for a, b in zip(m_old.captioner.state_dict().values(),
                                                  m_zero.captioner.state_dict().values()))
 
@@ -2335,8 +2335,8 @@ def test_aligned_attention_lines_up_the_two_images():
     moved[:, :, 8:16, 16:24] += 1.0  # patch 6 of the 4x4 grid: token 7 of each image's 17
     with torch.no_grad():
         with probe.aligned_attention(30.0, 17):
-            diff = (clip.encode_pair(before, moved)[0] - clip.encode_pair(before, after)[0]).abs().amax(-1)[0]
-        plain = (clip.encode_pair(before, moved)[0] - clip.encode_pair(before, after)[0]).abs().amax(-1)[0]
+            diff = (clip.encode_pair(before, moved).tokens - clip.encode_pair(before, after).tokens).abs().amax(-1)[0]
+        plain = (clip.encode_pair(before, moved).tokens - clip.encode_pair(before, after).tokens).abs().amax(-1)[0]
     touched = {0, 7, 17, 24}  # the two [CLS] and position 7 in both images
     assert all(diff[t] > 1e-3 for t in touched)
     assert all(diff[t] < 1e-5 for t in range(34) if t not in touched), diff
@@ -2614,7 +2614,7 @@ def test_training_rule_in_plain_sight():
     cfg = M.CLIPConfig(embed_dim=64, image_resolution=64, vision_layers=4, vision_width=128, vision_patch_size=16,
                        context_length=24, transformer_width=128, transformer_heads=2, transformer_layers=2, n_inter=2)
     m = M.CLIP(cfg)
-    rule = adapt.lr_for(adapt.get_args(["--clip", A_FILE]))
+    rule = adapt.lr_rule(adapt.get_args(["--clip", A_FILE]))
     train_utils.param_groups(m.named_parameters(), rule, 0.2)
     assert all(p.requires_grad for p in m.parameters())
     train_utils.freeze(m.named_parameters(), rule)
@@ -2628,7 +2628,7 @@ def test_training_rule_in_plain_sight():
     # train, the text tower too
     args = adapt.get_args(["--clip", A_FILE, "--freeze-intra"])
     assert args.freeze_intra and not adapt.get_args(["--clip", A_FILE]).freeze_intra
-    rule = adapt.lr_for(args, cfg.vision_layers - cfg.n_inter)
+    rule = adapt.lr_rule(args, cfg.vision_layers - cfg.n_inter)
     train_utils.freeze(m.named_parameters(), rule)
     blocks = m.visual.transformer.resblocks
     assert [all(p.requires_grad for p in b.parameters()) for b in blocks] == [False, False, True, True]
@@ -2650,11 +2650,11 @@ def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     args = caption.get_args(["--ckpt", "mini-synth", "--warmup", "0.3", "--weight-decay", "0.5"])
     assert caption.apply_preset(args, {}) == "small" and (args.warmup, args.weight_decay) == (0.3, 0.5)
     assert args.epochs == caption.PRESETS["small"]["epochs"]
-    rule = caption.lr_for(caption.get_args(["--ckpt", A_FILE, "--lr", "2e-4", "--encoder-lr", "1e-6",
+    rule = caption.lr_rule(caption.get_args(["--ckpt", A_FILE, "--lr", "2e-4", "--encoder-lr", "1e-6",
                                              "--no-freeze-encoder"]), 0)
     assert rule("captioner.decoder.0.attn.q_proj.weight") == 2e-4 and rule("clip.transformer.ln_1") is None
     assert rule("clip.visual.conv1.weight") == 1e-6 and rule("clip.visual.bef_embedding") is None
-    assert caption.lr_for(args, 3)("clip.visual.bef_embedding") is None  # frozen encoder (the small preset)
+    assert caption.lr_rule(args, 3)("clip.visual.bef_embedding") is None  # frozen encoder (the small preset)
 
 
 @pytest.mark.slow
@@ -2666,7 +2666,7 @@ def test_step_flops_match_torch_counter():
     cfg = M.CLIPConfig(embed_dim=64, image_resolution=64, vision_layers=5, vision_width=128, vision_patch_size=16,
                        context_length=24, transformer_width=128, transformer_heads=2, transformer_layers=2, n_inter=2)
     m = M.CLIP(cfg)
-    rule = adapt.lr_for(adapt.get_args(["--clip", A_FILE, "--n-inter", "2"]))
+    rule = adapt.lr_rule(adapt.get_args(["--clip", A_FILE, "--n-inter", "2"]))
     train_utils.freeze(m.named_parameters(), rule)  # conv1 and the embeddings frozen, as the paper preset
     x, ids = torch.randn(3, 3, 64, 64), bench.random_ids(3, 24, "cpu")
     old = M.USE_SDPA
@@ -2932,7 +2932,8 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
 
     # captioning with the paper preset: the encoder fine-tuned at --encoder-lr, a captioner from scratch
     cap, results = tmp_path / "captioner.pt", tmp_path / "captions.json"
-    caption.main([*CPU, "--ckpt", str(out), "--preset", "paper", "--out", str(cap), "--results", str(results), "--epochs",
+    caption.main([*CPU, "--ckpt", str(out), "--preset", "paper", "--out", str(cap), "--results", str(results),
+                  "--epochs",
                   "2", "--batch-size", "4", "--workers", "0", "--encoder-lr", "1e-6", "--log-every", "1000"])
     trained = torch.load(cap, weights_only=False)
     steps = torch.load(train_utils.last_path(cap), weights_only=False)["step"]
@@ -2977,7 +2978,8 @@ def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch,
     assert (p[:145] - p[145:]).norm(dim=1).min() > 0.1 and p.norm(dim=1).max() < 5
     # caption.py's small preset over those tokens pooled 2x2, every training pair both ways round
     cap = tmp_path / "captioner.pt"
-    res = caption.main([*CPU, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"), "--epochs", "1",
+    res = caption.main([*CPU, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"),
+                        "--epochs", "1",
                         "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
     saved = torch.load(cap, weights_only=False)
     config = saved["captioner_config"]
@@ -3002,7 +3004,7 @@ def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
     adapted = clip_load.load_clip(out).eval()  # 12/0: each image alone, v the mean of their CLIP features
     b, a = torch.randn(2, 3, 32, 32), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
-        assert_close(adapted.encode_pair(b, a)[1], (adapted.encode_image(b) + adapted.encode_image(a)) / 2)
+        assert_close(adapted.encode_pair(b, a).vector, (adapted.encode_image(b) + adapted.encode_image(a)) / 2)
     # no adaptation: the raw CLIP archive as caption.py's encoder, frozen (the small preset)
     res = caption.main([*CPU, "--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "small",
                         "--out", str(tmp_path / "cap.pt"), "--results", str(tmp_path / "c.json"), "--epochs", "1",
@@ -3030,7 +3032,8 @@ def test_bf16_autocast_through_main(adapt_synth, tmp_path):
         adapt.main(TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "1", "--amp", amp, "--out", str(out)])
         loss["adapt", amp] = torch.load(train_utils.last_path(out), weights_only=False)["history"][0]["loss"]
         cap = tmp_path / f"cap_{amp}.pt"
-        caption.main([*CPU, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / f"{amp}.json"), "--amp", amp,
+        caption.main([*CPU, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / f"{amp}.json"),
+                      "--amp", amp,
                       "--epochs", "1", "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
         loss["caption", amp] = torch.load(train_utils.last_path(cap), weights_only=False)["history"][0]["loss"]
     for stage in ("adapt", "caption"):
@@ -3068,7 +3071,8 @@ def test_torchrun_resume_gives_each_process_its_own_random_stream(adapt_synth, o
     """Dropout on, 2 processes: a run stopped by Ctrl-C after epoch 1 and resumed ends with the weights of one
     that never stopped, because each process gets back its own random stream (not rank 0's: the same masks on
     both processes)."""
-    argv = [*CPU, "--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--freeze-encoder", "--dropout", "0.3",
+    argv = [*CPU, "--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--freeze-encoder",
+            "--dropout", "0.3",
             "--epochs", "2", "--batch-size", "8", "--workers", "0", "--log-every", "1000"]
     torchrun("caption", argv + ["--out", str(tmp_path / "a.pt"), "--results", str(tmp_path / "a.json")])
     cut = argv + ["--out", str(tmp_path / "b.pt"), "--results", str(tmp_path / "b.json")]
@@ -3100,7 +3104,8 @@ def test_sigkilled_runs_resume_to_the_same_weights(adapt_synth, tmp_path):
     checkpoint, then resumed: the final weights and the chosen model equal those of a run never stopped."""
     stages = {
         "adapt": TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2", "--workers", "0"],
-        "caption": [*CPU, "--ckpt", str(tmp_path / "full_adapt.pt"), "--preset", "small", "--width", "64", "--heads", "2",
+        "caption": [*CPU, "--ckpt", str(tmp_path / "full_adapt.pt"), "--preset", "small", "--width", "64",
+                    "--heads", "2",
                     "--enc-layers", "1", "--dec-layers", "1", "--epochs", "2", "--batch-size", "8", "--workers", "0",
                     "--patience", "100", "--log-every", "1"],
     }
@@ -3253,8 +3258,8 @@ def test_cuda_greedy_decoding_with_and_without_the_cache(gpu, fp32_matmuls):
         cap, memory = cap.cuda(), memory.cuda()
         want = [greedy_reference(cap, m) for m in memory]
         width = max(len(c) for c in want)
-        for use_cache in (True, False):
-            assert torch.equal(cap.generate(memory, BOS, EOS, use_cache=use_cache).cpu(), padded(want, width))
+        for use_kv_cache in (True, False):
+            assert torch.equal(cap.generate(memory, BOS, EOS, use_kv_cache=use_kv_cache).cpu(), padded(want, width))
 
 
 @pytest.mark.cuda

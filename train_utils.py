@@ -255,23 +255,24 @@ def warmup_cosine(optimizer, total_steps, warmup_frac=0.1):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def freeze(named_params, lr_for):
-    """The training rule's frozen parameters (lr_for(name) is None) take no gradient; the others do."""
+def freeze(named_params, rule):
+    """A stage's learning-rate rule (its lr_rule: parameter name -> learning rate, or None for frozen) applied:
+    the frozen parameters take no gradient; the others do."""
     for name, p in named_params:
-        p.requires_grad_(lr_for(name) is not None)
+        p.requires_grad_(rule(name) is not None)
 
 
-def param_groups(named_params, lr_for, weight_decay):
+def param_groups(named_params, rule, weight_decay):
     """Adam(W) groups of the trained parameters, by learning rate: 1-D tensors (LayerNorm, biases, embedding
     vectors) get no weight decay."""
     groups = {}
     for name, p in named_params:
-        if (lr := lr_for(name)) is not None:
+        if (lr := rule(name)) is not None:
             groups.setdefault((lr, weight_decay if p.ndim >= 2 else 0.0), []).append(p)
     return [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
 
 
-def policy_table(named_params, lr_for):
+def policy_table(named_params, rule):
     """The training rule as a reader checks it: one line per parameter group (the name up to its block number, at
     most 3 levels) and rate: frozen or its learning rate, and how many parameters."""
     rows = {}
@@ -279,7 +280,7 @@ def policy_table(named_params, lr_for):
         parts = name.split(".")
         parts = parts[:-1] if parts[-1] in ("weight", "bias") or len(parts) > 3 else parts
         group = ".".join(list(itertools.takewhile(lambda s: not s.isdigit(), parts))[:3])
-        key = (group, lr_for(name))
+        key = (group, rule(name))
         rows[key] = rows.get(key, 0) + p.numel()
     rate = lambda lr: "frozen" if lr is None else f"lr {lr:g}"
     return "\n".join(f"   {group:<40} {rate(lr):>10} {n:>12,}" for (group, lr), n in rows.items())
