@@ -43,20 +43,14 @@ PRESETS = {
                   eval_batch_size=256, shared_p=0.0, draw_captions=False),
     # mini (the default without OpenAI's weights): the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px,
     # a 12x12 grid of 8-px patches, so that an object spans several), 4 intra + 2 inter blocks (the paper's last
-    # quarter of 12 is 3; of 6, 2); the authors' policy: CLIP's input embeddings frozen, the new pair parameters at
-    # a high rate, CLIP's weights at the authors' 1e-7 (3e-4 gave the same retrieval and cost the captions the
-    # object: 52 against 82 %, RESULTS.md "The quickstart today"); one epoch of one caption drawn per pair (at this
-    # rate val retrieval was highest after the first of 3 on every seed). The authors' random p: a p shared by the
-    # two images (--shared-p 30) lines them up but drowns their content, and the captions lose the object
-    # (RESULTS.md "Where the 12x12 quickstart loses the object"). The 6x6 CLIP's quickstart, the default before:
-    # --clip mini-synth --epochs 1 --lr-clip 1e-4 --shared-p 30 --no-draw-captions
+    # quarter of 12 is 3; of 6, 2). The authors' policy scaled down: CLIP's input embeddings frozen, the new pair
+    # parameters at a high rate, CLIP's weights at the authors' 1e-7 (so the captions keep what pretraining saw),
+    # the authors' random p; one epoch of one caption drawn per pair (RESULTS.md "The quickstart's default").
     "mini": dict(clip="mini12-synth", n_inter=2, image_size=96, context_length=32, batch_size=32, epochs=1,
                  lr_new=1e-3, lr_clip=1e-7, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
                  eval_batch_size=256, shared_p=0.0, draw_captions=True),
-    # scratch: ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6 patch grid (ViT-B/32: 7x7;
-    # an 8x8 grid costs 1.8x per step); from scratch, so no frozen parts and one lr (1e-3 collapses all pairs
-    # onto one vector; 3e-4 learns), batch 32 for more steps in the CPU budget. 2 epochs with a 2-layer, 64-wide
-    # text tower lost 10 val CIDEr-D downstream (85.6 vs 95.5): RESULTS.md "Quickstart trade-offs"
+    # scratch (the from-scratch ablation): ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6
+    # patch grid (ViT-B/32: 7x7); nothing is pretrained, so nothing is frozen and everything trains at one rate
     "scratch": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=3,
                     lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
                     eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
@@ -77,7 +71,7 @@ def get_args(argv=None):
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing (counted)")
     p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None,
                    help="CLEVR: probability of replacing the before image by its non-semantic version (default: "
-                        "0.5, the authors'; 0 on the synthetic set, see RESULTS.md)")
+                        "0.5, the authors'; 0 on the synthetic set)")
     p.add_argument("--draw-captions", action=argparse.BooleanOptionalAction, default=None,
                    help="one caption per pair and epoch, drawn at random (an epoch is a pass over the pairs), "
                         "instead of every caption once per epoch, as the authors (preset)")
@@ -113,9 +107,8 @@ def get_args(argv=None):
                    help="lr of the new pair parameters e1, e2, p, ln_mid")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help="lr of the CLIP weights")
     p.add_argument("--freeze-intra", action="store_true",
-                   help="keep CLIP's intra blocks as they are (the authors' 1e-7 nearly does): no gradient through "
-                        "them, 1.8x the pairs/s at 12x12; with --lr-clip 3e-4 --shared-p 10 --epochs 24 the inter "
-                        "blocks learn to compare the images (RESULTS.md 'Teaching the inter blocks to compare')")
+                   help="no gradient through CLIP's intra blocks: only the inter blocks (at --lr-clip) and the new "
+                        "pair parameters train")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None, help="AdamW weight decay (matrices only)")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=None,
                    help="fraction of steps of linear warmup, then cosine")
@@ -368,7 +361,9 @@ def main(argv=None):
     ctx = setup(args.seed, args.device, args.amp)
     model = new_model(args).to(ctx.device)  # the model first: a CLIP file decides the input size (and --n-inter fits)
     root = rank0_first(ctx, lambda: data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs))
-    if args.swap_prob is None:  # the authors' 0.5; on our synthetic set it cost 20 val CIDEr-D downstream (RESULTS.md)
+    # the authors' 0.5; off on the synthetic set, where a distractor's camera moves further than a change's, so a
+    # swapped pair teaches the encoder to disregard the view (RESULTS.md "Tried, did not help")
+    if args.swap_prob is None:
         args.swap_prob = 0.0 if (root / "synth.json").is_file() else 0.5
     if args.data != "clevr":
         args.swap_prob = 0.0  # only CLEVR-Change has distractor images to swap in

@@ -32,30 +32,28 @@ import data
 import metrics
 import plots
 import synth
-from model import PAIR_KEYS, Captioner, CaptionerConfig, share_joint_positions_
+from model import PAIR_KEYS, Captioner, CaptionerConfig
 from train_utils import (Progress, at_least, device_arg, flag_error, fmt_time, freeze, interrupted, last_path,
                          load_resume, local_batch, log, make_optimizer, no_state, param_groups, policy_table,
                          rank0_first, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, unwrap,
                          warmup_cosine, where)
 
 PRESETS = {
-    # CPU, adapt.py's small encoders (mini, scratch), frozen (its tokens computed once per pair): a decoder that
-    # reads the 2(n+1) memory tokens directly (a captioner encoder layer over them cost 3x per step; the pair
-    # encoder's inter blocks already mix the two images). Fine-tuning the from-scratch encoder at 3e-4 collapsed
-    # to "no change" on every pair (val CIDEr-D 62.9). RESULTS.md "Quickstart trade-offs". On a synthetic set every
-    # training pair is also shown the other way round (--reverse; reverse=None: where the scene records allow it),
-    # which taught the captioner which image holds an object: RESULTS.md "The direction of a change". Each memory
-    # token also gets after minus before at its position (--mem-diff), and on a grid of 12x12 or more (the default
-    # mini CLIP's) the captioner reads each image's patches averaged over 2x2 cells (mem_pool=None: 2 there, else
-    # 1): 74 memory tokens instead of 290, a third of the step's cost. 15 epochs: 30 name the object more often
-    # (82 against 75 %) in twice the time (RESULTS.md "The quickstart today")
+    # CPU, adapt.py's small encoders (mini, scratch), frozen: its tokens are computed once per pair. A decoder
+    # reads the memory directly, with no captioner encoder layers (the pair encoder's inter blocks already mix
+    # the two images). Three things the paper's captioner does not do (README "Where the quickstart differs"):
+    # each memory token also gets after minus before at its position (--mem-diff: cross-attention cannot
+    # subtract); on a patch grid of 12x12 or more the captioner reads each image's patches averaged over 2x2
+    # cells (mem_pool=None: 2 there, else 1; 74 memory tokens instead of 290); on a synthetic set every training
+    # pair is also shown the other way round (--reverse; reverse=None: where the scene records allow it), so that
+    # the order of the images tells an addition from a removal
     "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                   freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=15, reverse=None, mem_diff=True,
-                  captions_per_pair=1, mem_pool=None),
+                  mem_pool=None),
     # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
                   freeze_encoder=False, weight_decay=0.01, warmup=0.1, epochs=50, reverse=False, mem_diff=False,
-                  captions_per_pair=1, mem_pool=1),
+                  mem_pool=1),
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
@@ -165,8 +163,7 @@ def build(ckpt, device, n_inter=None, ckpt_info=None):
     """A captioner checkpoint (caption.py's own) -> (PairCaptioner model, vocab)."""
     clip = clip_load.load_clip(ckpt, device, n_inter)
     captioner = Captioner(CaptionerConfig(**ckpt_info["captioner_config"]))
-    # a captioner saved before mem_image existed reads exactly as it did with mem_image at zero
-    captioner.load_state_dict({"mem_image": torch.zeros_like(captioner.mem_image), **ckpt_info["captioner"]})
+    captioner.load_state_dict(ckpt_info["captioner"])
     return PairCaptioner(clip, captioner).to(device).eval(), ckpt_info["vocab"]
 
 
@@ -219,7 +216,7 @@ def predict(model, loader, items, vocab, ctx, beam=1):
 
 
 def cider(items, preds):
-    """CIDEr-D (x100) of these items alone: the per-epoch model selection (all four metrics cost ~40x more,
+    """CIDEr-D (x100) of these items alone: the per-epoch model selection (all four metrics cost far more,
     METEOR most of it)."""
     refs_tok = {it.id: [metrics.tokenize(r) for r in it.captions] for it in items}
     return 100 * metrics.cider_d(refs_tok, {i: metrics.tokenize(preds[i]) for i in refs_tok})[0]
@@ -403,10 +400,6 @@ def get_args(argv=None):
     # model
     p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks of the pair encoder (default: the "
                    "checkpoint's, 3 for a raw CLIP)")
-    p.add_argument("--shared-p", type=at_least(0.0, float), default=0.0,
-                   help="the no-adaptation ablation: initialize a raw CLIP's fresh p as adapt.py --shared-p does, "
-                        "to compare like with like (0, the authors' random p, as every adapt.py preset; the 6x6 "
-                        "CLIP's quickstart used 30)")
     p.add_argument("--width", type=at_least(1), default=None, help=f"captioner width {pre('width')}")
     p.add_argument("--heads", type=at_least(1), default=None, help=f"captioner attention heads {pre('heads')}")
     p.add_argument("--enc-layers", type=at_least(0), default=None,
@@ -427,9 +420,6 @@ def get_args(argv=None):
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
     p.add_argument("--batch-size", type=at_least(1), default=None,
                    help=f"pairs per step, all processes together {pre('batch_size')}")
-    p.add_argument("--captions-per-pair", type=at_least(1), default=None,
-                   help="captions each training pair is shown per epoch, in one step: its memory encoded once for "
-                        f"them all {pre('captions_per_pair')}")
     p.add_argument("--lr", type=at_least(0.0, float), default=None, help=f"captioner learning rate {pre('lr')}")
     p.add_argument("--encoder-lr", type=at_least(0.0, float), default=None,
                    help=f"pair-encoder learning rate, 0 = frozen {pre('encoder_lr')}")
@@ -570,10 +560,7 @@ def new_model(args, ckpt_info, vocab, ctx, clip):
     captioner over its 2(n+1) tokens, in one module."""
     if ckpt_info.get("stage") != "adapt":
         log(ctx, f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
-                 f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized"
-                 + (f", p shared by both images (--shared-p {args.shared_p:g})" if args.shared_p else ""))
-        if args.shared_p and clip.cfg.n_inter:
-            share_joint_positions_(clip.visual, args.shared_p)
+                 f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")
     n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // resolve_mem_pool(args, clip)) ** 2  # pooled
     cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
@@ -623,7 +610,7 @@ def loaders(model, splits, captions, args, ctx):
             feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
         log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
     train = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=captions,
-                           draw=args.captions_per_pair, features=feats.get("train"))
+                           draw=True, features=feats.get("train"))
     return (loader_for(train, args, ctx, shuffle=True, batch=local_batch(ctx, args.batch_size)),
             *(loader_for(data.ImageDataset(splits[s], size, cache, feats.get(s)), args, ctx) for s in ("val", "test")))
 
@@ -712,8 +699,8 @@ def train(args, ckpt_info):
         model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
     start, stop, step, best, best_epoch, no_gain, history = resume_from(resume, model, optimizer, scheduler, args, ctx)
 
-    def loss_fn(batch):  # (inputs..., each pair's drawn caption(s), item index): word-level cross entropy
-        words = batch[-2].flatten(0, -2)  # (B, T), or (B K, T) with --captions-per-pair K
+    def loss_fn(batch):  # (inputs..., each pair's drawn caption (B, T), item index): word-level cross entropy
+        words = batch[-2]
         words = words[:, :int((words != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
         logits = net(words[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))
         return caption_loss(logits, words[:, 1:], ctx.world), len(batch[-1])  # pairs, for the pairs/s

@@ -505,9 +505,8 @@ class CaptionDataset(_Pairs):
     """Training samples of both stages -> (before, after, caption token ids, item index), or with `features`
     (features, caption token ids, item index). What a sample is:
     - draw=False (adaptation, as the authors): one sample per caption, each caption once an epoch;
-    - draw=True (captioning): one sample per pair, trained on one of its captions drawn from (seed, epoch, pair);
-      draw=K > 1: K of them (K, context) per sample, distinct while the pair has K (the captioner encodes the pair
-      once and decodes the K captions against it).
+    - draw=True (captioning, and adapt.py's mini preset): one sample per pair, trained on one of its captions
+      drawn from (seed, epoch, pair).
     `ids`: every caption's token row, the items' captions in order (the captioner's words); default: CLIP's BPE
     at context_length. swap_prob: CLEVR adaptation replaces the before image by the scene's non-semantic image
     with this probability (authors: 0.5). Every draw comes from sample_rng; `set_epoch(loader, e)` sets the epoch."""
@@ -522,7 +521,7 @@ class CaptionDataset(_Pairs):
         counts = [len(it.captions) for it in items]
         self.first = np.cumsum([0] + counts[:-1]).tolist()  # each item's first caption row
         self.samples = [(i, None) for i in range(len(items))] if draw else list(zip(owners, range(len(owners))))
-        self.counts, self.swap_prob, self.seed, self.epoch, self.draw = counts, swap_prob, seed, 0, int(draw)
+        self.counts, self.swap_prob, self.seed, self.epoch = counts, swap_prob, seed, 0
 
     def __len__(self):
         return len(self.samples)
@@ -531,10 +530,7 @@ class CaptionDataset(_Pairs):
         i, r = self.samples[k]
         it = self.items[i]
         rng = sample_rng(self.seed, self.epoch, k) if r is None or (it.alt_before and self.swap_prob) else None
-        if r is None and self.draw > 1:  # K of the pair's captions, distinct while it has K
-            rows = rng.choice(self.counts[i], self.draw, replace=self.counts[i] < self.draw)
-            r = self.first[i] + torch.as_tensor(rows)
-        elif r is None:  # draw=True: one of the pair's captions
+        if r is None:  # draw=True: one of the pair's captions
             r = self.first[i] + int(rng.integers(self.counts[i]))
         swap = it.alt_before and self.swap_prob and rng.random() < self.swap_prob
         return self.pair(i, it.alt_before if swap else it.before, (self.tokens[r], i))

@@ -303,7 +303,7 @@ def share_joint_positions_(visual, norm):
     code, of this norm, in both; [CLS] gets none, so that it still pools the patches. The authors draw p
     independently for all 2(n+1) tokens. An inter block whose attention already favours tokens like themselves
     (a mimetically initialized CLIP, pretrain.py) then attends from each patch to its own position in the other
-    image: the comparison the small CLIP's pretraining does not give on its own (RESULTS.md "Shared p")."""
+    image (adapt.py --shared-p; RESULTS.md "Teaching the inter blocks to compare")."""
     p = visual.joint_positional_embedding
     half = torch.randn(p.shape[0] // 2, p.shape[1], device=p.device)
     half = norm * half / half.norm(dim=1, keepdim=True)
@@ -423,9 +423,9 @@ class Captioner(nn.Module):
         self.cfg = cfg
         self.mem_proj = nn.Linear(cfg.memory_dim, cfg.width)
         self.mem_pos = nn.Parameter(torch.zeros(cfg.memory_len, cfg.width))
-        # which image a memory token comes from (before, after), one vector per image shared by its n+1 tokens: the
-        # pair encoder's e1/e2 end small beside p (norm ~1 vs 30), so without it an added object (in the after
-        # image) reads like a removed one (in the before image); per-position mem_pos did not learn the split
+        # not in the paper: which image a memory token comes from (before, after), one vector per image shared by
+        # its n+1 tokens. Cross-attention is blind to the order of its memory, so without it an object added (in
+        # the after image) reads like one removed (in the before image)
         self.mem_image = nn.Parameter(torch.zeros(2, cfg.width))
         # not in the paper (caption.py --mem-diff): after minus before at each position, projected and added to both
         # images' tokens there, so that a token says what changed where it is (cross-attention cannot subtract)
@@ -484,17 +484,8 @@ class Captioner(nn.Module):
         return self.ln_final(x) @ self.token_embedding.weight.t()
 
     def forward(self, memory, tokens):
-        """Teacher forcing: (B, M, memory_dim), (B, T) -> logits (B, T, vocab). tokens (B K, T), K captions per pair
-        (pair b's are rows bK..bK+K-1): each pair's memory is encoded, and projected to each decoder layer's keys
-        and values, once for its K captions."""
-        memory = self.encode(memory)
-        K = tokens.shape[0] // memory.shape[0]
-        assert K * memory.shape[0] == tokens.shape[0], f"{tokens.shape[0]} captions for {memory.shape[0]} pairs"
-        if K == 1:
-            return self.decode(tokens, memory)
-        kv_caches = [{"cross": dict(zip("kv", (t.repeat_interleave(K, dim=0) for t in
-                                               block.cross_attn.keys_values(memory))))} for block in self.decoder]
-        return self.decode(tokens, memory, kv_caches)
+        """Teacher forcing: (B, M, memory_dim), (B, T) -> logits (B, T, vocab)."""
+        return self.decode(tokens, self.encode(memory))
 
     @torch.no_grad()
     def generate(self, memory, bos, eos, max_len=None, use_kv_cache=True):

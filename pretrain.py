@@ -1,9 +1,9 @@
 """Stage 0 in miniature: pretrain a small CLIP on single synthetic scenes, image <-> description.
 
-    python pretrain.py                                     # render data/clevr_pretrain once, train, evaluate
-    python pretrain.py --resume                            # continue a killed run exactly (mid-epoch too)
-    python pretrain.py --eval-only --ckpt assets/clip_mini_synth.pt   # held-out figures of a checkpoint
-    python pretrain.py --export assets/clip_mini_synth.pt  # the run's latest weights as the shipped file
+    python pretrain.py                                # render data/clevr_pretrain once, train, evaluate (2-3 h)
+    python pretrain.py --resume                       # continue a killed run exactly (mid-epoch too)
+    python pretrain.py --eval-only --ckpt mini12-synth     # held-out figures of a checkpoint (the shipped one)
+    python pretrain.py --export clip_mini12_synth.pt  # the run's latest weights as the shipped fp16 file
 
 CLIP4IDC adapts a CLIP that already sees objects: OpenAI pretrained ViT-B/32 on 400M image-text pairs, and the
 adaptation (adapt.py) moves its weights at 1e-7. The quickstart has no such CLIP, so this file makes one in
@@ -23,9 +23,8 @@ CLIP's loss trains the path into [CLS]; the patch tokens learn objects only as f
 `--object-loss W` adds a per-object term in the manner of FILIP and RegionCLIP: the output token of the patch under
 each object, against the phrases of all 96 objects CLEVR can make ("a big red shiny cube"), must pick its own.
 The image tower's attention starts mimetically (Trockman and Kolter 2023; `--no-mimetic-init` for OpenAI's
-initialization): a token first attends to tokens like itself. That gives better held-out figures for the same
-cost, and it is what lets CLIP4IDC's inter blocks compare the two images: with p shared by both images (adapt.py's
-mini preset), a patch attends to its own position in the other image (RESULTS.md "Shared p").
+initialization): a token first attends to tokens like itself, which gives better held-out figures for the same
+cost (RESULTS.md "The mini CLIP"). The defaults are the recipe of the shipped `assets/clip_mini12_synth.pt`.
 """
 import argparse
 import json
@@ -35,7 +34,6 @@ import random
 import time
 from dataclasses import asdict
 from multiprocessing import Pool
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -44,15 +42,16 @@ import clip_load
 import data
 import model as M
 import synth
-from train_utils import (Progress, at_least, check_sizes, device_arg, fmt_time, last_path, load_resume, log,
+from train_utils import (Progress, at_least, check_sizes, device_arg, fmt_time, freeze, last_path, load_resume, log,
                          make_optimizer, no_state, param_groups, restore, rng_state, save_atomic, setup, train_epoch,
                          warmup_cosine, where)
 
 ROOT = "data/clevr_pretrain"
 # the text tower is 64 wide: its token embedding (49,408 BPE ids x width) is most of the file, 6.3 MB in fp16
-DEFAULTS = dict(scenes=12000, image_size=96, patch_size=16, vision_width=128, vision_layers=6, text_width=64,
+# the shipped mini12-synth's recipe: 96 px in a 12x12 grid of 8-px patches, so that an object spans several
+DEFAULTS = dict(scenes=12000, image_size=96, patch_size=8, vision_width=128, vision_layers=6, text_width=64,
                 text_layers=4, embed_dim=128, context_length=77, batch_size=128, negatives=1, lr=5e-4,
-                weight_decay=0.1, warmup=0.02, samples=300_000, eval_every=300)
+                weight_decay=0.1, warmup=0.02, samples=300_000, eval_every=150)
 PROBE_ATTRS = synth.ATTRS  # size, color, material, shape
 
 
@@ -75,12 +74,12 @@ def get_args(argv=None):
                              ("warmup", "fraction of the steps of linear warmup, then cosine",
                               at_least(0.0, float, below=1.0))):
         p.add_argument(f"--{name}", type=kind, default=d[name.replace("-", "_")], help=what)
-    p.add_argument("--object-loss", type=at_least(0.0, float), default=0.0,
+    p.add_argument("--object-loss", type=at_least(0.0, float), default=1.0,
                    help="weight of the per-object loss (0: off): the patch token under each object must pick its "
                         f"phrase among all {len(OBJECTS)} objects CLEVR has")
     p.add_argument("--mimetic-init", action=argparse.BooleanOptionalAction, default=True, help="initialize the "
-                   "image tower's attention mimetically (Trockman and Kolter 2023; RESULTS.md): better held-out "
-                   "figures, and the attention adapt.py's shared p lines the two images up with")
+                   "image tower's attention mimetically (Trockman and Kolter 2023): each token first attends to "
+                   "tokens like itself")
     p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
     p.add_argument("--samples", type=at_least(1), default=d["samples"],
                    help="training images seen in all (the schedule)")
@@ -89,8 +88,6 @@ def get_args(argv=None):
     p.add_argument("--eval-images", type=at_least(1), default=1000, help="held-out images evaluated")
     p.add_argument("--out", default="pretrained.pt", help="the run's weights (fp32); resumable state in *.last.pt")
     p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
-    p.add_argument("--snapshots", action="store_true", help="at each evaluation also keep the weights as a shipped "
-                   "fp16 file, OUT.<images>.pt (for curves of adapt.py and caption.py against pretraining images)")
     p.add_argument("--time-limit", type=at_least(0.0, float), default=None,
                    help="minutes: stop after the first evaluation past this (the state is saved; --resume continues)")
     p.add_argument("--eval-only", action="store_true", help="evaluate --ckpt on the held-out scenes and stop")
@@ -326,8 +323,7 @@ def mimetic_init_(visual, a1=0.7, b1=0.7, a2=0.4, b2=0.4):
     """Mimetic initialization of the image tower's attention (Trockman and Kolter, ICML 2023), in place: per head,
     W_q^T W_k is the best rank-(head size) approximation of a1 Z + b1 I, so that a token starts out attending to
     tokens like itself (as trained ViTs' attention does); W_o W_v = a2 Z' - b2 I; Z, Z' ~ N(0, 1/width); biases 0.
-    RESULTS.md "Mimetic initialization": better held-out figures at the same cost, and a pair encoder that gives
-    a patch's own position in the other image 5-8x the uniform weight (OpenAI's init: 1.0-1.3x)."""
+    It gives better held-out figures at the same cost (RESULTS.md "The mini CLIP")."""
     for block in visual.transformer.resblocks:
         attn, W = block.attn, block.attn.in_proj_weight  # W's rows: W_q, W_k, W_v
         C = W.shape[1]
@@ -357,11 +353,6 @@ def lr_rule(args):
 def shipped(state_dict):
     """A CLIP state dict as the shipped file holds it: fp16 tensors, OpenAI's keys, no pair parameters."""
     return {k: v.half() for k, v in state_dict.items() if not k.startswith(M.PAIR_KEYS)}
-
-
-def snapshot_path(out, images):
-    """--snapshots' file for the weights after this many images: pretrained.pt -> pretrained.19200.pt"""
-    return str(Path(out).with_suffix(f".{images}.pt"))
 
 
 def export(args):
@@ -402,9 +393,9 @@ def main(argv=None):
     if args.mimetic_init:
         mimetic_init_(model.visual)
     model = model.to(ctx.device)
-    groups = param_groups(model.named_parameters(), lr_rule(args), args.weight_decay)
-    for name, p in model.named_parameters():
-        p.requires_grad_(lr_rule(args)(name) is not None)
+    rule = lr_rule(args)
+    freeze(model.named_parameters(), rule)
+    groups = param_groups(model.named_parameters(), rule, args.weight_decay)
     optimizer = make_optimizer(groups, ctx.device)
     total = max(1, args.samples // args.batch_size)
     scheduler = warmup_cosine(optimizer, total, args.warmup)
@@ -451,9 +442,6 @@ def main(argv=None):
         save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": step, "history": history},
                     last_path(args.out))
-        if args.snapshots:
-            save_atomic({"model": shipped(model.state_dict()), "pretrain": {"args": vars(args), "history": history}},
-                        snapshot_path(args.out, step * args.batch_size))
         if args.time_limit is not None and time.time() - t_start > 60 * args.time_limit and step < total:
             log(ctx, f"--time-limit {args.time_limit:g} min reached at step {step}/{total}: the state is in "
                      f"{last_path(args.out)}; continue with --resume")

@@ -1,4 +1,4 @@
-"""What a pair encoder knows about the change, on a synthetic set (RESULTS.md "What holds the small model back").
+"""What a pair encoder knows about the change, on a synthetic set: diagnoses of the pair encoder, no stage uses them.
 
     python probe.py linear --ckpt adapted.pt      # linear probes on the frozen encoder's output tokens
     python probe.py supervised --epochs 8         # a bound: the small encoder trained on the answers themselves
@@ -311,7 +311,7 @@ def main(argv=None):
     sup.add_argument("--n-inter", type=at_least(0), default=None,
                      help="inter blocks (default: 3 of the scratch preset's 12, 2 of mini-synth's 6)")
     sup.add_argument("--shared-p", type=at_least(0.0, float), default=None, help="p shared by both images, of "
-                     "this norm, as adapt.py --shared-p (default: the mini preset's 30 with --clip, else 0)")
+                     "this norm, as adapt.py --shared-p (default: the preset's, 0: the authors' random p)")
     sup.add_argument("--align-bias", type=float, default=0.0, help="late fusion: add this to each patch's "
                      "attention logits toward itself and its own position in the other image (0: off)")
     sup.add_argument("--fusion", default="late", choices=["late", "early"],
@@ -327,8 +327,8 @@ def main(argv=None):
     att = cmd.add_parser("attention", formatter_class=fmt, help="where the pair encoder's patch tokens look")
     att.add_argument("--pairs", type=at_least(1), default=64, help="test change pairs averaged over")
     att.add_argument("--shared-p", type=at_least(0.0, float), default=0.0,
-                     help="first set p shared by both images, of this norm (adapt.py's mini preset starts from "
-                          "30; 0: p as loaded)")
+                     help="first set p shared by both images, of this norm, as adapt.py --shared-p (0: p as "
+                          "loaded)")
     for c in (ali, att):
         c.add_argument("--clip", type=clip_load.weights_arg, default="mini-synth",
                        help="a CLIP (mini-synth, a path) or an adapted.pt")

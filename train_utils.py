@@ -168,7 +168,7 @@ def rank0_first(ctx, fn):
 @functools.lru_cache
 def matmul_gflops(n=2048, repeats=5):
     """This CPU's fp32 speed: GFLOP/s of an n x n x n matmul (the best of `repeats`, after a warm-up), the figure
-    every timing in README is given beside. Development machines here: 70-165 with 2 cores."""
+    every timing in README is given beside."""
     g = torch.Generator().manual_seed(0)  # its own: measuring must not move the run's random stream
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     a @ b
