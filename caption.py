@@ -12,8 +12,7 @@ cross entropy. The pair encoder is fine-tuned at its own tiny learning rate (aut
 non-semantic) distractor pairs with no-change captions. The model is chosen on val CIDEr-D with early stopping
 (the authors chose on test); the test scores (metrics.py: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D), CIDEr-D per change
 type (paper Table 2) and the best constant-caption baseline go to --results. The small preset (adapt.py's small
-encoders, on a CPU) also hands the captioner after minus before at each position (--mem-diff) and pools a 12x12
-grid's patch tokens 2x2 (--mem-pool): not in the paper, README "Quickstart".
+encoders, on a CPU) departs from the paper's captioner: README "Where the quickstart differs from the paper".
 """
 import argparse
 import json
@@ -453,7 +452,7 @@ def get_args(argv=None):
         p.error("--explain draws one pair: give --before and --after too")
     if not os.path.isfile(args.ckpt) and args.ckpt not in clip_load.MODELS and args.ckpt not in clip_load.SHIPPED:
         p.error(f"argument --ckpt: no file at {args.ckpt}. Run `python adapt.py` first (it writes adapted.pt), or "
-                f"pass a CLIP file / 'ViT-B/32' / 'mini-synth' for the no-adaptation ablation")
+                f"pass a CLIP file / 'ViT-B/32' / 'mini12-synth' for the no-adaptation ablation")
     for flag in ("--before", "--after"):
         path = getattr(args, flag[2:])
         if path and not os.path.isfile(path):

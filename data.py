@@ -4,11 +4,13 @@ datasets.
     python data.py cache --data clevr --size 224             # decode a dataset once into the disk cache
     python data.py bench --root data/clevr_synth --size 96   # decode images/s per core, pairs/s from the cache
 
-One item = (before image, after image, its captions, change type or None, id). The stages choose how to sample:
-`CaptionDataset` (one sample per caption: adaptation) and `ImageDataset` (images only: captioning, which picks
-a caption per pair itself, and evaluation). Where to get the data and the layouts we read: README "Data". With no
-CLEVR-Change at data/clevr_change, `resolve_root("clevr")` renders the synthetic CLEVR-Change-style set of
-`synth.py` once and uses that.
+One item = (before image, after image, its captions, change type or None, id). Training samples of both stages
+come from `CaptionDataset`: one sample per caption (the authors' adaptation), or with draw=True one per pair with
+one of its captions drawn per epoch (captioning, and the mini preset's adaptation). `ImageDataset` gives images
+only, for evaluation and for a frozen encoder's tokens, computed once. Both read a decoded-image cache
+(`ImageCache`: every image decoded once into a uint8 file on disk) or stream the files. Where to get the data and
+the layouts we read: README "Real data and OpenAI's weights". With no CLEVR-Change at data/clevr_change,
+`resolve_root("clevr")` renders the synthetic CLEVR-Change-style set of `synth.py` once and uses that.
 """
 import argparse
 import hashlib
