@@ -232,15 +232,20 @@ def score(items, preds, by_type=False):
 def constant_baseline(train_items, items, limit=5000):
     """The single training caption scoring highest on CIDEr-D when given for every pair of `items`: what a model
     that ignores the images can reach, so a reader sees what the captioner adds. Candidates: the `limit` most
-    frequent distinct training captions (0: all)."""
+    frequent distinct training captions (0: all); with no training captions (an evaluation-only set), the fixed
+    "no change" sentences of CLEVR-Change's style (synth.NO_CHANGE)."""
     counts = Counter(metrics.tokenize(c) for it in train_items for c in it.captions)
     candidates = [c for c, _ in counts.most_common(limit or None)]
+    source = "training captions"
+    if not candidates:
+        candidates = [metrics.tokenize(c) for c in synth.NO_CHANGE]
+        source = "fixed no-change sentences (no train split)"
     refs = {it.id: it.captions for it in items}
     prepared = metrics.cider_d_prepare({i: [metrics.tokenize(c) for c in r] for i, r in refs.items()})
     per_candidate = metrics.cider_d_constant(prepared, candidates)
     best = max(range(len(candidates)), key=lambda i: per_candidate[i])
     scores = {k: 100 * v for k, v in metrics.evaluate(refs, {i: candidates[best] for i in refs}).items()}
-    return {"caption": candidates[best], "scores": scores}
+    return {"caption": candidates[best], "scores": scores, "candidates": source}
 
 
 def summary(scores):
@@ -312,17 +317,19 @@ def attention_on_change(model, items, root, device):
 
 def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
     """The chosen captioner on test, once -> results: the scores (per change type on CLEVR), the constant-caption
-    baseline and every prediction; on the synthetic set also each caption read back against the scenes and the
-    attention figure. Written to --results, logged (report), drawn (--gallery)."""
+    baseline and every prediction; where the set has scene records (a synthetic set's, or CLEVR's own) each caption
+    read back against them, and on a synthetic set the attention figure. Written to --results, logged (report),
+    drawn (--gallery)."""
     t0 = time.time()
     preds = predict(model, loader, items, vocab, ctx, args.beam)
     scores, by_type = score(items, preds, by_type=name == "clevr")
     seconds = time.time() - t0
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the renderer's record: what really changed
-    explained = bool(scenes) and model.clip.cfg.n_inter > 0 and ctx.main  # 12/0 has no inter block to look at
+    # the attention figure needs the changed object's place (a synthetic set); 12/0 has no inter block to look at
+    explained = bool(scenes) and synth.is_synthetic(root) and model.clip.cfg.n_inter > 0 and ctx.main
     results = {"scores": scores, "scores_by_type": by_type,
                "baseline": constant_baseline(train_items, items, args.baseline_candidates),
-               "synthetic": synth.report(preds, scenes) if scenes else None,
+               "read_back": synth.report(preds, scenes) if scenes else None,
                "attention": attention_on_change(model, items, root, ctx.device) if explained else None,
                "predictions": [{"id": it.id, "before": it.before, "after": it.after, "caption": preds[it.id],
                                 "references": it.captions} for it in items]}
@@ -338,13 +345,14 @@ def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
 
 
 def report(ctx, results, args, n, seconds):
-    """The test results in a few lines: scores, the baseline, and on the synthetic set the read-back and the
-    attention figure."""
-    scores, baseline, judged, attention = (results[k] for k in ("scores", "baseline", "synthetic", "attention"))
+    """The test results in a few lines: scores, the baseline, and where there are scene records the read-back
+    (by change type too) and the attention figure."""
+    scores, baseline, judged, attention = (results[k] for k in ("scores", "baseline", "read_back", "attention"))
     types = " ".join(f"{t} {v:.1f}" for t, v in results["scores_by_type"].items())
     log(ctx, f"test ({n} pairs, {'beam ' + str(args.beam) if args.beam > 1 else 'greedy'}, {seconds:.0f}s): "
              f"{summary(scores)}" + (f" | CIDEr-D by type: {types}" if types else ""))
-    log(ctx, f"constant-caption baseline {baseline['caption']!r}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} "
+    fixed = "" if baseline["candidates"] == "training captions" else f" (best of the {baseline['candidates']})"
+    log(ctx, f"constant-caption baseline {baseline['caption']!r}{fixed}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} "
              f"(model / baseline = {scores['CIDEr-D'] / max(baseline['scores']['CIDEr-D'], 1e-9):.1f}x) "
              f"-> {args.results}")
     if judged:
@@ -352,6 +360,9 @@ def report(ctx, results, args, n, seconds):
                  f"change pairs get a change caption, {judged['right type %']:.0f}% the right change type, "
                  f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}% "
                  f"of {judged['distractor pairs']} distractors get \"no change\"")
+        types = ", ".join(f"{t} {judged[t]['right type %']:.0f}/{judged[t]['right object %']:.0f}%"
+                          for t in synth.CHANGES if t in judged)
+        log(ctx, f"   by change type, right type/object: {types}")
     if attention:
         log(ctx, f"attention: the strongest patch of the last inter block's [CLS] map falls on the changed object "
                  f"in {attention['map on the change %']:.0f}% of change pairs (a random patch: "
@@ -531,7 +542,7 @@ def load_data(args, ckpt_info, resume, ctx):
     name, root = data_source(args, ckpt_info, ctx)
     splits = {s: data.load_items(name, root, s, "total", args.skip_missing) for s in ("train", "val", "test")}
     if args.reverse is None:  # the small preset: on where the renderer's scene records allow it
-        args.reverse = synth.read_scenes(root) is not None
+        args.reverse = synth.is_synthetic(root)
     if args.reverse:
         splits["train"] = splits["train"] + data.reversed_pairs(splits["train"], root)
     vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions],

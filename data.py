@@ -97,7 +97,7 @@ def reversed_pairs(items, root):
     (synth.reverse: an added object is now dropped, a colour goes back): training data that tells the two
     directions apart, which an encoder that sees *where* two images differ must learn from the order alone.
     Distractors keep their "no change" captions. Needs the renderer's scene records (scenes.json)."""
-    scenes = synth.read_scenes(root)
+    scenes = synth.read_scenes(root) if synth.is_synthetic(root) else None
     if scenes is None:
         raise SystemExit(f"--reverse needs the synthetic set's scene records ({Path(root) / 'scenes.json'}): real "
                          f"datasets have no record of what changed to caption a pair backwards; pass --no-reverse")

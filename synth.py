@@ -511,13 +511,22 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
 
 
 # -----------------------------------------------------------------------------
-# reading a caption back: what it says changed, and which object it names (our own grammar, parsed back)
+# reading a caption back: what it says changed, and which object it names. Our own grammar, and CLEVR-Change's
+# (its change phrases, "left of" / "on the left side of", "both ... and ...", "the other X that is the same colour
+# as the Y"), so that captions of a model trained on either are read alike, against either kind of scene record
 
 WORD = {w: k for k, ws in SAY.items() for w in ws}  # a synonym -> its canonical word: "tiny" -> "small"
 ATTR_OF = {**{v: "color" for v in COLORS}, **{v: "material" for v in MATERIALS}, **{v: "size" for v in SIZES},
            **{v: "shape" for v in SHAPES}}  # a canonical word -> the attribute it gives
-RELATION = re.compile(r"(?P<head>[a-z ]+?) (?:that (?:was|is) )?(?P<rel>" + "|".join(RELATIONS) +
-                      r") the (?P<ref>[a-z ]+)$")
+READ_ONLY = {"add": ["the {o} has been newly placed", "the {o} has been added", "the {o} has appeared"]}  # theirs
+SPATIAL = {"behind": "behind", "in front of": "in front of", "to the left of": "to the left of",
+           "left of": "to the left of", "on the left side of": "to the left of", "to the right of": "to the right of",
+           "right of": "to the right of", "on the right side of": "to the right of"}  # the words -> RELATIONS' key
+_REL = "|".join(sorted(map(re.escape, SPATIAL), key=len, reverse=True))
+RELATION = re.compile(rf"(?P<head>[a-z ]+?) (?:that (?:was|is) )?(?:both )?(?P<rel>{_REL}) the (?P<ref>[a-z ]+?)"
+                      rf"(?: and (?P<rel2>{_REL}) the (?P<ref2>[a-z ]+))?$")
+SAME = re.compile(r"(?P<head>[a-z ]+?) that (?:was |is |has )?(?:made of )?the same (?P<attr>size|color|colour|shape|"
+                  r"material) as the (?P<ref>[a-z ]+)$")
 
 
 def _pattern(template):
@@ -526,12 +535,14 @@ def _pattern(template):
     return re.compile(rx.replace(r"\{a\}", "an? (?P<o>[a-z ]+?)") + "$")
 
 
-PATTERNS = [(kind, _pattern(t)) for kind, templates in TEMPLATES.items() for t in templates]
+PATTERNS = [(kind, _pattern(t)) for kind in CHANGES for t in TEMPLATES[kind] + READ_ONLY.get(kind, [])]
 
 
 def _attributes(phrase):
-    """"small red thing" -> {"size": "small", "color": "red"}; None unless it is adjectives and a shape or thing."""
-    *adjectives, noun = [WORD.get(w, w) for w in phrase.split()] or [""]
+    """"small red thing" -> {"size": "small", "color": "red"}; None unless it is adjectives and a shape or thing.
+    A leading "other" (CLEVR-Change's "the other cube that ...") adds nothing: a referred object is never itself."""
+    words = phrase.split()
+    *adjectives, noun = [WORD.get(w, w) for w in (words[1:] if words[:1] == ["other"] else words)] or [""]
     if noun != "thing" and ATTR_OF.get(noun) != "shape":
         return None
     attrs = {} if noun == "thing" else {"shape": noun}
@@ -542,22 +553,43 @@ def _attributes(phrase):
     return attrs
 
 
+def _parse(phrase):
+    """A referring expression -> (attributes, [(how, ref)]): how is a key of RELATIONS, or ("same", attribute);
+    None when it is not one of the grammars read here."""
+    if m := SAME.match(phrase):
+        head, links = m["head"], [(("same", {"colour": "color"}.get(m["attr"], m["attr"])), m["ref"])]
+    elif m := RELATION.match(phrase):
+        head = m["head"]
+        links = [(SPATIAL[m["rel"]], m["ref"])] + ([(SPATIAL[m["rel2"]], m["ref2"])] if m["rel2"] else [])
+    else:
+        head, links = phrase, []
+    attrs = _attributes(head)
+    refs = [_attributes(ref) for _, ref in links]
+    return None if attrs is None or None in refs else (attrs, [(how, a) for (how, _), a in zip(links, refs)])
+
+
 def _grammatical(phrase):
-    """Is it one of our referring expressions: attributes and a noun, perhaps related to another such?"""
-    m = RELATION.match(phrase)
-    return all(_attributes(p) is not None for p in ((m["head"], m["ref"]) if m else (phrase,)))
+    return _parse(phrase) is not None
+
+
+def _holds(how, o, p):
+    if isinstance(how, tuple):  # ("same", attribute)
+        return o[how[1]] == p[how[1]]
+    if "relations" in p:  # a CLEVR scene record: its own relations, computed by CLEVR's generator
+        return o["index"] in p["relations"][how]
+    return RELATIONS[how](o, p)
 
 
 def resolve(phrase, scene):
     """The objects of `scene` that a referring expression can mean ([] when it is not one of ours)."""
-    m = RELATION.match(phrase)
-    attrs = _attributes(m["head"] if m else phrase)
-    if attrs is None:
+    parsed = _parse(phrase)
+    if parsed is None:
         return []
+    attrs, links = parsed
     found = [o for o in scene if all(o[k] == v for k, v in attrs.items())]
-    if m:  # "... that was behind the red cube": keep those that stand so to an object the tail can mean
-        refs = resolve(m["ref"], scene)
-        found = [o for o in found if any(p is not o and RELATIONS[m["rel"]](o, p) for p in refs)]
+    for how, ref in links:  # "... that was behind the red cube": keep those that stand so to an object it can mean
+        refs = [p for p in scene if all(p[k] == v for k, v in ref.items())]
+        found = [o for o in found if any(p is not o and _holds(how, o, p) for p in refs)]
     return found
 
 
@@ -607,10 +639,58 @@ def report(preds, scenes):
     return out
 
 
+CLEVR_RELATIONS = {"behind": "behind", "front": "in front of", "left": "to the left of", "right": "to the right of"}
+_skipped = set()
+
+
+def _clevr_objects(scene):
+    """A CLEVR scene record's objects as judge reads them: their attributes, and the spatial relations CLEVR's
+    generator computed (relationships[r][j]: the objects that stand r of object j)."""
+    rel = scene["relationships"]
+    return [{**{a: o[a] for a in ATTRS}, "index": j,
+             "relations": {ours: rel[theirs][j] for theirs, ours in CLEVR_RELATIONS.items()}}
+            for j, o in enumerate(scene["objects"])]
+
+
+def _clevr_record(s):
+    """One triple of CLEVR-Change's own generator -> (pair id, our record of its change pair)."""
+    change = s["change"]
+    if change["type"] not in CHANGES:
+        raise ValueError(f"change type {change['type']!r}")
+    record = {"type": change["type"], "before": _clevr_objects(s["default_scene"]),
+              "after": _clevr_objects(s["semantic_scene"]), "changed": change["object_index"]}
+    return f"{int(s['image_index']):06d}", record
+
+
 def read_scenes(root):
-    """scenes.json of a synthetic set, or None (real CLEVR-Change, or a set rendered before it existed)."""
+    """The record of every change pair's scenes, {pair id: {"type", "before": [objects], "after": [objects],
+    "changed": index of the changed object in after for "add", else in before}}, or None where there is none.
+    Reads a synthetic set's scenes.json, and CLEVR-Change-style scene records from CLEVR's own renderer ({"scenes":
+    [{"image_index", "change", "default_scene", "semantic_scene", ...}]}). A scenes.json of any other format is
+    skipped, said once in one line."""
     path = Path(root) / "scenes.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        obj = json.loads(path.read_text())
+        if isinstance(obj, dict) and isinstance(obj.get("scenes"), list):
+            return dict(_clevr_record(s) for s in obj["scenes"])
+        if isinstance(obj, dict) and all(isinstance(r, dict) and {"type", "before", "after", "changed"} <= r.keys()
+                                         for r in obj.values()):
+            return obj
+        why = "neither a synthetic set's records nor CLEVR's scenes"
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        why = f"{type(e).__name__}: {e}"
+    if path not in _skipped:
+        _skipped.add(path)
+        print(f"{path}: a scenes.json of another format ({why}): captions are not read back against the scenes")
+    return None
+
+
+def is_synthetic(root):
+    """A set `make` wrote, with its scene records (synth.json and scenes.json beside its images): they allow
+    --reverse and locate the changed object for the attention figure (changed_region)."""
+    return all((Path(root) / f).is_file() for f in ("synth.json", "scenes.json"))
 
 
 if __name__ == "__main__":

@@ -1471,6 +1471,94 @@ def test_captions_read_back_against_the_scene_records(synth_set):
         assert all(synth.read(c) == ("no change", None) for c in same[f"CLEVR_default_{i}.png"])
 
 
+DEV = SHARED / "data" / "real_clevr_change_dev"  # 25 triples from CLEVR-Change's own generator (measure, never train)
+
+
+@pytest.mark.skipif(not DEV.is_dir(), reason="needs ../shared/data/real_clevr_change_dev")
+def test_clevr_scene_records_read_their_own_references_back():
+    """CLEVR-Change's own captions (its change phrases, "left of", "both ... and ...", "the other X that is the same
+    colour as the Y") against CLEVR's scene records of the development set: every reference names its change type
+    and exactly the changed object, by CLEVR's own spatial relations; every no-change sentence reads as no change."""
+    scenes = synth.read_scenes(DEV)
+    change = json.loads((DEV / "change_captions.json").read_text())
+    same = json.loads((DEV / "no_change_captions.json").read_text())
+    assert len(scenes) == 25 and {r["type"] for r in scenes.values()} == set(synth.CHANGES)
+    for i, scene in scenes.items():
+        refs = change[f"CLEVR_default_{i}.png"]
+        assert refs and all(synth.judge(c, scene) == {"change": True, "type": True, "object": True} for c in refs), i
+        assert all(synth.read(c) == ("no change", None) for c in same[f"CLEVR_default_{i}.png"])
+    assert not synth.is_synthetic(DEV)  # no --reverse, no attention figure: CLEVR's records hold no camera
+
+
+def clevr_scene(objects, rel):
+    """A CLEVR scene record: objects (size, color, material, shape) and relationships[r][j], the objects r of j."""
+    keys = ("size", "color", "material", "shape")
+    return {"objects": [dict(zip(keys, o.split())) for o in objects], "relationships": rel}
+
+
+def test_clevr_scene_records_and_foreign_ones(tmp_path, capsys):
+    """synth.read_scenes on CLEVR-format records: each change pair's objects, the changed one (in the after scene
+    for "add"), and CLEVR's relations read the right way round (relationships["left"][j]: the objects left of j).
+    A scenes.json of another format is skipped with one line, said once."""
+    before = ["large red rubber cube", "small red metal cube", "large blue rubber sphere"]
+    rel = {"left": [[1], [], [0, 1]], "right": [[2], [0, 2], []], "behind": [[], [], []], "front": [[], [], []]}
+    added = {"left": [[1], [], [0, 1], [0, 1, 2]], "right": [[2, 3], [0, 2, 3], [3], []],
+             "behind": [[], [], [], []], "front": [[], [], [], []]}
+    records = [{"image_index": 0, "change": {"type": "color", "object_index": 1},
+                "default_scene": clevr_scene(before, rel), "semantic_scene": clevr_scene(before, rel)},
+               {"image_index": 7, "change": {"type": "add", "object_index": 3},
+                "default_scene": clevr_scene(before, rel),
+                "semantic_scene": clevr_scene(before + ["small gray metal cylinder"], added)}]
+    (tmp_path / "scenes.json").write_text(json.dumps({"info": {}, "scenes": records}))
+    scenes = synth.read_scenes(tmp_path)
+    assert set(scenes) == {"000000", "000007"} and scenes["000007"]["changed"] == 3
+    color = scenes["000000"]
+    yes = {"change": True, "type": True, "object": True}
+    assert synth.judge("the red cube that is left of the large cube turned blue", color) == yes  # 1 is left of 0
+    assert synth.judge("the red cube that is right of the large cube turned blue", color)["object"] is False
+    assert synth.judge("the other red cube that is the same size as the blue ball turned blue", color)["object"] \
+        is False  # the same size as the large sphere: the large cube
+    assert synth.judge("the other cube that is made of the same material as the blue sphere became green",
+                       color)["object"] is False
+    assert synth.judge("the thing that is both left of the large red cube and left of the sphere changed to gray",
+                       color) == yes
+    assert synth.judge("the cylinder on the right side of the red metal cube has been newly placed",
+                       scenes["000007"]) == yes
+    (tmp_path / "scenes.json").write_text(json.dumps([{"objects": []}]))
+    assert synth.read_scenes(tmp_path) is None and synth.read_scenes(tmp_path) is None
+    said = capsys.readouterr().out.strip().splitlines()
+    assert len(said) == 1 and "a scenes.json of another format" in said[0] and str(tmp_path) in said[0]
+
+
+@pytest.mark.slow
+def test_an_evaluation_only_set_with_clevr_records(trained, tmp_path, capsys):
+    """A trained captioner evaluated on a CLEVR-Change-layout set with no training pairs and CLEVR's scene records:
+    the constant-caption baseline is the best of the fixed no-change sentences (there are no training captions),
+    and the captions are read back against the records by change type; no --reverse, no attention figure."""
+    tmp, _ = trained
+    root = tmp_path / "clevr"
+    shutil.copytree(tmp / "clevr", root)
+    (root / "splits.json").write_text(json.dumps({"train": [], "val": [], "test": list(CHANGES)}))
+    one = {"left": [[]], "right": [[]], "behind": [[]], "front": [[]]}
+    scene = lambda objs: clevr_scene(objs, {r: [[] for _ in objs] for r in one})
+    obj = {"drop": ["large gray rubber sphere"], "color": ["small red rubber cube"], "move": ["large green rubber cylinder"],
+           "add": []}
+    records = [{"image_index": i, "change": {"type": t, "object_index": 0},
+                "default_scene": scene(obj[t]), "semantic_scene": scene(obj[t] if t != "add" else ["large purple metal sphere"])}
+               for i, (t, _) in CHANGES.items()]
+    (root / "scenes.json").write_text(json.dumps({"scenes": records}))
+    res = caption.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--data-root", str(root), "--results",
+                        str(tmp_path / "r.json"), "--workers", "0"])
+    out = capsys.readouterr().out
+    assert res["baseline"]["candidates"].startswith("fixed") and res["baseline"]["caption"] in synth.NO_CHANGE
+    assert "best of the fixed no-change sentences" in out and "read back against the scenes" in out
+    judged = res["read_back"]  # the fixture's model says each tiny_clevr caption word for word
+    assert judged["change pairs"] == 4 and judged["no change on distractors %"] == 100, judged
+    assert judged["right type %"] == 100 and judged["right object %"] == 75, judged  # "the large gray sphere
+    # made of rubber" is not a referring expression of either grammar
+    assert res["attention"] is None
+
+
 def test_reversed_pairs_are_captioned_backwards(synth_set, tmp_path):
     """caption.py --reverse: each training pair also as (after, before), its captions those of the change seen
     backwards, read back right against the reversed scene (an add is a drop, a colour goes back) and wrong against
@@ -2195,11 +2283,11 @@ def test_synthetic_run_reads_its_captions_back(adapt_synth, tmp_path, capsys):
     tiny_encoder(tmp_path / "adapted.pt", adapt_synth)
     results = run(tmp_path, epochs=1)
     preds = {p["id"]: p["caption"] for p in results["predictions"]}
-    assert results["synthetic"] == synth.report(preds, synth.read_scenes(adapt_synth))
+    assert results["read_back"] == synth.report(preds, synth.read_scenes(adapt_synth))
     assert 0 <= results["attention"]["map on the change %"] <= 100 and 0 < results["attention"]["random patch %"] < 100
-    assert results["synthetic"]["change pairs"] == results["synthetic"]["distractor pairs"] == len(preds) // 2
+    assert results["read_back"]["change pairs"] == results["read_back"]["distractor pairs"] == len(preds) // 2
     assert "read back against the scenes" in capsys.readouterr().out
-    assert json.loads((tmp_path / "captions.json").read_text())["synthetic"] == results["synthetic"]
+    assert json.loads((tmp_path / "captions.json").read_text())["read_back"] == results["read_back"]
     # the figures themselves: the references read back as all right, "no change" everywhere as no change at all
     scenes, refs = synth.read_scenes(adapt_synth), {p["id"]: p["references"][0] for p in results["predictions"]}
     right = synth.report(refs, scenes)
@@ -2215,7 +2303,7 @@ def test_synthetic_run_reads_its_captions_back(adapt_synth, tmp_path, capsys):
     real = tmp_path / "real"
     shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("scenes.json"))
     tiny_encoder(tmp_path / "adapted.pt", real)
-    assert run(tmp_path, epochs=1)["synthetic"] is None
+    assert run(tmp_path, epochs=1)["read_back"] is None
 
 
 def test_maps_on_the_change(synth_set):
