@@ -1541,11 +1541,11 @@ def test_an_evaluation_only_set_with_clevr_records(trained, tmp_path, capsys):
     (root / "splits.json").write_text(json.dumps({"train": [], "val": [], "test": list(CHANGES)}))
     one = {"left": [[]], "right": [[]], "behind": [[]], "front": [[]]}
     scene = lambda objs: clevr_scene(objs, {r: [[] for _ in objs] for r in one})
-    obj = {"drop": ["large gray rubber sphere"], "color": ["small red rubber cube"], "move": ["large green rubber cylinder"],
-           "add": []}
-    records = [{"image_index": i, "change": {"type": t, "object_index": 0},
-                "default_scene": scene(obj[t]), "semantic_scene": scene(obj[t] if t != "add" else ["large purple metal sphere"])}
-               for i, (t, _) in CHANGES.items()]
+    obj = {"drop": ["large gray rubber sphere"], "color": ["small red rubber cube"],
+           "move": ["large green rubber cylinder"], "add": []}
+    after = {**obj, "add": ["large purple metal sphere"]}
+    records = [{"image_index": i, "change": {"type": t, "object_index": 0}, "default_scene": scene(obj[t]),
+                "semantic_scene": scene(after[t])} for i, (t, _) in CHANGES.items()]
     (root / "scenes.json").write_text(json.dumps({"scenes": records}))
     res = caption.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--data-root", str(root), "--results",
                         str(tmp_path / "r.json"), "--workers", "0"])
