@@ -107,8 +107,8 @@ def get_args(argv=None):
                    help="lr of the new pair parameters e1, e2, p, ln_mid")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help="lr of the CLIP weights")
     p.add_argument("--freeze-intra", action="store_true",
-                   help="no gradient through CLIP's intra blocks: only the inter blocks (at --lr-clip) and the new "
-                        "pair parameters train")
+                   help="no gradient through CLIP's intra blocks: the inter blocks, the text tower (at --lr-clip) "
+                        "and the new pair parameters train")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None, help="AdamW weight decay (matrices only)")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=None,
                    help="fraction of steps of linear warmup, then cosine")

@@ -40,12 +40,13 @@ from train_utils import (Progress, at_least, device_arg, flag_error, fmt_time, f
 PRESETS = {
     # CPU, adapt.py's small encoders (mini, scratch), frozen: its tokens are computed once per pair. A decoder
     # reads the memory directly, with no captioner encoder layers (the pair encoder's inter blocks already mix
-    # the two images). Three things the paper's captioner does not do (README "Where the quickstart differs"):
-    # each memory token also gets after minus before at its position (--mem-diff: cross-attention cannot
-    # subtract); on a patch grid of 12x12 or more the captioner reads each image's patches averaged over 2x2
-    # cells (mem_pool=None: 2 there, else 1; 74 memory tokens instead of 290); on a synthetic set every training
-    # pair is also shown the other way round (--reverse; reverse=None: where the scene records allow it), so that
-    # the order of the images tells an addition from a removal
+    # the two images). Three more departures from the paper (README "Where the quickstart differs from the
+    # paper"; a fourth, model.Captioner's which-image vectors, is in every preset): each memory token also gets
+    # after minus before at its position (--mem-diff: cross-attention cannot subtract); on a patch grid of 12x12
+    # or more the captioner reads each image's patches averaged over 2x2 cells (mem_pool=None: 2 there, else 1;
+    # 74 memory tokens instead of 290); on a synthetic set every training pair is also shown the other way round
+    # (--reverse; reverse=None: where the scene records allow it), so that the order of the images tells an
+    # addition from a removal
     "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                   freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=15, reverse=None, mem_diff=True,
                   mem_pool=None),

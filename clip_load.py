@@ -38,8 +38,9 @@ MODELS = {  # the sha256 is the URL's path component, as OpenAI publishes it
                 "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
 }
 CACHE = Path(os.environ.get("CLIP_CACHE", Path.home() / ".cache" / "clip"))
-# weights that ship with clip4idc: the small CLIP that pretrain.py pretrained on synthetic scenes (README gives the
-# command that made it). Loaded by name through the same code as OpenAI's file, and checked the same way
+# weights that ship with clip4idc: the small CLIPs that pretrain.py pretrained on synthetic scenes (RESULTS.md "The
+# mini CLIP" gives the command that made the quickstart's). Loaded by name through the same code as OpenAI's file,
+# and checked the same way
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED = {"mini-synth": ("clip_mini_synth.pt", "01b1c8f6b466124bc64bbec45f9943b00de0b6110118ea78b5ab3607776e228a"),
            # the 12x12-grid one (8-px patches, --object-loss 1): the quickstart's (adapt.py's mini preset)
@@ -63,7 +64,7 @@ def resolve(name_or_path):
         path = ASSETS / file
         if not path.is_file():
             raise SystemExit(f"{path} is missing: restore it with `git checkout -- {Path('assets') / file}`, or make "
-                             f"it again with pretrain.py (README 'The pretrained mini CLIP')")
+                             f"it again with pretrain.py (RESULTS.md 'The mini CLIP')")
         if (got := sha256(path)) != expected:
             raise SystemExit(f"{path} has SHA256 {got}, expected {expected}: the file is corrupt or was changed. "
                              f"Restore it with `git checkout -- {Path('assets') / file}` (or, after pretraining "

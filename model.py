@@ -2,7 +2,7 @@
 
 Module and parameter names equal the keys of OpenAI's released `ViT-B-32.pt`, so its state dict loads with
 `strict=True` and no remapping; `build_model` reads every size off the tensors' shapes (as openai/CLIP does), so
-ViT-B/32 and the small from-scratch models of the CPU preset are built by the same code.
+ViT-B/32, the shipped mini CLIPs and adapt.py's small from-scratch model are built by the same code.
 
 Pair encoder (paper Sec. 3.1, eq. 2-5): the first N_intra vision blocks see each image alone; the two token
 sequences then get a per-image embedding (e1, e2), a joint positional embedding p and a LayerNorm, and the last
@@ -241,7 +241,7 @@ class CLIP(nn.Module):
         self.initialize_parameters()
 
     def initialize_parameters(self):
-        """OpenAI's initialization, used when training from scratch (the small CPU preset)."""
+        """OpenAI's initialization, used when training from scratch (adapt.py --preset scratch)."""
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
         for tower in (self.transformer, self.visual.transformer):
@@ -323,10 +323,10 @@ def build_model(sd, n_inter=3):
     return model
 
 
-# ---- captioner
 # -----------------------------------------------------------------------------
-# The captioning Transformer (paper Sec. 3.3): an encoder over the pair encoder's 2(n+1) output tokens, and a
-# causal decoder with cross-attention to them, trained from scratch with word-level cross entropy. Pre-LN blocks
+# The captioning Transformer (paper Sec. 3.3): an encoder over the pair encoder's 2(n+1) output tokens (3 layers in
+# the paper; the quickstart's small preset has none), and a causal decoder with cross-attention to them, trained
+# from scratch with word-level cross entropy. Pre-LN blocks
 # (stable without a warmup tuned per size); dropout on every residual branch and on the input embeddings.
 
 

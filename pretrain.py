@@ -125,7 +125,7 @@ def scene_images(root, split, workers=None):
     ids = [int(i) for i in json.loads((root / "splits.json").read_text())[split]]
     with Pool(workers or os.cpu_count()) as pool:
         seen = pool.starmap(synth.views, [(i, meta["seed"], bool(meta.get("far_change")),
-                                           meta.get("change_jitter", 0.3)) for i in ids])
+                                           meta.get("change_jitter", 0.3), bool(meta.get("still_light"))) for i in ids])
     return [(str(root / f"{name}_{i:06d}.png"), objs)
             for i, v in zip(ids, seen) for name, objs in v.items() if objs is not None]
 

@@ -3,7 +3,7 @@
     python probe.py linear --ckpt adapted.pt      # linear probes on the frozen encoder's output tokens
     python probe.py supervised --epochs 8         # a bound: the small encoder trained on the answers themselves
     python probe.py supervised --fusion early     # reference: both images stacked as 6 channels (not CLIP4IDC)
-    python probe.py supervised --clip mini-synth  # the pretrained small CLIP whole, adapted.py's policy
+    python probe.py supervised --clip mini-synth  # the pretrained small CLIP whole, adapt.py's policy
     python probe.py supervised --clip mini-synth --align-bias 8   # ... with attention that lines up the images
     python probe.py aligned --clip mini-synth     # frozen per-image tokens + a position-aligned comparator
     python probe.py attention --clip mini-synth   # where the pair encoder's patch tokens look

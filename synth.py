@@ -409,12 +409,12 @@ def hard_negative(rng, objs):
             return out
 
 
-def views(i, seed, far_change=False, change_jitter=0.3):
+def views(i, seed, far_change=False, change_jitter=0.3, still_light=False):
     """Scene i of a set `make` wrote: each image's objects as a viewer sees them, {image name: [(object, (u, v))]}
     with (u, v) the object's centre as fractions of the image's width and height, or None for an image in which
     an object is cut by the frame or hidden (its description would name what cannot be seen)."""
     out = {}
-    for name, (objs, jc, _) in _scene(i, seed, far_change, change_jitter)[5].items():
+    for name, (objs, jc, _) in _scene(i, seed, far_change, change_jitter, still_light)[5].items():
         cam = camera(jc)
         seen = visibility(objs, cam)
         if min(seen.values()) < 0.4 or not all(_in_frame(o, cam) for o in objs):
@@ -428,11 +428,12 @@ def views(i, seed, far_change=False, change_jitter=0.3):
 # the set on disk
 
 
-def _scene(i, seed, far_change=False, change_jitter=0.3):
+def _scene(i, seed, far_change=False, change_jitter=0.3, still_light=False):
     """Scene i's random draws, in order -> (its random stream, change type, objects before and after, the changed
     object's index, the three views {image name: (objects, camera jitter, light jitter)}). The distractor moves the
     camera and the light by 0.5-1 (in jitter units); the change image moves the camera by 0-0.3 only, or, with
-    far_change, as much as the distractor, so only the objects tell the two apart."""
+    far_change, as much as the distractor, so only the objects tell the two apart. still_light: the lights stay
+    as they are in all three images (as CLEVR-Change's generator leaves them)."""
     rng = random.Random(f"clevr-synth-{seed}-{i}")  # one stream per scene: any worker split gives the same set
     kind = rng.choice(CHANGES)
     before, after, k = make_scene(rng, kind)
@@ -441,13 +442,15 @@ def _scene(i, seed, far_change=False, change_jitter=0.3):
     changed = (after, shift(jc, 0.5, 1), shift(jl, 0.5, 1)) if far_change else (after, shift(jc, 0, change_jitter), jl)
     views = {"images/CLEVR_default": (before, jc, jl), "sc_images/CLEVR_semantic": changed,
              "nsc_images/CLEVR_nonsemantic": (before, shift(jc, 0.5, 1), shift(jl, 0.5, 1))}
+    if still_light:  # the same draws as without it, so that the scenes and cameras stay those of the same seed
+        views = {name: (objs, j1, jl) for name, (objs, j1, _) in views.items()}
     return rng, kind, before, after, k, views
 
 
-def _make_triple(i, out, seed, size, far_change=False, change_jitter=0.3):
+def _make_triple(i, out, seed, size, far_change=False, change_jitter=0.3, still_light=False):
     """Scene i -> default, semantic-change and non-semantic images on disk; returns its type, change captions,
     no-change captions and scene record (the objects before and after, the changed one's index)."""
-    rng, kind, before, after, k, views = _scene(i, seed, far_change, change_jitter)
+    rng, kind, before, after, k, views = _scene(i, seed, far_change, change_jitter, still_light)
     for name, (objs, j1, j2) in views.items():
         Image.fromarray(render(objs, camera(j1), light(j2), *size)).save(f"{out}/{name}_{i:06d}.png", compress_level=1)
     scene = {"type": kind, "before": before, "after": after, "changed": k}
@@ -460,7 +463,7 @@ def changed_region(root, scene_id):
     or None where it is absent (before an "add", after a "drop")."""
     meta = json.loads((Path(root) / "synth.json").read_text())
     _, kind, before, after, k, views = _scene(int(scene_id), meta["seed"], bool(meta.get("far_change")),
-                                              meta.get("change_jitter", 0.3))
+                                              meta.get("change_jitter", 0.3), bool(meta.get("still_light")))
     w, h = meta["size"]
     out = {}
     for side, name, present in (("before", "images/CLEVR_default", kind != "add"),
@@ -476,7 +479,7 @@ def changed_region(root, scene_id):
 
 
 def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None, far_change=False,
-               change_jitter=0.3):
+               change_jitter=0.3, still_light=False):
     """Write a synthetic CLEVR-Change (images/, sc_images/, nsc_images/, the caption, split and type files) and
     scenes.json ({"%06d": {"type", "before": [objects], "after": [objects], "changed": index}})."""
     out = Path(out)
@@ -486,7 +489,7 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
     t0 = time.time()
     with Pool(workers or os.cpu_count()) as pool:
         scene = partial(_make_triple, out=str(out), seed=seed, size=tuple(size), far_change=far_change,
-                        change_jitter=change_jitter)
+                        change_jitter=change_jitter, still_light=still_light)
         made = pool.map(scene, range(pairs), chunksize=8)
     name = lambda i: f"CLEVR_default_{i:06d}.png"
     types = {t: [f"{i:06d}.png" for i, m in enumerate(made) if m[0] == t] for t in CHANGES}
@@ -494,7 +497,8 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
     n_val, n_test = max(1, pairs // 20), max(1, pairs // 10)  # the real split is 85 / 5 / 10 %
     meta = {"pairs": pairs, "size": list(size), "seed": seed, "version": VERSION,
             **({"far_change": 1} if far_change else {}),
-            **({"change_jitter": change_jitter} if change_jitter != 0.3 else {})}
+            **({"change_jitter": change_jitter} if change_jitter != 0.3 else {}),
+            **({"still_light": 1} if still_light else {})}
     files = {"change_captions.json": {name(i): m[1] for i, m in enumerate(made)},
              "no_change_captions.json": {name(i): m[2] for i, m in enumerate(made)}, "type_mapping.json": types,
              "splits.json": {"train": order[n_val + n_test:], "val": order[:n_val],
@@ -708,6 +712,8 @@ if __name__ == "__main__":
                    help="move the change image's camera and light as far as the distractor's (a harder set)")
     m.add_argument("--change-jitter", type=float, default=0.3,
                    help="most camera move of the change image, in jitter units (the distractor's is 0.5-1)")
+    m.add_argument("--still-light", action="store_true",
+                   help="the lights the same in all three images, as CLEVR-Change's generator leaves them")
     s = cmd.add_parser("sheet", formatter_class=fmt, help="contact sheet of CLEVR-Change(-style) pairs")
     s.add_argument("--root", default=SYNTH_ROOT, help="a CLEVR-Change directory")
     s.add_argument("--out", default="sheet.png", help="PNG to write")
@@ -729,7 +735,8 @@ if __name__ == "__main__":
         if wrong:
             p.error(f"argument {flag}: {getattr(args, flag[2:].replace('-', '_'))}: expected {allowed}")
     if args.cmd == "make":
-        make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change, args.change_jitter)
+        make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change, args.change_jitter,
+                   args.still_light)
     else:  # drawn by the pictures module, from the files `make` wrote
         import plots
         plots.contact_sheet(args.root, args.out, args.n, args.size, args.split, args.seed)

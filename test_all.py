@@ -1422,6 +1422,19 @@ def test_synth_change_view_near_far_or_still(synth_set, tmp_path):
     assert "far_change" not in json.loads((synth_set / "synth.json").read_text())  # default sets keep their meta
 
 
+def test_synth_still_light_keeps_the_lights_and_the_draws():
+    """--still-light: the three images of a scene under the same lights (CLEVR-Change's generator re-jitters only
+    the camera), with the same objects, cameras and captions as the set of the same seed without it."""
+    for i in range(6):
+        _, kind, before, after, k, moving = synth._scene(i, 0, far_change=True)
+        _, kind2, before2, after2, k2, still = synth._scene(i, 0, far_change=True, still_light=True)
+        assert (kind, before, after, k) == (kind2, before2, after2, k2)
+        assert [v[1] for v in moving.values()] == [v[1] for v in still.values()]  # the cameras
+        lights = [v[2] for v in still.values()]
+        assert lights[0] == lights[1] == lights[2] == moving["images/CLEVR_default"][2]
+        assert moving["nsc_images/CLEVR_nonsemantic"][2] != lights[0]  # without it the distractor's light moves
+
+
 def test_synth_changes_are_what_the_type_says():
     for kind in synth.CHANGES:
         for s in range(10):
