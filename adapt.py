@@ -166,9 +166,8 @@ def new_model(args):
 
 def lr_rule(args, frozen_blocks=0):
     """The learning-rate rule, parameter name -> learning rate (None: frozen): the new pair parameters at lr_new,
-    CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and
-    the first `frozen_blocks` vision blocks (--freeze-intra: the intra module).
-    Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors (train_utils.param_groups)."""
+    CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and the first `frozen_blocks` vision
+    blocks (--freeze-intra: the intra module). Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors (train_utils.param_groups)."""
     def lr(name):
         if name.startswith(M.PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # 12/0: e1, e2, p, ln_mid are never used
@@ -313,7 +312,7 @@ def load_data(args, root, ctx):
     splits = {s: split(s) for s in ("train", "val", "test")}
     # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
     cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache,
-                            args.cache_dir, ctx.world, ctx.rank, log=lambda m: log(ctx, m))
+                                  args.cache_dir, ctx.world, ctx.rank, log=lambda m: log(ctx, m))
     train = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
                                 cache=cache, seed=args.seed, draw=args.draw_captions)
     sampler = data.EpochSampler(len(train), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)

@@ -266,8 +266,8 @@ class CLIP(nn.Module):
         return x[torch.arange(x.shape[0]), eot] @ self.text_projection
 
     def encode_pair(self, before, after, both_ways=False):
-        """The CLIP4IDC pair encoder -> PairEncoding(tokens (B, 2(n+1), embed_dim), vector (B, embed_dim)); both_ways:
-        (2B, ...), the pairs and then the same pairs reversed (VisionTransformer.forward_pair)."""
+        """The CLIP4IDC pair encoder -> PairEncoding(tokens (B, 2(n+1), embed_dim), vector (B, embed_dim));
+        both_ways: (2B, ...), the pairs and then the same pairs reversed (VisionTransformer.forward_pair)."""
         return self.visual.forward_pair(before, after, both_ways)
 
     def forward(self, image, text):
@@ -326,8 +326,8 @@ def build_model(sd, n_inter=3):
 # -----------------------------------------------------------------------------
 # The captioning Transformer (paper Sec. 3.3): an encoder over the pair encoder's 2(n+1) output tokens (3 layers in
 # the paper; the quickstart's small preset has none), and a causal decoder with cross-attention to them, trained
-# from scratch with word-level cross entropy. Pre-LN blocks
-# (stable without a warmup tuned per size); dropout on every residual branch and on the input embeddings.
+# from scratch with word-level cross entropy. Pre-LN blocks (stable without a warmup tuned per size); dropout on
+# every residual branch and on the input embeddings.
 
 
 @dataclass
