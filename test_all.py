@@ -570,7 +570,7 @@ def sharp_captioner(seed=0, vocab=6, max_len=5):
 @torch.no_grad()
 def step_logp(cap, memory, prefix):
     """log p(next token | prefix) for one pair, the decoder run on the whole prefix: no cache, no batch."""
-    logits = cap.decode(torch.tensor([[BOS] + prefix]), cap.encode(memory[None]))[0, -1]
+    logits = cap.decode(torch.tensor([[BOS] + prefix], device=memory.device), cap.encode(memory[None]))[0, -1]
     return logits.float().log_softmax(-1)
 
 
