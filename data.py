@@ -101,13 +101,15 @@ def reversed_pairs(items, root):
     if scenes is None:
         raise SystemExit(f"--reverse needs the synthetic set's scene records ({Path(root) / 'scenes.json'}): real "
                          f"datasets have no record of what changed to caption a pair backwards; pass --no-reverse")
+    style = json.loads((Path(root) / "synth.json").read_text()).get("caption_style", "ours")
     out = []
     for it in items:
         if it.change_type == "distractor":
             out.append(Item(it.id + "_r", it.after, it.before, it.captions, "distractor"))
         else:
             back = synth.reverse(scenes[it.id])["type"]
-            out.append(Item(it.id + "_r", it.after, it.before, synth.reversed_captions(scenes[it.id], it.id), back))
+            out.append(Item(it.id + "_r", it.after, it.before, synth.reversed_captions(scenes[it.id], it.id, style),
+                            back))
     return out
 
 

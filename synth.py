@@ -303,6 +303,15 @@ TEMPLATES = {
     "drop": ["the {o} has disappeared", "the {o} is missing", "someone removed the {o}", "the {o} is gone",
              "the {o} was removed", "the {o} is no longer there"],
 }
+# caption_style="clevr": CLEVR-Change's own change phrases (its generator's templates) and relation words
+CLEVR_TEMPLATES = {"color": ["the {o} changed to {new}", "the {o} became {new}", "the {o} turned {new}"],
+                   "material": ["the {o} changed to {new}", "the {o} became {new}", "the {o} turned {new}"],
+                   "move": ["the {o} changed its location", "the {o} is in a different location"],
+                   "add": ["the {o} has been newly placed", "the {o} has been added", "the {o} has appeared"],
+                   "drop": ["the {o} is missing", "the {o} is gone", "the {o} has disappeared"]}
+CLEVR_RELATIONS_SAID = {"behind": ("behind",), "in front of": ("in front of",),
+                        "to the left of": ("left of", "to the left of", "on the left side of"),
+                        "to the right of": ("right of", "to the right of", "on the right side of")}
 NO_CHANGE = ["the scene is the same as before", "there is no difference", "the two scenes seem identical",
              "nothing has changed", "no change was made", "there is no change", "the scene remains the same",
              "nothing was modified", "no object has changed", "the two images show the same scene"]
@@ -312,9 +321,20 @@ def say(rng, word):
     return rng.choice(SAY.get(word, (word,)))
 
 
-def refer(rng, o, scene, relate=0.15, was=False, nested=False):
+def refer(rng, o, scene, relate=0.15, was=False, nested=False, style="ours"):
     """A description that picks out o and only o in `scene` ("small red metal cube", "red thing", "cylinder that
-    was behind the cube"): attributes a viewer can see, sometimes a spatial relation to another object."""
+    was behind the cube"): attributes a viewer can see, sometimes a spatial relation to another object. style
+    "clevr": CLEVR-Change's relation words, and often its "other X that is the same colour as the Y"."""
+    if style == "clevr" and not nested and rng.random() < 0.4:
+        for ref in rng.sample(scene, len(scene)):
+            for a in rng.sample(ATTRS, len(ATTRS)):
+                if ref is o or o[a] != ref[a]:
+                    continue
+                keys = [k for k in ATTRS if k != a and rng.random() < 0.5]
+                if [p for p in scene if p is not ref and p[a] == ref[a] and all(p[k] == o[k] for k in keys)] == [o]:
+                    same = "made of the same material as" if a == "material" and rng.random() < 0.5 else \
+                        f"the same {a} as"
+                    return f"other {describe(rng, o, keys)} that is {same} the {refer(rng, ref, scene, nested=True)}"
     keys = ATTRS if rng.random() < 0.55 else [k for k in ATTRS if rng.random() < 0.5]  # mostly all four, as CLEVR
     alike = [p for p in scene if p is not o and all(p[k] == o[k] for k in keys)]
     if not nested and (alike or rng.random() < relate):
@@ -322,6 +342,9 @@ def refer(rng, o, scene, relate=0.15, was=False, nested=False):
             rels = [r for r, holds in RELATIONS.items() if holds(o, ref) and not any(holds(p, ref) for p in alike)]
             if ref is not o and ref not in alike and rels:
                 that = "that was " if was else rng.choice(["that is ", ""])  # "moved the cube to the left of" misleads
+                if style == "clevr":  # its relation words, drawn before the description (as its sets were made)
+                    rel = rng.choice(CLEVR_RELATIONS_SAID[rng.choice(rels)])
+                    return f"{describe(rng, o, keys)} {that}{rel} the {refer(rng, ref, scene, nested=True)}"
                 return f"{describe(rng, o, keys)} {that}{rng.choice(rels)} the {refer(rng, ref, scene, nested=True)}"
     return describe(rng, o, ATTRS if alike else keys)
 
@@ -331,16 +354,18 @@ def describe(rng, o, keys):
     return " ".join(words + [say(rng, o["shape"] if "shape" in keys else "thing")])
 
 
-def captions(rng, kind, before, after, k, n=6):
-    """About n distinct captions of the change (the object named as it was, the added one as it is)."""
+def captions(rng, kind, before, after, k, n=6, style="ours"):
+    """About n distinct captions of the change (the object named as it was, the added one as it is), in our
+    templates or (style "clevr") CLEVR-Change's."""
     out = []
     for _ in range(10 * n):
         if kind == "add":
-            o = refer(rng, after[k], after)
+            o = refer(rng, after[k], after, style=style)
         else:
-            o = refer(rng, before[k], before, was=kind in ("move", "drop"))
+            o = refer(rng, before[k], before, was=kind in ("move", "drop") and style != "clevr", style=style)
         new = say(rng, after[k][kind]) if kind in ("color", "material") else ""
-        text = rng.choice(TEMPLATES[kind]).format(o=o, new=new, a=("an " if o[0] in "aeiou" else "a ") + o)
+        templates = CLEVR_TEMPLATES if style == "clevr" else TEMPLATES
+        text = rng.choice(templates[kind]).format(o=o, new=new, a=("an " if o[0] in "aeiou" else "a ") + o)
         if text not in out:
             out.append(text)
         if len(out) == n:
@@ -356,11 +381,11 @@ def reverse(scene):
     return {"type": kind, "before": scene["after"], "after": scene["before"], "changed": scene["changed"]}
 
 
-def reversed_captions(scene, key):
+def reversed_captions(scene, key, style="ours"):
     """Captions of `scene` seen backwards (reverse), drawn as the set's own are, from a stream of their own."""
     back = reverse(scene)
     return captions(random.Random(f"clevr-synth-reverse-{key}"), back["type"], back["before"], back["after"],
-                    back["changed"])
+                    back["changed"], style=style)
 
 
 # -----------------------------------------------------------------------------
@@ -447,14 +472,14 @@ def _scene(i, seed, far_change=False, change_jitter=0.3, still_light=False):
     return rng, kind, before, after, k, views
 
 
-def _make_triple(i, out, seed, size, far_change=False, change_jitter=0.3, still_light=False):
+def _make_triple(i, out, seed, size, far_change=False, change_jitter=0.3, still_light=False, caption_style="ours"):
     """Scene i -> default, semantic-change and non-semantic images on disk; returns its type, change captions,
     no-change captions and scene record (the objects before and after, the changed one's index)."""
     rng, kind, before, after, k, views = _scene(i, seed, far_change, change_jitter, still_light)
     for name, (objs, j1, j2) in views.items():
         Image.fromarray(render(objs, camera(j1), light(j2), *size)).save(f"{out}/{name}_{i:06d}.png", compress_level=1)
     scene = {"type": kind, "before": before, "after": after, "changed": k}
-    return kind, captions(rng, kind, before, after, k), rng.sample(NO_CHANGE, 6), scene
+    return kind, captions(rng, kind, before, after, k, style=caption_style), rng.sample(NO_CHANGE, 6), scene
 
 
 def changed_region(root, scene_id):
@@ -479,7 +504,7 @@ def changed_region(root, scene_id):
 
 
 def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None, far_change=False,
-               change_jitter=0.3, still_light=False):
+               change_jitter=0.3, still_light=False, caption_style="ours"):
     """Write a synthetic CLEVR-Change (images/, sc_images/, nsc_images/, the caption, split and type files) and
     scenes.json ({"%06d": {"type", "before": [objects], "after": [objects], "changed": index}})."""
     out = Path(out)
@@ -489,7 +514,7 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
     t0 = time.time()
     with Pool(workers or os.cpu_count()) as pool:
         scene = partial(_make_triple, out=str(out), seed=seed, size=tuple(size), far_change=far_change,
-                        change_jitter=change_jitter, still_light=still_light)
+                        change_jitter=change_jitter, still_light=still_light, caption_style=caption_style)
         made = pool.map(scene, range(pairs), chunksize=8)
     name = lambda i: f"CLEVR_default_{i:06d}.png"
     types = {t: [f"{i:06d}.png" for i, m in enumerate(made) if m[0] == t] for t in CHANGES}
@@ -498,7 +523,8 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
     meta = {"pairs": pairs, "size": list(size), "seed": seed, "version": VERSION,
             **({"far_change": 1} if far_change else {}),
             **({"change_jitter": change_jitter} if change_jitter != 0.3 else {}),
-            **({"still_light": 1} if still_light else {})}
+            **({"still_light": 1} if still_light else {}),
+            **({"caption_style": caption_style} if caption_style != "ours" else {})}
     files = {"change_captions.json": {name(i): m[1] for i, m in enumerate(made)},
              "no_change_captions.json": {name(i): m[2] for i, m in enumerate(made)}, "type_mapping.json": types,
              "splits.json": {"train": order[n_val + n_test:], "val": order[:n_val],
@@ -714,6 +740,9 @@ if __name__ == "__main__":
                    help="most camera move of the change image, in jitter units (the distractor's is 0.5-1)")
     m.add_argument("--still-light", action="store_true",
                    help="the lights the same in all three images, as CLEVR-Change's generator leaves them")
+    m.add_argument("--caption-style", choices=["ours", "clevr"], default="ours",
+                   help="clevr: CLEVR-Change's change phrases and referring expressions (its relation words, \"the "
+                        "other X that is the same colour as the Y\")")
     s = cmd.add_parser("sheet", formatter_class=fmt, help="contact sheet of CLEVR-Change(-style) pairs")
     s.add_argument("--root", default=SYNTH_ROOT, help="a CLEVR-Change directory")
     s.add_argument("--out", default="sheet.png", help="PNG to write")
@@ -736,7 +765,7 @@ if __name__ == "__main__":
             p.error(f"argument {flag}: {getattr(args, flag[2:].replace('-', '_'))}: expected {allowed}")
     if args.cmd == "make":
         make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change, args.change_jitter,
-                   args.still_light)
+                   args.still_light, args.caption_style)
     else:  # drawn by the pictures module, from the files `make` wrote
         import plots
         plots.contact_sheet(args.root, args.out, args.n, args.size, args.split, args.seed)

@@ -1572,6 +1572,25 @@ def test_an_evaluation_only_set_with_clevr_records(trained, tmp_path, capsys):
     assert res["attention"] is None
 
 
+def test_clevr_caption_style_reads_back(tmp_path):
+    """synth.py make --caption-style clevr: the same scenes and images, captions in CLEVR-Change's phrases and
+    referring expressions ("has been newly placed", "on the left side of", "the other X that is the same colour as
+    the Y"), each naming its change type and exactly the changed object; --reverse's captions keep the style."""
+    root = synth.make_synth(tmp_path / "clevr", pairs=30, seed=0, size=SIZE, workers=1, caption_style="clevr")
+    scenes = synth.read_scenes(root)
+    change = json.loads((root / "change_captions.json").read_text())
+    said = [c for i in scenes for c in change[f"CLEVR_default_{i}.png"]]
+    assert all(synth.judge(c, scenes[c_id]) == {"change": True, "type": True, "object": True}
+               for c_id in scenes for c in change[f"CLEVR_default_{c_id}.png"])
+    assert any(" that is the same " in c or "made of the same material" in c for c in said)
+    assert any(c.endswith(("has been newly placed", "is in a different location")) for c in said)
+    assert not any(c.startswith(("someone", "a ", "there is")) for c in said)  # none of our own templates
+    assert json.loads((root / "synth.json").read_text())["caption_style"] == "clevr"
+    back = data.reversed_pairs(data.load_items("clevr", root, "train", "semantic"), root)
+    assert all(synth.judge(c, synth.reverse(scenes[it.id[:-2]]))["type"] for it in back for c in it.captions)
+    assert not any(c.startswith(("someone", "a ", "there is")) for it in back for c in it.captions)
+
+
 def test_reversed_pairs_are_captioned_backwards(synth_set, tmp_path):
     """caption.py --reverse: each training pair also as (after, before), its captions those of the change seen
     backwards, read back right against the reversed scene (an add is a drop, a colour goes back) and wrong against
@@ -2849,6 +2868,7 @@ BAD_FLAGS = {
                  "e2e --root nowhere", "e2e --scenes 0", "e2e --batch 0", "e2e --workers -1", "e2e --batches 0",
                  "matmul --n 0"],
     "synth.py": ["make --pairs 0", "make --size 0 0", "make --workers 0", "make --change-jitter -1",
+                 "make --caption-style foo",
                  "sheet --root nowhere", "sheet --n 0", "sheet --size -1", "sheet --split foo"],
     "data.py": ["cache --size 0", "cache --data-root nowhere", "bench --root nowhere", "bench --size 0",
                 "bench --images 0", "bench --batch 0", "bench --gpu-rate 0"],
