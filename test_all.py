@@ -1,4 +1,4 @@
-"""clip4idc test suite: `pytest test_all.py -rs` (all, about 5 minutes on 2 CPU cores) or `pytest test_all.py -rs
+"""clip4idc test suite: `pytest test_all.py -rs` (all, about 6 minutes on 2 CPU cores) or `pytest test_all.py -rs
 -m "not slow"` (the fast subset, under a minute). Tiny models and data the tests make themselves (or the real files
 in ../shared/, skipped cleanly when absent).
 
