@@ -29,10 +29,10 @@ import clip_load
 import data
 import model as M
 import plots
-from train_utils import (Progress, at_least, check_sizes, device_arg, freeze, gather, interrupted, last_path,
-                         load_resume, local_batch, log, make_optimizer, no_state, param_groups, policy_table,
-                         rank0_first, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, warmup_cosine,
-                         where)
+from train_utils import (GraphedStep, Progress, at_least, check_sizes, device_arg, freeze, gather, interrupted,
+                         last_path, load_resume, local_batch, log, make_optimizer, no_state, param_groups,
+                         policy_table, rank0_first, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch,
+                         warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
@@ -120,6 +120,9 @@ def get_args(argv=None):
     p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training step (CUDA), with static "
                                                           "shapes: captions padded to --context-length")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="capture the whole training step (forward, backward, clip, AdamW) as one CUDA graph, replayed "
+                        "each step (train_utils.GraphedStep): static shapes, one process; on a CPU nothing is captured")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
                    help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
     p.add_argument("--eval-batch-size", type=at_least(1), default=None, help="pairs per batch when encoding for eval")
@@ -136,6 +139,9 @@ def get_args(argv=None):
     # sizes are checked against --n-inter when it is read: clip_load.load_clip)
     if args.resume and (missing := no_state(args.out)):
         p.error(f"argument --resume: {missing}")
+    if args.cuda_graphs and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        p.error("argument --cuda-graphs: one process only (DDP's gradient all-reduce is not captured); drop it or "
+                "start one process")
     if not args.clip:
         check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                            "--text-width": args.text_width})
@@ -167,7 +173,8 @@ def new_model(args):
 def lr_rule(args, frozen_blocks=0):
     """The learning-rate rule, parameter name -> learning rate (None: frozen): the new pair parameters at lr_new,
     CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and the first `frozen_blocks` vision
-    blocks (--freeze-intra: the intra module). Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors (train_utils.param_groups)."""
+    blocks (--freeze-intra: the intra module). Weight decay (--weight-decay) applies to the matrices only, never to
+    1-D tensors (train_utils.param_groups)."""
     def lr(name):
         if name.startswith(M.PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # 12/0: e1, e2, p, ln_mid are never used
@@ -379,7 +386,7 @@ def main(argv=None):
     freeze(model.named_parameters(), rule)
     log(ctx, "   what trains:\n" + policy_table(model.named_parameters(), rule))
     groups = param_groups(model.named_parameters(), rule, args.weight_decay)
-    optimizer = make_optimizer(groups, ctx.device)
+    optimizer = make_optimizer(groups, ctx.device, capturable=args.cuda_graphs)
     total_steps = args.epochs * len(loader)
     scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
     n_train = sum(p.numel() for g in groups for p in g["params"])
@@ -400,10 +407,12 @@ def main(argv=None):
 
     def loss_fn(batch):  # eq. (6)-(8) on a batch of (before, after, caption ids, item index)
         before, after, ids, _ = batch
-        ids = clip_load.trim(ids, static=args.compile)  # on the CPU: on a GPU, reading the length makes the CPU wait
+        ids = clip_load.trim(ids, static=args.compile or args.cuda_graphs)  # reading the length makes a GPU wait
         before, after, ids = (t.to(ctx.device, non_blocking=True) for t in (before, after, ids))
         before, after = clip_load.normalize(before), clip_load.normalize(after)  # uint8 -> CLIP's input, on device
         return contrastive_loss(*net(before, after, ids)), len(ids)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    graphed = GraphedStep(ctx, net, loss_fn, optimizer, scheduler, params, args.grad_clip) if args.cuda_graphs else None
 
     # training: select on val R@mean (never on test)
     t_start = time.time()
@@ -412,7 +421,7 @@ def main(argv=None):
             data.set_epoch(loader, epoch)
             t0 = time.time()
             progress = Progress(epoch, args.epochs, step, total_steps, args.log_every)
-            loss = train_epoch(ctx, net, loader, loss_fn, optimizer, scheduler, progress, args.grad_clip)
+            loss = train_epoch(ctx, net, loader, loss_fn, optimizer, scheduler, progress, args.grad_clip, graphed)
             step = progress.step
             val = evaluate(model, splits["val"], args, ctx, cache) if ctx.main else None
             stop = [diverged(epoch + 1) if ctx.main and val is None else None]

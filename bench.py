@@ -33,8 +33,8 @@ from types import SimpleNamespace
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
-from train_utils import (at_least, autocast, device_arg, freeze, keep_freed_memory, make_optimizer, matmul_gflops,
-                         param_groups, train_step, warmup_cosine)
+from train_utils import (GraphedStep, at_least, autocast, device_arg, freeze, keep_freed_memory, make_optimizer,
+                         matmul_gflops, param_groups, train_step, warmup_cosine)
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
@@ -194,9 +194,10 @@ def paper_adapt_args(n_inter=3):
                            weight_decay=p["weight_decay"], warmup=p["warmup"], grad_clip=p["grad_clip"])
 
 
-def our_adapt_step(device, amp, compile=False, batch=128, text_len=32):
+def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=False):
     """adapt.py's training step on a random-weight ViT-B/32: its frozen set, two learning rates, fused AdamW,
-    schedule and clipping (train_utils.train_step), images arriving as uint8 and normalized on the device."""
+    schedule and clipping (train_utils.train_step), images arriving as uint8 and normalized on the device.
+    graphs: the whole step captured as one CUDA graph (train_utils.GraphedStep, adapt.py --cuda-graphs)."""
     from adapt import PairText, contrastive_loss, lr_rule
     import clip_load
     args = paper_adapt_args()
@@ -204,10 +205,10 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32):
     net = torch.compile(PairText(model)) if compile else PairText(model)
     freeze(model.named_parameters(), lr_rule(args))
     groups = param_groups(model.named_parameters(), lr_rule(args), args.weight_decay)
-    optimizer = make_optimizer(groups, device)
+    optimizer = make_optimizer(groups, device, capturable=graphs)
     scheduler = warmup_cosine(optimizer, 1000, args.warmup)
     params = [p for g in groups for p in g["params"]]
-    ctx = SimpleNamespace(amp=amp, device=device)
+    ctx = SimpleNamespace(amp=amp, device=device, main=True)
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (2, batch, 3, 224, 224), dtype=torch.uint8, generator=g).to(device)
     ids = random_ids(batch, text_len, device)
@@ -216,9 +217,12 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32):
         if b is None:  # the paper's 32 tokens
             before, after, text = images[0], images[1], ids
         else:  # as adapt.py: trimmed to the longest caption on the CPU, or (compiled) static shapes, all 32 tokens
-            text = clip_load.trim(b[2], static=compile)
+            text = clip_load.trim(b[2], static=compile or graphs)
             before, after, text = (t.to(device, non_blocking=True) for t in (b[0], b[1], text))
         return contrastive_loss(*net(clip_load.normalize(before), clip_load.normalize(after), text)), len(text)
+    if graphs:  # a loader's batch, or the fixed one, through the captured step
+        graphed = GraphedStep(ctx, net, loss_fn, optimizer, scheduler, params, args.grad_clip)
+        return model, lambda b=None: graphed(b if b is not None else (images[0], images[1], ids))[0]
     step = lambda b=None: train_step(ctx, net, b, loss_fn, optimizer, scheduler, params, args.grad_clip)[0]
     return model, step
 
@@ -351,7 +355,7 @@ def bench_adapt(args):
     peaks = gpu_peak(device)
     print(f"GPU peak: datasheet dense bf16 {peaks[0] / 1e12 if peaks[0] else float('nan'):.0f} TFLOP/s, measured "
           f"8192^3 bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s; MFU = model FLOPs / step time / datasheet peak")
-    runs = {"ours": [False], "ours+compile": [True], "authors": None}
+    runs = {"ours": (False, False), "ours+compile": (True, False), "ours+graphs": (False, True), "authors": None}
     for name in args.impl:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -361,8 +365,10 @@ def bench_adapt(args):
             print(f"authors' pair step vs ours on the same weights: cosine of pair vectors "
                   f"{same_function(model, pair, device):.5f} (1 = the same function)")
         else:
-            model, step = our_adapt_step(device, amp, runs[name][0], args.batch, args.text_len)
-            label = f"ours (fp32 weights, bf16 autocast{', compiled' if runs[name][0] else ''})"
+            compiled, graphs = runs[name]
+            model, step = our_adapt_step(device, amp, compiled, args.batch, args.text_len, graphs)
+            how = ", compiled" if compiled else ", one CUDA graph" if graphs else ""
+            label = f"ours (fp32 weights, bf16 autocast{how})"
         seconds = throughput(step, device, args.repeats, warmup=3 if name != "ours+compile" else 5)
         report_step(label, seconds, args.batch, flops, peaks, device)
         if args.profile and name in args.profile:
@@ -701,7 +707,7 @@ def main(argv=None):
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     q.add_argument("--batch", type=at_least(1), default=128, help="pairs per step (paper: 128)")
     q.add_argument("--text-len", type=at_least(1), default=32, help="caption tokens (paper: 32)")
-    impls = ["ours", "ours+compile", "authors"]
+    impls = ["ours", "ours+compile", "ours+graphs", "authors"]
     q.add_argument("--impl", nargs="+", default=impls, choices=impls, help="which steps to time (CUDA)")
     q.add_argument("--profile", nargs="*", default=[], choices=impls,
                    help="also print a kernel profile of these --impl steps")

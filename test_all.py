@@ -2779,6 +2779,69 @@ def test_warmup_cosine_is_the_authors_schedule():
     assert all(a > b for a, b in zip(want[warmup:total], want[warmup + 1:]))  # only down after the peak
 
 
+def _steps(graphed, n=5):
+    """n training steps of a tiny CLIP (2 heads per tower) on random pairs -> (losses, weights, learning rates):
+    train_utils.train_step, or GraphedStep (adapt.py --cuda-graphs), which a CPU runs uncaptured."""
+    torch.manual_seed(0)
+    model = M.CLIP(TINY)
+    net = adapt.PairText(model)
+    rule = adapt.lr_rule(SimpleNamespace(clip="a CLIP file", n_inter=TINY.n_inter, lr_new=3e-3, lr_clip=1e-3))
+    train_utils.freeze(model.named_parameters(), rule)
+    groups = train_utils.param_groups(model.named_parameters(), rule, 0.2)
+    optimizer = train_utils.make_optimizer(groups, "cpu", capturable=graphed)
+    scheduler = train_utils.warmup_cosine(optimizer, n + 2, 0.3)
+    params = [p for g in groups for p in g["params"]]
+    ctx = SimpleNamespace(device=torch.device("cpu"), amp=train_utils.autocast(torch.device("cpu")))
+    g = torch.Generator().manual_seed(1)
+    words = ["a red cube", "the small red metal cube changed to blue", "no change", "a ball", "the cylinder moved"]
+    batches = [(torch.randn(5, 3, 32, 32, generator=g), torch.randn(5, 3, 32, 32, generator=g),
+                tokenize(words[i:] + words[:i])) for i in range(n)]
+    loss_fn = lambda batch: (adapt.contrastive_loss(*net(*batch)), len(batch[0]))
+    if graphed:
+        step = train_utils.GraphedStep(ctx, net, loss_fn, optimizer, scheduler, params)
+    else:
+        step = lambda batch: train_utils.train_step(ctx, net, batch, loss_fn, optimizer, scheduler, params)
+    losses = [float(step(b)[0]) for b in batches]
+    return losses, model.state_dict(), [float(group["lr"]) for group in optimizer.param_groups]
+
+
+def test_graphed_step_is_train_step():
+    """GraphedStep (adapt.py --cuda-graphs) on a CPU, where nothing is captured: over 5 steps the losses, weights and
+    learning rates of train_step (fp32; its fused AdamW against the default one: equal to float tolerance), with
+    its learning rates held as tensors that the schedule fills in place. The capture itself needs a GPU (the
+    cuda group)."""
+    (l1, w1, lr1), (l2, w2, lr2) = _steps(False), _steps(True)
+    assert l1 == pytest.approx(l2, rel=1e-5) and l1[0] != l1[-1]
+    assert lr1 == pytest.approx(lr2, rel=1e-6) and len(set(lr1)) == 2
+    torch.manual_seed(0)
+    assert not torch.equal(w1["visual.proj"], M.CLIP(TINY).state_dict()["visual.proj"])  # the steps moved it
+    for k in w1:  # Adam's step on a near-zero gradient magnifies the two kernels' rounding: 1 % of a 1e-3 step
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-5, msg=k)
+
+
+@pytest.mark.slow
+def test_cuda_graphs_flag_trains_as_eager(adapt_synth, tmp_path, monkeypatch):
+    """adapt.py --cuda-graphs through main on a CPU (every step through GraphedStep: static caption length, the
+    fused capturable AdamW, the learning rates as tensors; no capture): the epoch's loss and the adapted weights of
+    a run without it, to float tolerance."""
+    argv = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "1"]
+    adapt.main(argv + ["--out", str(tmp_path / "eager.pt")])
+    calls, real = [], train_utils.GraphedStep.__call__
+    monkeypatch.setattr(train_utils.GraphedStep, "__call__", lambda self, b: calls.append(1) or real(self, b))
+    adapt.main(argv + ["--out", str(tmp_path / "graphs.pt"), "--cuda-graphs"])
+    assert len(calls) == torch.load(tmp_path / "graphs.last.pt", weights_only=False)["step"] > 0
+    (a, b), (la, lb) = ((torch.load(tmp_path / f"{n}.pt", weights_only=False)["model"] for n in ("eager", "graphs")),
+                        (torch.load(tmp_path / f"{n}.last.pt", weights_only=False)["history"][0]["loss"]
+                         for n in ("eager", "graphs")))
+    assert la == pytest.approx(lb, rel=1e-5)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-5, rtol=1e-5, msg=k)
+    groups = [torch.load(tmp_path / f"{n}.last.pt", weights_only=False)["optimizer"]["param_groups"]
+              for n in ("eager", "graphs")]
+    assert not any(g["capturable"] or isinstance(g["lr"], torch.Tensor) for g in groups[0])
+    assert all(g["capturable"] and g["fused"] and isinstance(g["lr"], torch.Tensor) for g in groups[1])  # GraphedStep
+
+
 def test_train_epoch_stops_on_nan():
     model = torch.nn.Linear(2, 1)
     opt = train_utils.make_optimizer([{"params": list(model.parameters()), "lr": 0.1}], "cpu")
@@ -3361,6 +3424,21 @@ def test_cuda_torchrun_one_process_with_compile(gpu, adapt_synth, tmp_path):
         pytest.fail("torchrun adapt.py --compile did not finish in 240 s")
     assert proc.returncode == 0 and "done in" in log, log[-3000:]
     assert_cpu_checkpoints(out)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_cuda_graphs_capture_the_step(gpu, adapt_synth, tmp_path, capsys):
+    """adapt.py --cuda-graphs on the GPU: the step is captured once and replayed, and the epoch's loss is eager's to
+    bf16 tolerance (2 %); its checkpoint holds CPU tensors."""
+    argv = TINY_ADAPT + [*gpu, "--data-root", str(adapt_synth), "--epochs", "1"]
+    adapt.main(argv + ["--out", str(tmp_path / "eager.pt")])
+    adapt.main(argv + ["--out", str(tmp_path / "graphs.pt"), "--cuda-graphs"])
+    assert capsys.readouterr().out.count("captured as one CUDA graph") == 1
+    la, lb = (torch.load(tmp_path / f"{n}.last.pt", weights_only=False)["history"][0]["loss"]
+              for n in ("eager", "graphs"))
+    assert lb == pytest.approx(la, rel=0.02)
+    assert_cpu_checkpoints(tmp_path / "graphs.pt")
 
 
 def _nccl_worker(rank, world):

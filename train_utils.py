@@ -286,10 +286,12 @@ def policy_table(named_params, rule):
     return "\n".join(f"   {group:<40} {rate(lr):>10} {n:>12,}" for (group, lr), n in rows.items())
 
 
-def make_optimizer(groups, device):
+def make_optimizer(groups, device, capturable=False):
     """AdamW as the authors set it (betas 0.9/0.98, eps 1e-6) over `param_groups`; on CUDA the fused kernel (one
-    launch for all parameters instead of a few per tensor)."""
-    return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6, fused=torch.device(device).type == "cuda")
+    launch for all parameters instead of a few per tensor). capturable: its step can be captured in a CUDA graph
+    (GraphedStep; the fused kernel, on a CPU too)."""
+    fused = capturable or torch.device(device).type == "cuda"
+    return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6, fused=fused, capturable=capturable)
 
 
 def train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
@@ -306,6 +308,72 @@ def train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_cl
     return loss.detach(), n
 
 
+class GraphedStep:
+    """train_step captured once as a CUDA graph and replayed (adapt.py --cuda-graphs): the forward, backward,
+    gradient clip and AdamW step of a batch become one launch, where eager PyTorch launches hundreds of kernels and
+    a GPU step waits for the CPU that launches them. It needs static shapes (captions padded to their full length),
+    one process, and an optimizer made with capturable=True; its learning rates become tensors on the device,
+    which the schedule fills in place between replays. The first batch warms up on a side stream and is captured;
+    what the warm-up changed (weights, AdamW's moments and steps) is put back first, so the run trains as eager
+    would. A batch of other shapes (a last, smaller one) runs eagerly. On a CPU nothing is captured: the same
+    step runs as it is (the tests compare it with train_step)."""
+
+    def __init__(self, ctx, model, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
+        self.ctx, self.model, self.loss_fn, self.params, self.grad_clip = ctx, model, loss_fn, params, grad_clip
+        self.optimizer, self.scheduler, self.graph = optimizer, scheduler, None
+        for g in optimizer.param_groups:  # read by the graph from this address; the schedule fills it in place
+            g["lr"] = torch.tensor(float(g["lr"]), device=ctx.device)
+
+    def body(self, batch):
+        with self.ctx.amp:
+            loss, n = self.loss_fn(batch)
+        loss.backward()
+        if self.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        self.optimizer.step()
+        return loss.detach(), n
+
+    def __call__(self, batch):
+        if self.ctx.device.type == "cuda" and self.graph is None:
+            self.capture(batch)
+        if self.graph is not None and [t.shape for t in batch] == [t.shape for t in self.static]:
+            for static, t in zip(self.static, batch):
+                static.copy_(t, non_blocking=True)
+            self.graph.replay()
+            out = self.out
+        else:  # eagerly, into the gradients the graph owns (zeroed in place, not reallocated)
+            self.optimizer.zero_grad(set_to_none=self.graph is None)
+            out = self.body(batch)
+        self.scheduler.step()
+        return out
+
+    def capture(self, batch):
+        self.static = [t.to(self.ctx.device, non_blocking=True).clone() for t in batch]
+        weights = [p.detach().clone() for p in self.params]
+        state = {p: {k: v.clone() for k, v in s.items()} for p, s in self.optimizer.state.items()}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # allocations, cuBLAS workspaces and AdamW's state, before capture
+            for _ in range(3):
+                self.optimizer.zero_grad(set_to_none=True)
+                self.body(self.static)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():  # the warm-up's steps undone: the weights, and AdamW's state as it was (or fresh)
+            for p, w in zip(self.params, weights):
+                p.copy_(w)
+            for p, s in self.optimizer.state.items():
+                for k, v in s.items():
+                    if p in state:
+                        v.copy_(state[p][k])
+                    else:
+                        v.zero_()
+        self.optimizer.zero_grad(set_to_none=True)  # the graph allocates the gradients it writes
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self.body(self.static)
+        log(self.ctx, f"   the training step captured as one CUDA graph, batch {[tuple(t.shape) for t in batch]}")
+
+
 @dataclass
 class Progress:
     """Where a run stands, for its progress lines: `epoch` (0-based) of `epochs`, optimizer `step` of
@@ -318,18 +386,22 @@ class Progress:
     unit: str = "pairs"
 
 
-def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, grad_clip=1.0):
+def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, grad_clip=1.0, step=None):
     """One pass over `loader` (see train_step) -> mean loss. Both stages share it rather than each writing the loop
     out: what they share is the bookkeeping, the same in both (the progress line: step, loss, lr, throughput,
     ETA; the NaN check), while what differs (the loss) comes in as `loss_fn(batch) -> (loss, n_samples)`. The
     loss is summed on the device and checked at each progress line only, so the CPU queues the next steps while
-    the GPU runs; a NaN/inf loss stops the run, naming the steps."""
+    the GPU runs; a NaN/inf loss stops the run, naming the steps. `step(batch) -> (loss, n)` replaces train_step
+    (a GraphedStep)."""
     model.train()
     t0, seen, count, checked = time.time(), 0, 0, progress.step
     total = torch.zeros((), device=ctx.device)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for batch in loader:
-        loss, n = train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip)
+        if step is not None:
+            loss, n = step(batch)
+        else:
+            loss, n = train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip)
         total += loss.float()
         progress.step += 1
         seen += n * ctx.world
@@ -342,7 +414,7 @@ def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, gra
             checked = progress.step
             rate = seen / (time.time() - t0)
             eta = (progress.total_steps - progress.step) * (time.time() - t0) / count
-            lrs = "/".join(f"{lr:.2e}" for lr in sorted({g["lr"] for g in optimizer.param_groups}, reverse=True))
+            lrs = "/".join(f"{lr:.2e}" for lr in sorted({float(g["lr"]) for g in optimizer.param_groups}, reverse=True))
             log(ctx, f"epoch {progress.epoch + 1}/{progress.epochs} step {progress.step}/{progress.total_steps} | "
                      f"loss {loss.item():.4f} | lr {lrs} | {rate:.1f} {progress.unit}/s | ETA {fmt_time(eta)}")
     return total.item() / max(1, count)
