@@ -412,7 +412,7 @@ def main(argv=None):
         before, after = clip_load.normalize(before), clip_load.normalize(after)  # uint8 -> CLIP's input, on device
         return contrastive_loss(*net(before, after, ids)), len(ids)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    graphed = GraphedStep(ctx, net, loss_fn, optimizer, scheduler, params, args.grad_clip) if args.cuda_graphs else None
+    graphed = GraphedStep(ctx, loss_fn, optimizer, scheduler, params, args.grad_clip) if args.cuda_graphs else None
 
     # training: select on val R@mean (never on test)
     t_start = time.time()

@@ -221,7 +221,7 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
             before, after, text = (t.to(device, non_blocking=True) for t in (b[0], b[1], text))
         return contrastive_loss(*net(clip_load.normalize(before), clip_load.normalize(after), text)), len(text)
     if graphs:  # a loader's batch, or the fixed one, through the captured step
-        graphed = GraphedStep(ctx, net, loss_fn, optimizer, scheduler, params, args.grad_clip)
+        graphed = GraphedStep(ctx, loss_fn, optimizer, scheduler, params, args.grad_clip)
         return model, lambda b=None: graphed(b if b is not None else (images[0], images[1], ids))[0]
     step = lambda b=None: train_step(ctx, net, b, loss_fn, optimizer, scheduler, params, args.grad_clip)[0]
     return model, step

@@ -592,14 +592,14 @@ def describe(ctx, model, rule, optimizer, args):
 
 
 def loader_for(dataset, args, ctx, shuffle=False, batch=None):
-    """Batches of `dataset` in order, or (for training) shuffled as a function of (seed, epoch) by an data.EpochSampler,
+    """Batches of `dataset` in order, or (for training) shuffled as a function of (seed, epoch) by an EpochSampler,
     each process its share under torchrun, so that a resumed run sees the same batches (call data.set_epoch(loader,
     e) before each epoch). Image-loading processes only when there are images to load."""
     share = dict(rank=ctx.rank, world=ctx.world) if shuffle else {}  # evaluation: every process sees everything
     sampler = data.EpochSampler(len(dataset), shuffle, args.seed, **share)
     workers = 0 if dataset.features is not None else args.workers
     return data.make_loader(dataset, batch or args.eval_batch_size, shuffle, workers, ctx.device, sampler=sampler,
-                       drop_last=shuffle and len(dataset) > (batch or 1))
+                            drop_last=shuffle and len(dataset) > (batch or 1))
 
 
 def loaders(model, splits, captions, args, ctx):
@@ -608,7 +608,7 @@ def loaders(model, splits, captions, args, ctx):
     once per pair, here, and the loaders give its tokens; a fine-tuned one reads the images at every step."""
     size = model.clip.cfg.image_resolution
     cache = data.open_image_cache([it for v in splits.values() for it in v], size, args.image_cache, args.cache_dir,
-                             ctx.world, ctx.rank, log=lambda m: log(ctx, m))
+                                  ctx.world, ctx.rank, log=lambda m: log(ctx, m))
     feats = {}
     if args.freeze_encoder:
         t0 = time.time()
@@ -620,8 +620,8 @@ def loaders(model, splits, captions, args, ctx):
             loader = loader_for(data.ImageDataset(items[:n], size, cache), args, ctx)
             feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
         log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
-    train = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=captions,
-                           draw=True, features=feats.get("train"))
+    train = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=captions, draw=True,
+                                features=feats.get("train"))
     return (loader_for(train, args, ctx, shuffle=True, batch=local_batch(ctx, args.batch_size)),
             *(loader_for(data.ImageDataset(splits[s], size, cache, feats.get(s)), args, ctx) for s in ("val", "test")))
 

@@ -548,10 +548,7 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
 WORD = {w: k for k, ws in SAY.items() for w in ws}  # a synonym -> its canonical word: "tiny" -> "small"
 ATTR_OF = {**{v: "color" for v in COLORS}, **{v: "material" for v in MATERIALS}, **{v: "size" for v in SIZES},
            **{v: "shape" for v in SHAPES}}  # a canonical word -> the attribute it gives
-READ_ONLY = {"add": ["the {o} has been newly placed", "the {o} has been added", "the {o} has appeared"]}  # theirs
-SPATIAL = {"behind": "behind", "in front of": "in front of", "to the left of": "to the left of",
-           "left of": "to the left of", "on the left side of": "to the left of", "to the right of": "to the right of",
-           "right of": "to the right of", "on the right side of": "to the right of"}  # the words -> RELATIONS' key
+SPATIAL = {said: rel for rel, words in CLEVR_RELATIONS_SAID.items() for said in words}  # words -> RELATIONS' key
 _REL = "|".join(sorted(map(re.escape, SPATIAL), key=len, reverse=True))
 RELATION = re.compile(rf"(?P<head>[a-z ]+?) (?:that (?:was|is) )?(?:both )?(?P<rel>{_REL}) the (?P<ref>[a-z ]+?)"
                       rf"(?: and (?P<rel2>{_REL}) the (?P<ref2>[a-z ]+))?$")
@@ -565,7 +562,8 @@ def _pattern(template):
     return re.compile(rx.replace(r"\{a\}", "an? (?P<o>[a-z ]+?)") + "$")
 
 
-PATTERNS = [(kind, _pattern(t)) for kind in CHANGES for t in TEMPLATES[kind] + READ_ONLY.get(kind, [])]
+PATTERNS = [(kind, _pattern(t)) for kind in CHANGES  # ours, then CLEVR-Change's that we do not share
+            for t in dict.fromkeys(TEMPLATES[kind] + CLEVR_TEMPLATES[kind])]
 
 
 def _attributes(phrase):

@@ -29,7 +29,8 @@ heads in both towers:
   textbook beam search, exhaustive search), and every bad value of every entry point's flags is one argparse line.
 On a GPU the cuda group adds: both stages under bf16 autocast (the mini CLIP, and a random ViT-B/32 through the
 paper preset), checkpoints written there holding CPU tensors and captioning alike on the CPU, --before/--after,
-greedy decoding in fp32, torchrun with --compile, DDP over NCCL. Speed and memory: bench.py, BENCHMARKS.md."""
+greedy decoding in fp32, torchrun with --compile, DDP over NCCL, the step captured as a CUDA graph (--cuda-graphs).
+Speed and memory: bench.py, BENCHMARKS.md."""
 
 import argparse
 import gzip
@@ -2798,7 +2799,7 @@ def _steps(graphed, n=5):
                 tokenize(words[i:] + words[:i])) for i in range(n)]
     loss_fn = lambda batch: (adapt.contrastive_loss(*net(*batch)), len(batch[0]))
     if graphed:
-        step = train_utils.GraphedStep(ctx, net, loss_fn, optimizer, scheduler, params)
+        step = train_utils.GraphedStep(ctx, loss_fn, optimizer, scheduler, params)
     else:
         step = lambda batch: train_utils.train_step(ctx, net, batch, loss_fn, optimizer, scheduler, params)
     losses = [float(step(b)[0]) for b in batches]

@@ -294,18 +294,24 @@ def make_optimizer(groups, device, capturable=False):
     return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6, fused=fused, capturable=capturable)
 
 
-def train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
-    """One optimizer step: `loss_fn(batch) -> (loss, n_samples)` under autocast, backward, clip, step. Returns
-    the loss (still on the device: reading it would make the CPU wait for the GPU) and n."""
+def update(ctx, batch, loss_fn, optimizer, params, grad_clip=1.0):
+    """`loss_fn(batch) -> (loss, n_samples)` under autocast, backward, clip, AdamW step, on gradients the caller
+    has zeroed. Returns the loss (still on the device: reading it would make the CPU wait for the GPU) and n."""
     with ctx.amp:
         loss, n = loss_fn(batch)
-    optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if grad_clip:
         torch.nn.utils.clip_grad_norm_(params, grad_clip)
     optimizer.step()
-    scheduler.step()
     return loss.detach(), n
+
+
+def train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
+    """One optimizer step (update), the gradients zeroed before and the schedule advanced after."""
+    optimizer.zero_grad(set_to_none=True)
+    out = update(ctx, batch, loss_fn, optimizer, params, grad_clip)
+    scheduler.step()
+    return out
 
 
 class GraphedStep:
@@ -318,20 +324,14 @@ class GraphedStep:
     would. A batch of other shapes (a last, smaller one) runs eagerly. On a CPU nothing is captured: the same
     step runs as it is (the tests compare it with train_step)."""
 
-    def __init__(self, ctx, model, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
-        self.ctx, self.model, self.loss_fn, self.params, self.grad_clip = ctx, model, loss_fn, params, grad_clip
+    def __init__(self, ctx, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
+        self.ctx, self.loss_fn, self.params, self.grad_clip = ctx, loss_fn, params, grad_clip
         self.optimizer, self.scheduler, self.graph = optimizer, scheduler, None
         for g in optimizer.param_groups:  # read by the graph from this address; the schedule fills it in place
             g["lr"] = torch.tensor(float(g["lr"]), device=ctx.device)
 
     def body(self, batch):
-        with self.ctx.amp:
-            loss, n = self.loss_fn(batch)
-        loss.backward()
-        if self.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
-        self.optimizer.step()
-        return loss.detach(), n
+        return update(self.ctx, batch, self.loss_fn, self.optimizer, self.params, self.grad_clip)
 
     def __call__(self, batch):
         if self.ctx.device.type == "cuda" and self.graph is None:
@@ -397,11 +397,9 @@ def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, gra
     t0, seen, count, checked = time.time(), 0, 0, progress.step
     total = torch.zeros((), device=ctx.device)
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    step = step or (lambda batch: train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip))
     for batch in loader:
-        if step is not None:
-            loss, n = step(batch)
-        else:
-            loss, n = train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip)
+        loss, n = step(batch)
         total += loss.float()
         progress.step += 1
         seen += n * ctx.world
