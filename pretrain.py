@@ -33,6 +33,7 @@ import os
 import random
 import time
 from dataclasses import asdict
+from functools import partial
 from multiprocessing import Pool
 
 import torch
@@ -62,6 +63,8 @@ def get_args(argv=None):
     p.add_argument("--root", default=ROOT, help="the pretraining scenes (rendered there on first use)")
     p.add_argument("--scenes", type=at_least(3), default=d["scenes"], help="scenes to render (3 images each)")
     p.add_argument("--render-seed", type=int, default=1, help="the scenes' seed (the quickstart's set uses 0)")
+    p.add_argument("--world", choices=list(synth.WORLDS), default="ours", help="the scenes' renderer (synth.WORLDS): "
+                   "ours, or CLEVR's object sizes, camera, lamps and colours")
     sizes = {"image-size": "input size", "patch-size": "ViT patch size", "vision-width": "image tower width "
              "(heads = width / 64)", "vision-layers": "image tower blocks", "text-width": "text tower width (heads = "
              "width / 64)", "text-layers": "text tower blocks", "embed-dim": "joint embedding size", "context-length":
@@ -124,8 +127,7 @@ def scene_images(root, split, workers=None):
     meta = json.loads((root / "synth.json").read_text())
     ids = [int(i) for i in json.loads((root / "splits.json").read_text())[split]]
     with Pool(workers or os.cpu_count()) as pool:
-        seen = pool.starmap(synth.views, [(i, meta["seed"], bool(meta.get("far_change")),
-                                           meta.get("change_jitter", 0.3), bool(meta.get("still_light"))) for i in ids])
+        seen = pool.map(partial(synth.views, **synth.scene_options(meta), size=tuple(meta["size"])), ids)
     return [(str(root / f"{name}_{i:06d}.png"), objs)
             for i, v in zip(ids, seen) for name, objs in v.items() if objs is not None]
 
@@ -371,7 +373,7 @@ def main(argv=None):
     if args.eval_only:  # the file first: a bad one says so before any scene is rendered
         model = clip_load.load_clip(args.ckpt or args.out, ctx.device)
         args.image_size, args.context_length = model.cfg.image_resolution, model.cfg.context_length
-    root = data.resolve_synth(args.root, args.scenes, args.render_seed, workers=args.workers)
+    root = data.resolve_synth(args.root, args.scenes, args.render_seed, workers=args.workers, world=args.world)
     log(ctx, f"== pretrain.py: a small CLIP pretrained on single synthetic scenes, on {where(ctx)} ==")
     log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
     train = scene_images(root, "train", args.workers)

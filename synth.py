@@ -38,27 +38,61 @@ SHAPES = ("cube", "sphere", "cylinder")
 COLORS = {"gray": (87, 87, 87), "red": (173, 35, 35), "blue": (42, 75, 215), "green": (29, 105, 20),
           "brown": (129, 74, 25), "purple": (129, 38, 192), "cyan": (41, 208, 208), "yellow": (255, 238, 51)}  # CLEVR's
 MATERIALS = ("rubber", "metal")
-SIZES = {"small": 0.6, "large": 0.95}  # radii; CLEVR's are 0.35/0.7, ours larger so a ~96 px input still shows them
 CHANGES = ("color", "material", "move", "add", "drop")
 ATTRS = ("size", "color", "material", "shape")
-EXTENT = 2.7  # objects stand in [-EXTENT, EXTENT]^2 on the ground plane z = 0
+
+# Two worlds. "ours": objects larger than CLEVR's, so that a 96-px input shows them, under one key light, in CLEVR's
+# colours at full strength. "clevr": CLEVR's own geometry as a ray caster can follow it -- its object radii and
+# proportions (a cube's half side r / sqrt 2, a cylinder r wide and 2r tall), its floor extent, its camera (35 mm
+# lens, 11 units away, 26 degrees up, aimed at the centre) and three lamps (key, fill, back) -- and its colours as
+# CLEVR-Change's renders show them: darker, less saturated (`tone`), on a darker floor. The views differ too
+# (_scene): "clevr" jitters the camera of every image on its own, as CLEVR-Change's generator does.
+WORLDS = {
+    "ours": {"name": "ours", "sizes": {"small": 0.6, "large": 0.95}, "cube": 0.8, "cylinder": (0.8, 1.6),
+             "bound": {"cube": 1.39, "sphere": 1.0, "cylinder": 1.13},  # bounding sphere radius / r
+             "extent": 2.7,  # objects stand in [-extent, extent]^2 on the ground plane z = 0
+             "camera": (-10.5, 7.0, 0.5), "zoom": 2.25, "floor": (0.62, 0.25, 0.95, 0.5, 0.45), "tone": None},
+    "clevr": {"name": "clevr", "sizes": {"small": 0.35, "large": 0.7}, "cube": 2 ** -0.5, "cylinder": (1.0, 2.0),
+              "bound": {"cube": 1.23, "sphere": 1.0, "cylinder": 1.42}, "extent": 3.0,
+              "camera": (-10.1, 4.96, 0.0), "zoom": 35 / 16, "floor": (0.40, 0.22, 0.95, 0.41, 0.3),
+              "tone": (0.17, 0.45, 0.57)},  # a grey offset, a luminance gain, a colour gain
+}
+OURS = WORLDS["ours"]
+SIZES = OURS["sizes"]  # radius by size; the keys are the same in both worlds
+# CLEVR's lamps in our frame (the camera on -y, looking along +y): (azimuth, elevation) in degrees and strength
+CLEVR_LAMPS = ((-71, 31, 0.75), (174, 26, 0.25), (68, 63, 0.3))
 
 
-def camera(j):
+def camera(j, w=OURS):
     """Pinhole camera above and in front of the scene, looking along +y. j: 6 jitter values in about [-1, 1]
-    (position, look-at point, zoom); j = 0 is the base view. The distractor image moves them by 0.5-1."""
-    pos = np.array([0.8 * j[0], -10.5 + 0.8 * j[1], 7.0 + 0.6 * j[2]])
-    fwd = np.array([0.4 * j[3], 0.5 + 0.4 * j[4], 0.0]) - pos
-    fwd /= np.linalg.norm(fwd)
+    (position, look-at point, zoom); j = 0 is the base view. In our world the distractor image moves them by
+    0.5-1; CLEVR's generator moves only the position, by up to 1 unit on each axis (j[:3])."""
+    back, up, ahead = w["camera"]
+    if w["name"] == "ours":
+        pos = np.array([0.8 * j[0], back + 0.8 * j[1], up + 0.6 * j[2]])
+        at, zoom = np.array([0.4 * j[3], ahead + 0.4 * j[4], 0.0]), w["zoom"] * (1 + 0.07 * j[5])
+    else:
+        pos, at, zoom = np.array([j[0], back + j[1], up + j[2]]), np.array([0.0, ahead, 0.0]), w["zoom"]
+    fwd = (at - pos) / np.linalg.norm(at - pos)
     right = np.cross(fwd, [0.0, 0.0, 1.0])
     right /= np.linalg.norm(right)
-    return {"pos": pos, "fwd": fwd, "right": right, "up": np.cross(right, fwd), "zoom": 2.25 * (1 + 0.07 * j[5])}
+    return {"pos": pos, "fwd": fwd, "right": right, "up": np.cross(right, fwd), "zoom": zoom}
 
 
-def light(j):
-    """Key light from the front left, as a direction towards it; j: 3 jitters (azimuth, elevation, power)."""
-    az, el = np.radians(-125 + 35 * j[0]), np.radians(50 + 12 * j[1])
-    return {"dir": np.array([np.cos(az) * np.cos(el), np.sin(az) * np.cos(el), np.sin(el)]), "power": 1 + 0.2 * j[2]}
+def _towards(az, el):
+    az, el = np.radians(az), np.radians(el)
+    return np.array([np.cos(az) * np.cos(el), np.sin(az) * np.cos(el), np.sin(el)])
+
+
+def light(j, w=OURS):
+    """The lamps, as directions towards them with their strengths: {"dir": the key light's (it casts the
+    shadows), "power", "lamps": [(dir, strength)]}. j: 3 jitters (azimuth, elevation, power). Our world has one key
+    light from the front left; CLEVR's has its key light front right, a fill from the left and a back light."""
+    if w["name"] == "ours":
+        d = _towards(-125 + 35 * j[0], 50 + 12 * j[1])
+        return {"dir": d, "power": 1 + 0.2 * j[2], "lamps": [(d, 0.75)]}
+    lamps = [(_towards(az + 10 * j[0], el + 5 * j[1]), s) for az, el, s in CLEVR_LAMPS]
+    return {"dir": lamps[0][0], "power": 1 + 0.1 * j[2], "lamps": lamps}
 
 
 def project(cam, p, w, h):
@@ -67,21 +101,27 @@ def project(cam, p, w, h):
     return w / 2 + f * (d @ cam["right"]) / z, h / 2 - f * (d @ cam["up"]) / z, f / z  # u, v, pixels per unit
 
 
-def geometry(o):
+def dims(o, w=OURS):
+    """(radius, a cube's half side, a cylinder's radius and height) of an object in world w."""
+    r = w["sizes"][o["size"]]
+    return r, w["cube"] * r, w["cylinder"][0] * r, w["cylinder"][1] * r
+
+
+def geometry(o, w=OURS):
     """(centre of the bounding sphere, its radius) for an object dict."""
-    r = SIZES[o["size"]]
-    hz = {"cube": 0.8 * r, "sphere": r, "cylinder": 0.8 * r}[o["shape"]]
-    return np.array([o["x"], o["y"], hz]), r * {"cube": 1.39, "sphere": 1.0, "cylinder": 1.13}[o["shape"]]
+    r, s, _, hgt = dims(o, w)
+    hz = {"cube": s, "sphere": r, "cylinder": hgt / 2}[o["shape"]]
+    return np.array([o["x"], o["y"], hz]), r * w["bound"][o["shape"]]
 
 
-def visibility(objs, cam, w=60, h=40):
+def visibility(objs, cam, wo=OURS, w=60, h=40):
     """Fraction of each object's disc not hidden by nearer ones, on a coarse grid (CLEVR rejects scenes where an
     object is mostly occluded; we do too, so every object a caption names can be seen)."""
     ys, xs = np.mgrid[0:h, 0:w] + 0.5
     owner, area = np.full((h, w), -1), []
-    depth = [(np.asarray(geometry(o)[0]) - cam["pos"]) @ cam["fwd"] for o in objs]
+    depth = [(np.asarray(geometry(o, wo)[0]) - cam["pos"]) @ cam["fwd"] for o in objs]
     for k in np.argsort(depth)[::-1]:  # far to near: nearer discs overwrite
-        c, r = geometry(objs[k])
+        c, r = geometry(objs[k], wo)
         u, v, s = project(cam, c, w, h)
         disc = (xs - u) ** 2 + (ys - v) ** 2 < (0.9 * r * s) ** 2
         owner[disc] = k
@@ -93,11 +133,11 @@ def visibility(objs, cam, w=60, h=40):
 # a small ray caster: spheres, rotated cubes and cylinders over a shaded floor
 
 
-def intersect(o, org, d):
+def intersect(o, org, d, w=OURS):
     """Ray-object hits: (t [n], normal [n, 3], edge [n]); t = inf where the ray misses; edge = 1 on a cube's
     edges and the rim of a cylinder's top: drawn darker on rubber, as glinting bevels on metal, so shapes and
     materials read at low resolution."""
-    r, c = SIZES[o["size"]], np.array([o["x"], o["y"], 0.0])
+    (r, s, a, hgt), c = dims(o, w), np.array([o["x"], o["y"], 0.0])
     t, edge = np.full(len(d), np.inf), np.zeros(len(d))
     n = np.zeros_like(d)
     if o["shape"] == "sphere":
@@ -108,8 +148,8 @@ def intersect(o, org, d):
         t[hit] = -b[hit] - np.sqrt(disc[hit])
         n = (org + t[:, None] * d - c - [0, 0, r]) / r
     elif o["shape"] == "cube":  # slabs in the cube's own frame (rotated about z)
-        s, a = 0.8 * r, np.radians(o["rot"])
-        rot = np.array([[np.cos(a), np.sin(a), 0], [-np.sin(a), np.cos(a), 0], [0, 0, 1]])
+        turn = np.radians(o["rot"])
+        rot = np.array([[np.cos(turn), np.sin(turn), 0], [-np.sin(turn), np.cos(turn), 0], [0, 0, 1]])
         lo, ld = rot @ (org - c - [0, 0, s]), d @ rot.T
         ld = np.where(np.abs(ld) < 1e-9, 1e-9, ld)
         t1, t2 = (-s - lo) / ld, (s - lo) / ld
@@ -123,7 +163,6 @@ def intersect(o, org, d):
         q = np.sort(np.abs(lo + tn[:, None] * ld), axis=1)[:, 1]  # 2nd largest local coordinate: 1 on an edge
         edge = np.clip((q / s - 0.9) / 0.1, 0, 1)
     else:  # vertical cylinder: side, then the top cap
-        a, hgt = 0.8 * r, 1.6 * r
         oc = org[:2] - c[:2]
         qa, qb, qc = (d[:, :2] ** 2).sum(1), 2 * d[:, :2] @ oc, oc @ oc - a * a
         disc = qb * qb - 4 * qa * qc
@@ -147,11 +186,12 @@ def shade(o, p, n, d, lt):
     the floor below it (dark at the object's foot, lighter further out) -- and a sharp white highlight."""
     albedo = np.array(COLORS[o["color"]]) / 255
     ndl = np.clip(n @ lt["dir"], 0, 1)[:, None]
+    lit = sum(strength * np.clip(n @ towards, 0, 1) for towards, strength in lt["lamps"])[:, None]
     half = lt["dir"] - d
     half /= np.linalg.norm(half, axis=1, keepdims=True)
     ndh = np.clip((n * half).sum(1), 0, 1)[:, None]
     if o["material"] == "rubber":
-        return albedo * (0.3 + 0.75 * ndl * lt["power"]) + 0.04 * ndh ** 4
+        return albedo * (0.3 + lit * lt["power"]) + 0.04 * ndh ** 4
     refl = d - 2 * (d * n).sum(1, keepdims=True) * n
     rz = refl[:, 2:]
     reach = p[:, 2:] / np.maximum(-rz, 1e-3)  # how far the mirrored ray runs before it meets the floor
@@ -177,41 +217,53 @@ def rays(cam, w, h, box=np.s_[:, :]):
     return d / np.sqrt(np.einsum("hwc,hwc->hw", d, d))[..., None]
 
 
-def floor(objs, cam, lt, w, h):
+def tone(rgb, w):
+    """CLEVR-Change's renders show CLEVR's colours darker and less saturated than their RGB values (Blender's
+    view transform): a grey offset plus the luminance and the colour around it, each scaled (w["tone"], fitted to
+    the rubber objects' centre colours of the development set, eight colours, three numbers)."""
+    if w["tone"] is None:
+        return rgb
+    grey, gain, colour = w["tone"]
+    luma = rgb @ np.array([0.299, 0.587, 0.114])
+    return grey + gain * luma[:, None] + colour * (rgb - luma[:, None])
+
+
+def floor(objs, cam, lt, w, h, wo=OURS):
     """Floor brightness (h, w): a broad light pool, soft shadows, fading into the backdrop far away, like CLEVR's.
     It is smooth, so it is computed at half resolution and upsampled."""
     w2, h2 = (w + 1) // 2, (h + 1) // 2
     d, org = rays(cam, w2, h2), cam["pos"].astype(np.float32)
     t = np.where(d[..., 2] < 0, -org[2] / np.minimum(d[..., 2], -1e-9), np.float32(1e9))  # ray meets z = 0
     p = org[:2] + np.minimum(t, 60)[..., None] * d[..., :2]  # (h2, w2, 2) floor point
-    g = 0.62 + 0.25 * np.exp(-((p[..., 0] + 2) ** 2 + (p[..., 1] + 1) ** 2) / np.float32(40))
+    base, pool, power, horizon, shadow = wo["floor"]  # brightness, light pool, gain, far grey, shadow depth
+    g = base + pool * np.exp(-((p[..., 0] + 2) ** 2 + (p[..., 1] + 1) ** 2) / np.float32(40))
     for o in objs:  # soft shadow: a disc on the floor between the object's foot and its cast point
-        c, r = geometry(o)
+        c, r = geometry(o, wo)
         tip = c[:2] - c[2] * lt["dir"][:2] / lt["dir"][2]
         mid, reach = (c[:2] + tip) / 2, r + 0.5 * np.linalg.norm(tip - c[:2])
         box = _box(cam, [(mid[0] + a * (reach + r), mid[1] + b * (reach + r), 0) for a in (-1, 1) for b in (-1, 1)],
                    w2, h2)
         dist = np.sqrt(((p[box] - mid) ** 2).sum(-1))
-        g[box] *= 1 - 0.45 * np.clip((reach - dist) / (0.5 * r), 0, 1)
+        g[box] *= 1 - shadow * np.clip((reach - dist) / (0.5 * r), 0, 1)
     fog = np.exp(-np.maximum(t - 12, 0) / np.float32(10))
-    g = g * lt["power"] * 0.95 * fog + 0.5 * (1 - fog)
+    g = g * lt["power"] * power * fog + horizon * (1 - fog)
     return np.asarray(Image.fromarray(g.astype(np.float32), "F").resize((w, h), Image.BILINEAR))
 
 
-def render(objs, cam, lt, w, h):
+def render(objs, cam, lt, w, h, wo=OURS):
     """Ray-cast objects over the floor -> uint8 [h, w, 3]. Only rays near an object are tested against it."""
-    img = np.repeat(floor(objs, cam, lt, w, h)[..., None], 3, axis=-1)
+    img = np.repeat(floor(objs, cam, lt, w, h, wo)[..., None], 3, axis=-1)
     depth, org = np.full((h, w), np.inf, dtype=np.float32), cam["pos"].astype(np.float32)
     for o in objs:  # nothing is below the floor, so only objects compete for depth
-        c, rb = geometry(o)
+        c, rb = geometry(o, wo)
         box = _box(cam, [c + [a * rb, 0, b * rb] for a in (-1.2, 1.2) for b in (-1.2, 1.2)], w, h)
         d = rays(cam, w, h, box).reshape(-1, 3)
-        to, no, edge = intersect(o, org, d)
+        to, no, edge = intersect(o, org, d, wo)
         front = to < depth[box].ravel()
         to, no, edge, d = to[front], no[front], edge[front], d[front]
         m = front.reshape(depth[box].shape)
         depth[box][m] = to  # depth[box] is a view: this writes through
-        rgb = shade(o, org + to[:, None] * d, no, d, lt)
+        rgb = tone(shade(o, org + to[:, None] * d, no, d, lt), wo)
         img[box][m] = rgb + 0.4 * edge[:, None] if o["material"] == "metal" else rgb * (1 - 0.35 * edge[:, None])
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
 
@@ -220,44 +272,44 @@ def render(objs, cam, lt, w, h):
 # scene generation: random objects, one change, everything visible
 
 
-def new_object(rng, objs):
+def new_object(rng, objs, w=OURS):
     """A random object on free floor whose (size, color, material, shape) no other object has, so the full
     description always names exactly one object. None when the floor is too crowded."""
     taken = {tuple(o[k] for k in ATTRS) for o in objs}
     for _ in range(50):
         o = {"size": rng.choice(list(SIZES)), "color": rng.choice(list(COLORS)), "material": rng.choice(MATERIALS),
-             "shape": rng.choice(SHAPES), "x": rng.uniform(-EXTENT, EXTENT), "y": rng.uniform(-EXTENT, EXTENT),
-             "rot": rng.uniform(0, 90)}
-        if tuple(o[k] for k in ATTRS) not in taken and all(_apart(o, p) for p in objs):
+             "shape": rng.choice(SHAPES), "x": rng.uniform(-w["extent"], w["extent"]),
+             "y": rng.uniform(-w["extent"], w["extent"]), "rot": rng.uniform(0, 90)}
+        if tuple(o[k] for k in ATTRS) not in taken and all(_apart(o, p, w) for p in objs):
             return o
     return None
 
 
-def _apart(o, p, gap=0.25):
-    return np.hypot(o["x"] - p["x"], o["y"] - p["y"]) > 1.15 * (SIZES[o["size"]] + SIZES[p["size"]]) + gap
+def _apart(o, p, w=OURS, gap=0.25):
+    return np.hypot(o["x"] - p["x"], o["y"] - p["y"]) > 1.15 * (w["sizes"][o["size"]] + w["sizes"][p["size"]]) + gap
 
 
-def _in_frame(o, cam, margin=0.05):
+def _in_frame(o, cam, w=OURS, margin=0.05):
     """The object's bounding circle lies inside the 3:2 frame, away from its border."""
-    c, rad = geometry(o)
+    c, rad = geometry(o, w)
     u, v, s = project(cam, c, 1.5, 1.0)  # in image heights: the frame is [0, 1.5] x [0, 1]
     r = rad * s
     return 1.5 * margin < u - r and u + r < 1.5 * (1 - margin) and margin < v - r and v + r < 1 - margin
 
 
-def make_scene(rng, kind):
+def make_scene(rng, kind, w=OURS):
     """(before objects, after objects, index of the changed object in before -- in after for "add")."""
     lo, hi = {"add": (3, 6), "drop": (4, 7)}.get(kind, (3, 7))  # 3-7 objects in both images
-    cam = camera(np.zeros(6))
+    cam, extent = camera(np.zeros(6), w), w["extent"]
     while True:
         before, n = [], rng.randint(lo, hi)
-        while len(before) < n and (o := new_object(rng, before)):
+        while len(before) < n and (o := new_object(rng, before, w)):
             before.append(o)
         if len(before) < n:
             continue
         after, k = [dict(o) for o in before], rng.randrange(len(before))
         if kind == "add":
-            after.append(new_object(rng, before))
+            after.append(new_object(rng, before, w))
             k = len(after) - 1
         elif kind == "drop":
             del after[k]
@@ -266,15 +318,15 @@ def make_scene(rng, kind):
         elif kind == "material":
             after[k]["material"] = "metal" if before[k]["material"] == "rubber" else "rubber"
         elif kind == "move":  # to free floor at least 2 units away
-            after[k] = {**before[k], "x": rng.uniform(-EXTENT, EXTENT), "y": rng.uniform(-EXTENT, EXTENT)}
+            after[k] = {**before[k], "x": rng.uniform(-extent, extent), "y": rng.uniform(-extent, extent)}
             if np.hypot(after[k]["x"] - before[k]["x"], after[k]["y"] - before[k]["y"]) < 2 or \
-                    not all(_apart(after[k], p) for p in before if p is not before[k]):
+                    not all(_apart(after[k], p, w) for p in before if p is not before[k]):
                 continue
         if None in after or len({tuple(o[a] for a in ATTRS) for o in after}) < len(after):
             continue
-        if not all(_in_frame(o, cam) for o in before + after):
+        if not all(_in_frame(o, cam, w) for o in before + after):
             continue
-        vb, va = visibility(before, cam), visibility(after, cam)
+        vb, va = visibility(before, cam, w), visibility(after, cam, w)
         if min(vb.values()) < 0.4 or min(va.values()) < 0.4:  # every object can be seen, at least in part
             continue
         if (kind != "add" and vb[k] < 0.8) or (kind != "drop" and va[k] < 0.8):  # the changed one clearly so
@@ -434,18 +486,21 @@ def hard_negative(rng, objs):
             return out
 
 
-def views(i, seed, far_change=False, change_jitter=0.3, still_light=False):
+def views(i, seed, far_change=False, change_jitter=0.3, still_light=False, world="ours", size=IMAGE_SIZE):
     """Scene i of a set `make` wrote: each image's objects as a viewer sees them, {image name: [(object, (u, v))]}
-    with (u, v) the object's centre as fractions of the image's width and height, or None for an image in which
-    an object is cut by the frame or hidden (its description would name what cannot be seen)."""
+    with (u, v) the object's centre as fractions of the image's width and height (`size`, as rendered: the focal
+    length is in widths, so the height's fraction depends on the aspect), or None for an image in which an object
+    is cut by the frame or hidden (its description would name what cannot be seen)."""
     out = {}
-    for name, (objs, jc, _) in _scene(i, seed, far_change, change_jitter, still_light)[5].items():
-        cam = camera(jc)
-        seen = visibility(objs, cam)
-        if min(seen.values()) < 0.4 or not all(_in_frame(o, cam) for o in objs):
+    w = WORLDS[world]
+    for name, (objs, jc, _) in _scene(i, seed, far_change, change_jitter, still_light, world)[5].items():
+        cam = camera(jc, w)
+        seen = visibility(objs, cam, w)
+        if min(seen.values()) < 0.4 or not all(_in_frame(o, cam, w) for o in objs):
             out[name] = None
             continue
-        out[name] = [(o, tuple(float(t) for t in project(cam, geometry(o)[0], 1.0, 1.0)[:2])) for o in objs]
+        at = lambda o: project(cam, geometry(o, w)[0], *size)[:2]
+        out[name] = [(o, (float(at(o)[0] / size[0]), float(at(o)[1] / size[1]))) for o in objs]
     return out
 
 
@@ -453,15 +508,23 @@ def views(i, seed, far_change=False, change_jitter=0.3, still_light=False):
 # the set on disk
 
 
-def _scene(i, seed, far_change=False, change_jitter=0.3, still_light=False):
+def _scene(i, seed, far_change=False, change_jitter=0.3, still_light=False, world="ours"):
     """Scene i's random draws, in order -> (its random stream, change type, objects before and after, the changed
     object's index, the three views {image name: (objects, camera jitter, light jitter)}). The distractor moves the
     camera and the light by 0.5-1 (in jitter units); the change image moves the camera by 0-0.3 only, or, with
     far_change, as much as the distractor, so only the objects tell the two apart. still_light: the lights stay
-    as they are in all three images (as CLEVR-Change's generator leaves them)."""
+    as they are in all three images (as CLEVR-Change's generator leaves them). In CLEVR's world (`world` "clevr")
+    each image's camera is jittered on its own, by up to 1 unit on each axis, and the lamps stay still, as
+    CLEVR-Change's generator does: the three views are equally far apart."""
     rng = random.Random(f"clevr-synth-{seed}-{i}")  # one stream per scene: any worker split gives the same set
     kind = rng.choice(CHANGES)
-    before, after, k = make_scene(rng, kind)
+    before, after, k = make_scene(rng, kind, WORLDS[world])
+    if world == "clevr":
+        jl = [rng.uniform(-1, 1) for _ in range(3)]
+        view = lambda objs: (objs, [rng.uniform(-1, 1) for _ in range(3)] + [0.0] * 3, jl)
+        return rng, kind, before, after, k, {"images/CLEVR_default": view(before),
+                                             "sc_images/CLEVR_semantic": view(after),
+                                             "nsc_images/CLEVR_nonsemantic": view(before)}
     jc, jl = [rng.uniform(-0.5, 0.5) for _ in range(6)], [rng.uniform(-0.3, 0.3) for _ in range(3)]
     shift = lambda js, lo, hi: [a + rng.choice((-1, 1)) * rng.uniform(lo, hi) for a in js]
     changed = (after, shift(jc, 0.5, 1), shift(jl, 0.5, 1)) if far_change else (after, shift(jc, 0, change_jitter), jl)
@@ -472,12 +535,15 @@ def _scene(i, seed, far_change=False, change_jitter=0.3, still_light=False):
     return rng, kind, before, after, k, views
 
 
-def _make_triple(i, out, seed, size, far_change=False, change_jitter=0.3, still_light=False, caption_style="ours"):
+def _make_triple(i, out, seed, size, far_change=False, change_jitter=0.3, still_light=False, caption_style="ours",
+                 world="ours"):
     """Scene i -> default, semantic-change and non-semantic images on disk; returns its type, change captions,
     no-change captions and scene record (the objects before and after, the changed one's index)."""
-    rng, kind, before, after, k, views = _scene(i, seed, far_change, change_jitter, still_light)
+    rng, kind, before, after, k, views = _scene(i, seed, far_change, change_jitter, still_light, world)
+    w = WORLDS[world]
     for name, (objs, j1, j2) in views.items():
-        Image.fromarray(render(objs, camera(j1), light(j2), *size)).save(f"{out}/{name}_{i:06d}.png", compress_level=1)
+        Image.fromarray(render(objs, camera(j1, w), light(j2, w), *size, w)).save(f"{out}/{name}_{i:06d}.png",
+                                                                                  compress_level=1)
     scene = {"type": kind, "before": before, "after": after, "changed": k}
     return kind, captions(rng, kind, before, after, k, style=caption_style), rng.sample(NO_CHANGE, 6), scene
 
@@ -487,9 +553,8 @@ def changed_region(root, scene_id):
     each box (left, top, right, bottom) as fractions of the image's width and height (the object's bounding disc),
     or None where it is absent (before an "add", after a "drop")."""
     meta = json.loads((Path(root) / "synth.json").read_text())
-    _, kind, before, after, k, views = _scene(int(scene_id), meta["seed"], bool(meta.get("far_change")),
-                                              meta.get("change_jitter", 0.3), bool(meta.get("still_light")))
-    w, h = meta["size"]
+    _, kind, before, after, k, views = _scene(int(scene_id), **scene_options(meta))
+    wo, (w, h) = WORLDS[meta.get("world", "ours")], meta["size"]
     out = {}
     for side, name, present in (("before", "images/CLEVR_default", kind != "add"),
                                 ("after", "sc_images/CLEVR_semantic", kind != "drop")):
@@ -497,16 +562,25 @@ def changed_region(root, scene_id):
         if not present:
             out[side] = None
             continue
-        c, r = geometry(objs[k])
-        u, v, s = project(camera(jc), c, w, h)
+        c, r = geometry(objs[k], wo)
+        u, v, s = project(camera(jc, wo), c, w, h)
         out[side] = ((u - r * s) / w, (v - r * s) / h, (u + r * s) / w, (v + r * s) / h)
     return out
 
 
+def scene_options(meta):
+    """A set's synth.json -> the arguments of _scene and views that remake its scenes."""
+    return {"seed": meta["seed"], "far_change": bool(meta.get("far_change")),
+            "change_jitter": meta.get("change_jitter", 0.3), "still_light": bool(meta.get("still_light")),
+            "world": meta.get("world", "ours")}
+
+
 def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None, far_change=False,
-               change_jitter=0.3, still_light=False, caption_style="ours"):
+               change_jitter=0.3, still_light=False, caption_style="ours", world="ours"):
     """Write a synthetic CLEVR-Change (images/, sc_images/, nsc_images/, the caption, split and type files) and
-    scenes.json ({"%06d": {"type", "before": [objects], "after": [objects], "changed": index}})."""
+    scenes.json ({"%06d": {"type", "before": [objects], "after": [objects], "changed": index}}). world "clevr":
+    CLEVR's geometry, lamps, colours and views (WORLDS, _scene), and CLEVR-Change's caption style."""
+    caption_style = "clevr" if world == "clevr" else caption_style
     out = Path(out)
     for d in ("images", "sc_images", "nsc_images"):
         (out / d).mkdir(parents=True, exist_ok=True)
@@ -514,7 +588,8 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
     t0 = time.time()
     with Pool(workers or os.cpu_count()) as pool:
         scene = partial(_make_triple, out=str(out), seed=seed, size=tuple(size), far_change=far_change,
-                        change_jitter=change_jitter, still_light=still_light, caption_style=caption_style)
+                        change_jitter=change_jitter, still_light=still_light, caption_style=caption_style,
+                        world=world)
         made = pool.map(scene, range(pairs), chunksize=8)
     name = lambda i: f"CLEVR_default_{i:06d}.png"
     types = {t: [f"{i:06d}.png" for i, m in enumerate(made) if m[0] == t] for t in CHANGES}
@@ -524,7 +599,8 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
             **({"far_change": 1} if far_change else {}),
             **({"change_jitter": change_jitter} if change_jitter != 0.3 else {}),
             **({"still_light": 1} if still_light else {}),
-            **({"caption_style": caption_style} if caption_style != "ours" else {})}
+            **({"caption_style": caption_style} if caption_style != "ours" else {}),
+            **({"world": world} if world != "ours" else {})}
     files = {"change_captions.json": {name(i): m[1] for i, m in enumerate(made)},
              "no_change_captions.json": {name(i): m[2] for i, m in enumerate(made)}, "type_mapping.json": types,
              "splits.json": {"train": order[n_val + n_test:], "val": order[:n_val],
@@ -738,6 +814,9 @@ if __name__ == "__main__":
                    help="most camera move of the change image, in jitter units (the distractor's is 0.5-1)")
     m.add_argument("--still-light", action="store_true",
                    help="the lights the same in all three images, as CLEVR-Change's generator leaves them")
+    m.add_argument("--world", choices=list(WORLDS), default="ours",
+                   help="clevr: CLEVR's object sizes, camera, lamps and colours, every image's camera jittered on its "
+                        "own (as CLEVR-Change's generator), and CLEVR-Change's caption style")
     m.add_argument("--caption-style", choices=["ours", "clevr"], default="ours",
                    help="clevr: CLEVR-Change's change phrases and referring expressions (its relation words, \"the "
                         "other X that is the same colour as the Y\")")
@@ -763,7 +842,7 @@ if __name__ == "__main__":
             p.error(f"argument {flag}: {getattr(args, flag[2:].replace('-', '_'))}: expected {allowed}")
     if args.cmd == "make":
         make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change, args.change_jitter,
-                   args.still_light, args.caption_style)
+                   args.still_light, args.caption_style, args.world)
     else:  # drawn by the pictures module, from the files `make` wrote
         import plots
         plots.contact_sheet(args.root, args.out, args.n, args.size, args.split, args.seed)

@@ -1436,6 +1436,39 @@ def test_synth_still_light_keeps_the_lights_and_the_draws():
         assert moving["nsc_images/CLEVR_nonsemantic"][2] != lights[0]  # without it the distractor's light moves
 
 
+def test_synth_clevr_world(synth_set, tmp_path):
+    """synth.py make --world clevr: CLEVR's object sizes (drawn smaller than ours), its colours darker and greyer,
+    every image's camera jittered on its own (at most 1 unit an axis) under the same lamps, CLEVR-Change's
+    captions read back right, and each object a viewer sees (views, what pretrain.py probes) drawn where views
+    says."""
+    root = synth.make_synth(tmp_path / "clevr", pairs=20, seed=0, size=SIZE, workers=1, world="clevr")
+    meta = json.loads((root / "synth.json").read_text())
+    assert meta["world"] == "clevr" and meta["caption_style"] == "clevr"
+    scenes, change = synth.read_scenes(root), json.loads((root / "change_captions.json").read_text())
+    assert all(synth.judge(c, scenes[i]) == {"change": True, "type": True, "object": True}
+               for i in scenes for c in change[f"CLEVR_default_{i}.png"])
+    area = lambda r: np.mean([(b[2] - b[0]) * (b[3] - b[1]) for i in scenes
+                              for b in synth.changed_region(r, i).values() if b])
+    assert area(root) < 0.7 * area(synth_set)  # about 0.55: radii 0.35 / 0.7 against 0.6 / 0.95
+    w, picture = synth.WORLDS["clevr"], lambda r, i: np.asarray(Image.open(r / f"images/CLEVR_default_{i:06d}.png"))
+    pixels = lambda r: np.concatenate([picture(r, i).reshape(-1, 3) for i in range(20)]).astype(float)
+    saturation = lambda p: (p.max(1) - p.min(1)).mean()
+    assert saturation(pixels(root)) < 0.7 * saturation(pixels(synth_set)) and pixels(root).mean() < pixels(
+        synth_set).mean()
+    for i in range(4):
+        _, _, before, after, _, views = synth._scene(i, 0, world="clevr")
+        cams, lights = [v[1] for v in views.values()], [v[2] for v in views.values()]
+        assert len({tuple(c) for c in cams}) == 3 and all(max(map(abs, c)) <= 1 and c[3:] == [0, 0, 0] for c in cams)
+        assert lights[0] == lights[1] == lights[2]
+        seen = synth.views(i, 0, world="clevr", size=SIZE)["images/CLEVR_default"]
+        draw = synth.render(before, synth.camera(cams[0], w), synth.light(lights[0], w), *SIZE, w)
+        assert np.array_equal(draw, picture(root, i))
+        cam = synth.camera(cams[0], w)
+        for o, (u, v) in seen or []:  # the ray through the pixel where views says an object is meets the object
+            ray = synth.rays(cam, *SIZE)[int(v * SIZE[1]), int(u * SIZE[0])]
+            assert np.isfinite(synth.intersect(o, cam["pos"], ray[None], w)[0][0])
+
+
 def test_synth_changes_are_what_the_type_says():
     for kind in synth.CHANGES:
         for s in range(10):
