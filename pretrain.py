@@ -4,6 +4,7 @@
     python pretrain.py --resume                       # continue a killed run exactly (mid-epoch too)
     python pretrain.py --eval-only --ckpt mini12-synth     # held-out figures of a checkpoint (the shipped one)
     python pretrain.py --export clip_mini12_synth.pt  # the run's latest weights as the shipped fp16 file
+    python pretrain.py --world clevr --samples 40000 --out clevr.pt   # scenes of CLEVR's world (20 min, 1 thread)
 
 CLIP4IDC adapts a CLIP that already sees objects: OpenAI pretrained ViT-B/32 on 400M image-text pairs, and the
 adaptation (adapt.py) moves its weights at 1e-7. The quickstart has no such CLIP, so this file makes one in
@@ -60,7 +61,8 @@ def get_args(argv=None):
     fmt = type("Fmt", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})
     p = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
     d = DEFAULTS
-    p.add_argument("--root", default=ROOT, help="the pretraining scenes (rendered there on first use)")
+    p.add_argument("--root", default=ROOT, help=f"the pretraining scenes, rendered there on first use ({ROOT}_clevr "
+                   f"for --world clevr when left out)")
     p.add_argument("--scenes", type=at_least(3), default=d["scenes"], help="scenes to render (3 images each)")
     p.add_argument("--render-seed", type=int, default=1, help="the scenes' seed (the quickstart's set uses 0)")
     p.add_argument("--world", choices=list(synth.WORLDS), default="ours", help="the scenes' renderer (synth.WORLDS): "
@@ -373,7 +375,8 @@ def main(argv=None):
     if args.eval_only:  # the file first: a bad one says so before any scene is rendered
         model = clip_load.load_clip(args.ckpt or args.out, ctx.device)
         args.image_size, args.context_length = model.cfg.image_resolution, model.cfg.context_length
-    root = data.resolve_synth(args.root, args.scenes, args.render_seed, workers=args.workers, world=args.world)
+    root = args.root if args.root != ROOT or args.world == "ours" else f"{ROOT}_{args.world}"  # one set per world
+    root = data.resolve_synth(root, args.scenes, args.render_seed, workers=args.workers, world=args.world)
     log(ctx, f"== pretrain.py: a small CLIP pretrained on single synthetic scenes, on {where(ctx)} ==")
     log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
     train = scene_images(root, "train", args.workers)

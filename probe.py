@@ -7,6 +7,7 @@
     python probe.py supervised --clip mini-synth --align-bias 8   # ... with attention that lines up the images
     python probe.py aligned --clip mini-synth     # frozen per-image tokens + a position-aligned comparator
     python probe.py attention --clip mini-synth   # where the pair encoder's patch tokens look
+    python probe.py sees --clip mini12-synth      # which objects' attributes a CLIP reads, its world and CLEVR's
 
 The renderer records every scene (synth.read_scenes), so each change pair has five answers: the change type and
 the changed object's colour, shape, material and size (the object as the reference captions name it: the added
@@ -32,22 +33,30 @@ weight a patch gives the patch at its own position in the other image and itself
 CLIP4IDC's inter blocks compare the two images only if such weights stand out. `supervised --align-bias B`
 supplies such attention by hand (not CLIP4IDC): in the joint sequence each patch's logits toward itself and toward
 the patch at its own position in the other image get +B, [CLS] rows are left alone; what pretrained attention
-would have to provide. Diagnoses only: no stage uses them.
+would have to provide. `sees` asks what a CLIP reads of single images, in its own world and on CLEVR's own
+renders: pretrain.py's held-out figures (attribute probes of the patch token under each object, trained on
+--data-root's objects; description retrieval) on --data-root's test images and on every image of --clevr-root, a
+set with CLEVR's own scene records (each object at its pixel_coords). Diagnoses only: no stage uses them.
 """
 import argparse
+import json
 import time
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from PIL import Image
 
 import adapt
 import clip_load
 import data
 import model as M
+import pretrain
 import synth
-from train_utils import at_least, make_optimizer, param_groups, warmup_cosine
+from train_utils import at_least, make_optimizer, param_groups, setup, warmup_cosine
 
 ANSWERS = {"type": synth.CHANGES, "color": tuple(synth.COLORS), "shape": synth.SHAPES,
            "material": synth.MATERIALS, "size": tuple(synth.SIZES)}
@@ -293,6 +302,39 @@ def attention(clip, before, after):
     return rows
 
 
+def clevr_images(root):
+    """Every image of a set with CLEVR's own scene records (scenes.json of CLEVR-Change's generator, as the
+    development set's), as pretrain.scene_images gives a synthetic set's: [(path, [(object, (u, v))])], each object
+    at CLEVR's pixel_coords as fractions of the image's width and height."""
+    out = []
+    for s in json.loads((Path(root) / "scenes.json").read_text())["scenes"]:
+        for kind in ("default", "semantic", "nonsemantic"):
+            if f"{kind}_scene" in s:
+                path = Path(root) / s[f"{kind}_image"]
+                w, h = Image.open(path).size
+                out.append((str(path), [({a: o[a] for a in synth.ATTRS}, (o["pixel_coords"][0] / w,
+                                                                          o["pixel_coords"][1] / h))
+                                        for o in s[f"{kind}_scene"]["objects"]]))
+    return out
+
+
+def sees(clip, root, clevr_root, args):
+    """pretrain.evaluate on a synthetic set's test images and on CLEVR's renders, probes trained on the set's."""
+    size = clip.cfg.image_resolution
+    train, own = pretrain.scene_images(Path(root), "train")[:1500], pretrain.scene_images(Path(root), "test")[:400]
+    clevr = clevr_images(clevr_root)
+    items = [data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(train + own + clevr)]
+    cache = data.ImageCache(items, size, workers=2)
+    ctx, out = setup(args.seed, "cpu", "off"), {}
+    for name, images in (("its own world", own), ("CLEVR's renders", clevr)):
+        m = out[name] = pretrain.evaluate(clip, images, train, cache, SimpleNamespace(
+            image_size=size, context_length=clip.cfg.context_length), ctx)
+        chance = " ".join(f"{a[:3]} {m[f'chance {a}']:.0f}" for a in synth.ATTRS)
+        print(f"{name} ({len(images)} images): {pretrain.fmt(m)} | chance: probe % {chance}, retrieval "
+              f"{100 / len(images):.1f}")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmd = p.add_subparsers(dest="cmd", required=True)
@@ -329,16 +371,24 @@ def main(argv=None):
     att.add_argument("--shared-p", type=at_least(0.0, float), default=0.0,
                      help="first set p shared by both images, of this norm, as adapt.py --shared-p (0: p as "
                           "loaded)")
-    for c in (ali, att):
+    see = cmd.add_parser("sees", formatter_class=fmt, help="what a CLIP reads of single images: its world, CLEVR's")
+    see.add_argument("--clevr-root", default="../shared/data/real_clevr_change_dev",
+                     help="a CLEVR-Change-layout set with CLEVR's own scene records (scenes.json)")
+    for c in (ali, att, see):
         c.add_argument("--clip", type=clip_load.weights_arg, default="mini-synth",
                        help="a CLIP (mini-synth, a path) or an adapted.pt")
         c.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks (default: the file's own; the "
                                                                  "mini preset's 2 for mini-synth)")
-    for c in (lin, sup, ali, att):
+    for c in (lin, sup, ali, att, see):
         c.add_argument("--seed", type=int, default=0, help="random seed")
         c.add_argument("--data-root", default=synth.SYNTH_ROOT, help="a set made by synth.py")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
+    if args.cmd == "sees":
+        if not (Path(args.clevr_root) / "scenes.json").is_file():
+            p.error(f"argument --clevr-root: no scenes.json in {args.clevr_root}: give a set with CLEVR's own scene "
+                    f"records (../shared/data/real_clevr_change_dev has them)")
+        return sees(clip_load.load_clip(args.clip), args.data_root, args.clevr_root, args)
     if args.cmd in ("aligned", "attention"):
         if args.n_inter is None and args.clip in clip_load.SHIPPED:
             args.n_inter = adapt.PRESETS["mini"]["n_inter"]

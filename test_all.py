@@ -1537,6 +1537,22 @@ def test_clevr_scene_records_read_their_own_references_back():
     assert not synth.is_synthetic(DEV)  # no --reverse, no attention figure: CLEVR's records hold no camera
 
 
+@pytest.mark.skipif(not DEV.is_dir(), reason="needs ../shared/data/real_clevr_change_dev")
+def test_clevr_images_place_each_object_on_its_pixels():
+    """probe.py sees reads CLEVR's renders as pretrain.py reads its own: every image of the development set with its
+    objects at CLEVR's pixel_coords, as fractions of the width and height. A coloured object's centre is coloured
+    (the floor is grey), so coordinates off the objects would show."""
+    images = probe.clevr_images(DEV)
+    assert len(images) == 75 and all(0 < u < 1 and 0 < v < 1 for _, objs in images for _, (u, v) in objs)
+    sat = []
+    for path, objs in images:
+        img = np.asarray(Image.open(path).convert("RGB"), dtype=float)
+        h, w, _ = img.shape
+        sat += [np.ptp(img[int(v * h), int(u * w)]) for o, (u, v) in objs if o["color"] != "gray"]
+        floor = np.ptp(img[5, 5])
+    assert np.median(sat) > 4 * max(floor, 5)
+
+
 def clevr_scene(objects, rel):
     """A CLEVR scene record: objects (size, color, material, shape) and relationships[r][j], the objects r of j."""
     keys = ("size", "color", "material", "shape")
