@@ -402,7 +402,7 @@ def bench_casts(args):
     device, _, where = device_and_amp(args)
     model, step = our_adapt_step(device, autocast(device, "bf16"), batch=args.batch)
     step()  # the optimizer's state exists: the counted step is a steady one
-    weights = {p.data_ptr(): p for p in model.parameters() if p.requires_grad}
+    weights = {p.data_ptr(): p for p in model.parameters()}  # frozen ones too: autocast keeps no copy of those
 
     class Casts(TorchDispatchMode):
         def __init__(self):
@@ -416,12 +416,14 @@ def bench_casts(args):
 
     with Casts() as casts:
         step()
-    per = Counter(casts.count.values())
-    moved = sum(weights[k].numel() * (4 + 2) for k in casts.count) * max(per) / 2 ** 30
-    print(f"adaptation step, batch {args.batch}, bf16 autocast on {where}: {len(weights)} trained tensors, "
-          f"{len(casts.count)} of them cast to bf16 ({sum(casts.count.values())} casts: "
-          + ", ".join(f"{n} tensors {k}x" for k, n in sorted(per.items())) + f"); these casts read and write "
-          f"{moved:.2f} GiB a step (the backward casts their gradients back, as much again)")
+    moved = sum(weights[k].numel() * (4 + 2) * n for k, n in casts.count.items()) / 2 ** 30
+    for trained in (True, False):
+        per = Counter(n for k, n in casts.count.items() if weights[k].requires_grad == trained)
+        print(f"adaptation step, batch {args.batch}, bf16 autocast on {where}: "
+              f"{sum(p.requires_grad == trained for p in weights.values())} {'trained' if trained else 'frozen'} "
+              f"tensors, {sum(per.values())} of them cast ({sum(k * n for k, n in per.items())} casts: "
+              + (", ".join(f"{n} tensors {k}x" for k, n in sorted(per.items())) or "none") + ")")
+    print(f"the weights' casts read and write {moved:.2f} GiB a step (the backward casts gradients back, as much again)")
 
 
 # ---- numerics: bf16 autocast against fp32 on the same weights
@@ -758,7 +760,8 @@ def main(argv=None):
     q = sub.add_parser("casts", help="bf16 autocast's casts of the weights in one adaptation step",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     q.add_argument("--batch", type=at_least(1), default=4, help="pairs (the count does not depend on it)")
-    common(q)
+    q.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when available)")
+    q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
     q.set_defaults(func=bench_casts)
     q = sub.add_parser("caption", help="the paper captioner's training step with the encoder fine-tuned",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -4,7 +4,7 @@
     python pretrain.py --resume                       # continue a killed run exactly (mid-epoch too)
     python pretrain.py --eval-only --ckpt mini12-synth     # held-out figures of a checkpoint (the shipped one)
     python pretrain.py --export clip_mini12_synth.pt  # the run's latest weights as the shipped fp16 file
-    python pretrain.py --world clevr --samples 40000 --out clevr.pt   # scenes of CLEVR's world (20 min, 1 thread)
+    python pretrain.py --world clevr --samples 40000 --out clevr.pt   # CLEVR's world: 20 min on 1 thread, rendering included
 
 CLIP4IDC adapts a CLIP that already sees objects: OpenAI pretrained ViT-B/32 on 400M image-text pairs, and the
 adaptation (adapt.py) moves its weights at 1e-7. The quickstart has no such CLIP, so this file makes one in
@@ -375,8 +375,9 @@ def main(argv=None):
     if args.eval_only:  # the file first: a bad one says so before any scene is rendered
         model = clip_load.load_clip(args.ckpt or args.out, ctx.device)
         args.image_size, args.context_length = model.cfg.image_resolution, model.cfg.context_length
-    root = args.root if args.root != ROOT or args.world == "ours" else f"{ROOT}_{args.world}"  # one set per world
-    root = data.resolve_synth(root, args.scenes, args.render_seed, workers=args.workers, world=args.world)
+    if args.root == ROOT and args.world != "ours":  # one set per world
+        args.root = f"{ROOT}_{args.world}"
+    root = data.resolve_synth(args.root, args.scenes, args.render_seed, workers=args.workers, world=args.world)
     log(ctx, f"== pretrain.py: a small CLIP pretrained on single synthetic scenes, on {where(ctx)} ==")
     log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
     train = scene_images(root, "train", args.workers)

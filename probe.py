@@ -7,7 +7,7 @@
     python probe.py supervised --clip mini-synth --align-bias 8   # ... with attention that lines up the images
     python probe.py aligned --clip mini-synth     # frozen per-image tokens + a position-aligned comparator
     python probe.py attention --clip mini-synth   # where the pair encoder's patch tokens look
-    python probe.py sees --clip mini12-synth      # which objects' attributes a CLIP reads, its world and CLEVR's
+    python probe.py sees --data-root data/clevr_pretrain   # what the shipped mini CLIP reads, its world and CLEVR's
 
 The renderer records every scene (synth.read_scenes), so each change pair has five answers: the change type and
 the changed object's colour, shape, material and size (the object as the reference captions name it: the added
@@ -374,7 +374,9 @@ def main(argv=None):
     see = cmd.add_parser("sees", formatter_class=fmt, help="what a CLIP reads of single images: its world, CLEVR's")
     see.add_argument("--clevr-root", default="../shared/data/real_clevr_change_dev",
                      help="a CLEVR-Change-layout set with CLEVR's own scene records (scenes.json)")
-    for c in (ali, att, see):
+    see.add_argument("--clip", type=clip_load.weights_arg, default="mini12-synth",
+                     help="a CLIP (mini12-synth, a path); run on the CPU")
+    for c in (ali, att):
         c.add_argument("--clip", type=clip_load.weights_arg, default="mini-synth",
                        help="a CLIP (mini-synth, a path) or an adapted.pt")
         c.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks (default: the file's own; the "
@@ -385,6 +387,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     if args.cmd == "sees":
+        if not synth.is_synthetic(args.data_root):
+            p.error(f"argument --data-root: no set made by synth.py in {args.data_root}: give one (the CLIP's "
+                    f"pretraining scenes, e.g. data/clevr_pretrain), or make one: python synth.py make --out DIR")
         if not (Path(args.clevr_root) / "scenes.json").is_file():
             p.error(f"argument --clevr-root: no scenes.json in {args.clevr_root}: give a set with CLEVR's own scene "
                     f"records (../shared/data/real_clevr_change_dev has them)")

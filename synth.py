@@ -2,12 +2,14 @@
 
     python synth.py make --out data/clevr_synth --pairs 3000   # render a set in CLEVR-Change's layout
     python synth.py make --out data/clevr_far --far-change      # harder: changes move the view as far as distractors
+    python synth.py make --world clevr    # CLEVR's sizes, camera, lamps, colours and captions -> data/clevr_synth_clevr
     python synth.py sheet --root data/clevr_synth --out sheet.png   # contact sheet: before | after | distractor
 
 With no CLEVR-Change on disk, `data.resolve_root("clevr")` calls `make_synth` once and the stages train on this
 set. Each scene is a few CLEVR objects (shapes, colours, materials, sizes) on a floor, ray-cast with PIL + numpy;
 one object changes (colour, material, position, added, dropped) in the "semantic" image, and the "non-semantic"
 distractor shows the same scene from a moved camera under a moved light. Captions follow CLEVR-Change's style.
+That is our world; `--world clevr` renders CLEVR's geometry, lamps, colours, views and captions (WORLDS).
 The renderer knows every change, so `scenes.json` records the objects before and after, and `judge` parses a
 generated caption back with the same vocabulary and templates: did it say "no change", the right change type,
 the right object? (`caption.py` reports these on a synthetic set, and where the changed object is drawn,
@@ -43,13 +45,14 @@ ATTRS = ("size", "color", "material", "shape")
 
 # Two worlds. "ours": objects larger than CLEVR's, so that a 96-px input shows them, under one key light, in CLEVR's
 # colours at full strength. "clevr": CLEVR's own geometry as a ray caster can follow it -- its object radii and
-# proportions (a cube's half side r / sqrt 2, a cylinder r wide and 2r tall), its floor extent, its camera (35 mm
-# lens, 11 units away, 26 degrees up, aimed at the centre) and three lamps (key, fill, back) -- and its colours as
-# CLEVR-Change's renders show them: darker, less saturated (`tone`), on a darker floor. The views differ too
-# (_scene): "clevr" jitters the camera of every image on its own, as CLEVR-Change's generator does.
+# proportions (a cube's half side r / sqrt 2, a cylinder of radius r and height 2r), its floor extent, its camera
+# (35 mm lens, 11 units away, 26 degrees up, aimed at the centre) and three lamps (key, fill, back) -- and its
+# colours as CLEVR-Change's renders show them: darker, less saturated (`tone`), on a darker floor. The views differ
+# too (_scene): "clevr" jitters the camera of each of the three images on its own, under lamps that stay still.
 WORLDS = {
     "ours": {"name": "ours", "sizes": {"small": 0.6, "large": 0.95}, "cube": 0.8, "cylinder": (0.8, 1.6),
-             "bound": {"cube": 1.39, "sphere": 1.0, "cylinder": 1.13},  # bounding sphere radius / r
+             "bound": {"cube": 1.39, "sphere": 1.0, "cylinder": 1.13},  # bounding sphere radius / r (as rounded
+             # when the default set was made: its scenes and images stay those of the same seed)
              "extent": 2.7,  # objects stand in [-extent, extent]^2 on the ground plane z = 0
              "camera": (-10.5, 7.0, 0.5), "zoom": 2.25, "floor": (0.62, 0.25, 0.95, 0.5, 0.45), "tone": None},
     "clevr": {"name": "clevr", "sizes": {"small": 0.35, "large": 0.7}, "cube": 2 ** -0.5, "cylinder": (1.0, 2.0),
@@ -182,7 +185,7 @@ def intersect(o, org, d, w=OURS):
 
 
 def shade(o, p, n, d, lt):
-    """Rubber: diffuse with a faint sheen. Metal: a mirror tinted by its colour -- bright sky above the horizon,
+    """Rubber: diffuse under the lamps (lt["lamps"]) with a faint sheen. Metal: a mirror tinted by its colour -- bright sky above the horizon,
     the floor below it (dark at the object's foot, lighter further out) -- and a sharp white highlight."""
     albedo = np.array(COLORS[o["color"]]) / 255
     ndl = np.clip(n @ lt["dir"], 0, 1)[:, None]
@@ -488,8 +491,8 @@ def hard_negative(rng, objs):
 
 def views(i, seed, far_change=False, change_jitter=0.3, still_light=False, world="ours", size=IMAGE_SIZE):
     """Scene i of a set `make` wrote: each image's objects as a viewer sees them, {image name: [(object, (u, v))]}
-    with (u, v) the object's centre as fractions of the image's width and height (`size`, as rendered: the focal
-    length is in widths, so the height's fraction depends on the aspect), or None for an image in which an object
+    with (u, v) the object's centre as fractions of the image's width and height (only `size`'s aspect matters: the
+    focal length is in widths, so the height's fraction depends on it; the frame tests assume 3:2), or None for an image in which an object
     is cut by the frame or hidden (its description would name what cannot be seen)."""
     out = {}
     w = WORLDS[world]
@@ -514,8 +517,9 @@ def _scene(i, seed, far_change=False, change_jitter=0.3, still_light=False, worl
     camera and the light by 0.5-1 (in jitter units); the change image moves the camera by 0-0.3 only, or, with
     far_change, as much as the distractor, so only the objects tell the two apart. still_light: the lights stay
     as they are in all three images (as CLEVR-Change's generator leaves them). In CLEVR's world (`world` "clevr")
-    each image's camera is jittered on its own, by up to 1 unit on each axis, and the lamps stay still, as
-    CLEVR-Change's generator does: the three views are equally far apart."""
+    each image's camera is jittered on its own, by up to 1 unit on each axis, and the lamps stay still. (CLEVR-Change's
+    generator moves the after and distractor cameras from the before's, by up to 1 unit an axis: its pairs are
+    about 0.7x as far apart as these.)"""
     rng = random.Random(f"clevr-synth-{seed}-{i}")  # one stream per scene: any worker split gives the same set
     kind = rng.choice(CHANGES)
     before, after, k = make_scene(rng, kind, WORLDS[world])
@@ -815,8 +819,9 @@ if __name__ == "__main__":
     m.add_argument("--still-light", action="store_true",
                    help="the lights the same in all three images, as CLEVR-Change's generator leaves them")
     m.add_argument("--world", choices=list(WORLDS), default="ours",
-                   help="clevr: CLEVR's object sizes, camera, lamps and colours, every image's camera jittered on its "
-                        "own (as CLEVR-Change's generator), and CLEVR-Change's caption style")
+                   help="clevr: CLEVR's object sizes, camera, lamps and colours, each image's camera jittered on its "
+                        "own under still lamps, CLEVR-Change's caption style (the view, light and caption flags do not "
+                        "apply); written to --out's default + _clevr when --out is left out")
     m.add_argument("--caption-style", choices=["ours", "clevr"], default="ours",
                    help="clevr: CLEVR-Change's change phrases and referring expressions (its relation words, \"the "
                         "other X that is the same colour as the Y\")")
@@ -840,6 +845,14 @@ if __name__ == "__main__":
     for flag, wrong, allowed in checks:
         if wrong:
             p.error(f"argument {flag}: {getattr(args, flag[2:].replace('-', '_'))}: expected {allowed}")
+    if args.cmd == "make" and args.world != "ours":
+        views = [f for f, on in (("--far-change", args.far_change), ("--change-jitter", args.change_jitter != 0.3),
+                                 ("--still-light", args.still_light), ("--caption-style", args.caption_style != "ours"))
+                 if on]
+        if views:
+            p.error(f"argument --world: {args.world} sets its own views, lights and captions: drop {' '.join(views)}")
+        if args.out == SYNTH_ROOT:  # never over the quickstart's set
+            args.out = f"{SYNTH_ROOT}_{args.world}"
     if args.cmd == "make":
         make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change, args.change_jitter,
                    args.still_light, args.caption_style, args.world)
