@@ -423,7 +423,7 @@ def bench_casts(args):
               f"{sum(p.requires_grad == trained for p in weights.values())} {'trained' if trained else 'frozen'} "
               f"tensors, {sum(per.values())} of them cast ({sum(k * n for k, n in per.items())} casts: "
               + (", ".join(f"{n} tensors {k}x" for k, n in sorted(per.items())) or "none") + ")")
-    print(f"the weights' casts read and write {moved:.2f} GiB a step (the backward casts gradients back, as much again)")
+    print(f"the weights' casts read and write {moved:.2f} GiB a step (their gradients cast back: as much again)")
 
 
 # ---- numerics: bf16 autocast against fp32 on the same weights

@@ -71,8 +71,7 @@ def resolve_root(name, root=None, synth_pairs=3000, synth_size=synth.IMAGE_SIZE,
 def resolve_synth(out, pairs, seed, size=synth.IMAGE_SIZE, workers=None, world="ours"):
     """A synthetic set at `out`, rendered unless its synth.json says it was made with these arguments."""
     out = Path(out)
-    want = {"pairs": pairs, "size": list(size), "seed": seed, "version": synth.VERSION,
-            **({"caption_style": "clevr", "world": world} if world != "ours" else {})}
+    want = synth.set_meta(pairs, size, seed, world=world)
     meta = out / "synth.json"
     if not meta.is_file() or json.loads(meta.read_text()) != want:
         synth.make_synth(out, pairs, seed, size, workers, world=world)

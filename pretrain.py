@@ -4,7 +4,7 @@
     python pretrain.py --resume                       # continue a killed run exactly (mid-epoch too)
     python pretrain.py --eval-only --ckpt mini12-synth     # held-out figures of a checkpoint (the shipped one)
     python pretrain.py --export clip_mini12_synth.pt  # the run's latest weights as the shipped fp16 file
-    python pretrain.py --world clevr --samples 40000 --out clevr.pt   # CLEVR's world: 20 min on 1 thread, rendering included
+    python pretrain.py --world clevr --samples 40000 --out clevr.pt  # CLEVR's world: 20 min on 1 thread, rendering too
 
 CLIP4IDC adapts a CLIP that already sees objects: OpenAI pretrained ViT-B/32 on 400M image-text pairs, and the
 adaptation (adapt.py) moves its weights at 1e-7. The quickstart has no such CLIP, so this file makes one in

@@ -185,8 +185,9 @@ def intersect(o, org, d, w=OURS):
 
 
 def shade(o, p, n, d, lt):
-    """Rubber: diffuse under the lamps (lt["lamps"]) with a faint sheen. Metal: a mirror tinted by its colour -- bright sky above the horizon,
-    the floor below it (dark at the object's foot, lighter further out) -- and a sharp white highlight."""
+    """Rubber: diffuse under the lamps (lt["lamps"]) with a faint sheen. Metal: a mirror tinted by its colour --
+    bright sky above the horizon, the floor below it (dark at the object's foot, lighter further out) -- and a sharp
+    white highlight from the key light."""
     albedo = np.array(COLORS[o["color"]]) / 255
     ndl = np.clip(n @ lt["dir"], 0, 1)[:, None]
     lit = sum(strength * np.clip(n @ towards, 0, 1) for towards, strength in lt["lamps"])[:, None]
@@ -492,8 +493,8 @@ def hard_negative(rng, objs):
 def views(i, seed, far_change=False, change_jitter=0.3, still_light=False, world="ours", size=IMAGE_SIZE):
     """Scene i of a set `make` wrote: each image's objects as a viewer sees them, {image name: [(object, (u, v))]}
     with (u, v) the object's centre as fractions of the image's width and height (only `size`'s aspect matters: the
-    focal length is in widths, so the height's fraction depends on it; the frame tests assume 3:2), or None for an image in which an object
-    is cut by the frame or hidden (its description would name what cannot be seen)."""
+    focal length is in widths, so the height's fraction depends on it; the frame tests assume 3:2), or None for an
+    image in which an object is cut by the frame or hidden (its description would name what cannot be seen)."""
     out = {}
     w = WORLDS[world]
     for name, (objs, jc, _) in _scene(i, seed, far_change, change_jitter, still_light, world)[5].items():
@@ -502,8 +503,8 @@ def views(i, seed, far_change=False, change_jitter=0.3, still_light=False, world
         if min(seen.values()) < 0.4 or not all(_in_frame(o, cam, w) for o in objs):
             out[name] = None
             continue
-        at = lambda o: project(cam, geometry(o, w)[0], *size)[:2]
-        out[name] = [(o, (float(at(o)[0] / size[0]), float(at(o)[1] / size[1]))) for o in objs]
+        out[name] = [(o, tuple(float(t / s) for t, s in zip(project(cam, geometry(o, w)[0], *size)[:2], size)))
+                     for o in objs]
     return out
 
 
@@ -579,6 +580,19 @@ def scene_options(meta):
             "world": meta.get("world", "ours")}
 
 
+def set_meta(pairs, size, seed, far_change=False, change_jitter=0.3, still_light=False, caption_style="ours",
+               world="ours"):
+    """The synth.json of a set made with these arguments: a default left out, so that a set made before an option
+    existed keeps its meta (data.resolve_synth re-renders a set whose meta differs)."""
+    caption_style = "clevr" if world == "clevr" else caption_style
+    return {"pairs": pairs, "size": list(size), "seed": seed, "version": VERSION,
+            **({"far_change": 1} if far_change else {}),
+            **({"change_jitter": change_jitter} if change_jitter != 0.3 else {}),
+            **({"still_light": 1} if still_light else {}),
+            **({"caption_style": caption_style} if caption_style != "ours" else {}),
+            **({"world": world} if world != "ours" else {})}
+
+
 def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None, far_change=False,
                change_jitter=0.3, still_light=False, caption_style="ours", world="ours"):
     """Write a synthetic CLEVR-Change (images/, sc_images/, nsc_images/, the caption, split and type files) and
@@ -599,12 +613,7 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
     types = {t: [f"{i:06d}.png" for i, m in enumerate(made) if m[0] == t] for t in CHANGES}
     order = random.Random(seed).sample(range(pairs), pairs)
     n_val, n_test = max(1, pairs // 20), max(1, pairs // 10)  # the real split is 85 / 5 / 10 %
-    meta = {"pairs": pairs, "size": list(size), "seed": seed, "version": VERSION,
-            **({"far_change": 1} if far_change else {}),
-            **({"change_jitter": change_jitter} if change_jitter != 0.3 else {}),
-            **({"still_light": 1} if still_light else {}),
-            **({"caption_style": caption_style} if caption_style != "ours" else {}),
-            **({"world": world} if world != "ours" else {})}
+    meta = set_meta(pairs, size, seed, far_change, change_jitter, still_light, caption_style, world)
     files = {"change_captions.json": {name(i): m[1] for i, m in enumerate(made)},
              "no_change_captions.json": {name(i): m[2] for i, m in enumerate(made)}, "type_mapping.json": types,
              "splits.json": {"train": order[n_val + n_test:], "val": order[:n_val],

@@ -1460,10 +1460,8 @@ def test_synth_clevr_world(synth_set, tmp_path):
         cams, lights = [v[1] for v in views.values()], [v[2] for v in views.values()]
         assert len({tuple(c) for c in cams}) == 3 and all(max(map(abs, c)) <= 1 and c[3:] == [0, 0, 0] for c in cams)
         assert lights[0] == lights[1] == lights[2]
-        seen = synth.views(i, 0, world="clevr", size=SIZE)["images/CLEVR_default"]
-        draw = synth.render(before, synth.camera(cams[0], w), synth.light(lights[0], w), *SIZE, w)
-        assert np.array_equal(draw, picture(root, i))
-        cam = synth.camera(cams[0], w)
+        seen, cam = synth.views(i, 0, world="clevr", size=SIZE)["images/CLEVR_default"], synth.camera(cams[0], w)
+        assert np.array_equal(synth.render(before, cam, synth.light(lights[0], w), *SIZE, w), picture(root, i))
         assert seen  # every object of these four before images in view
         for o, (u, v) in seen:  # the ray through the pixel where views says an object is meets the object
             ray = synth.rays(cam, *SIZE)[int(v * SIZE[1]), int(u * SIZE[0])]
