@@ -40,7 +40,7 @@ from train_utils import (GraphedStep, Progress, at_least, check_sizes, device_ar
 PRESETS = {
     "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, context_length=32, batch_size=128, epochs=12,
                   lr_new=1e-4, lr_clip=1e-7, weight_decay=0.2, warmup=0.1, grad_clip=1.0, workers=8,
-                  eval_batch_size=256, shared_p=0.0, draw_captions=False),
+                  eval_batch_size=256, draw_captions=False),
     # mini (the default without OpenAI's weights): the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px,
     # a 12x12 grid of 8-px patches, so that an object spans several), 4 intra + 2 inter blocks (the paper's last
     # quarter of 12 is 3; of 6, 2). The authors' policy scaled down: CLIP's input embeddings frozen, the new pair
@@ -48,13 +48,13 @@ PRESETS = {
     # the authors' random p; one epoch of one caption drawn per pair (RESULTS.md "The quickstart's default").
     "mini": dict(clip="mini12-synth", n_inter=2, image_size=96, context_length=32, batch_size=32, epochs=1,
                  lr_new=1e-3, lr_clip=1e-7, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
-                 eval_batch_size=256, shared_p=0.0, draw_captions=True),
+                 eval_batch_size=256, draw_captions=True),
     # scratch (the from-scratch ablation): ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6
     # patch grid (ViT-B/32: 7x7); nothing is pretrained, so nothing is frozen and everything trains at one rate
     "scratch": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=3,
                     lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
                     eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
-                    text_layers=3, embed_dim=128, shared_p=0.0, draw_captions=False),
+                    text_layers=3, embed_dim=128, draw_captions=False),
 }
 # the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
 FROZEN = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
@@ -67,7 +67,6 @@ def get_args(argv=None):
     p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier", "levir"], help="dataset")
     p.add_argument("--data-root", default=None, help="dataset directory (default data/<name>; clevr falls back "
                                                      "to a generated synthetic set when absent)")
-    p.add_argument("--synth-pairs", type=at_least(3), default=3000, help="size of the synthetic set, when it is used")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing (counted)")
     p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None,
                    help="CLEVR: probability of replacing the before image by its non-semantic version (default: "
@@ -94,9 +93,6 @@ def get_args(argv=None):
     p.add_argument("--image-size", type=at_least(1), default=None,
                    help="input size, scratch preset (a CLIP file sets its own)")
     p.add_argument("--context-length", type=at_least(2), default=None, help="caption tokens incl. start/end (preset)")
-    p.add_argument("--shared-p", type=at_least(0.0, float), default=None,
-                   help="initialize p alike for both images, each position's code of this norm "
-                        "(model.share_joint_positions_); 0: the authors' random p (preset)")
     for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
         p.add_argument(f"--{name}", type=at_least(1), default=None, help=f"scratch preset model size: {name}")
     # optimization
@@ -106,9 +102,6 @@ def get_args(argv=None):
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None,
                    help="lr of the new pair parameters e1, e2, p, ln_mid")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help="lr of the CLIP weights")
-    p.add_argument("--freeze-intra", action="store_true",
-                   help="no gradient through CLIP's intra blocks: the inter blocks, the text tower (at --lr-clip) "
-                        "and the new pair parameters train")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None, help="AdamW weight decay (matrices only)")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=None,
                    help="fraction of steps of linear warmup, then cosine")
@@ -165,25 +158,18 @@ def new_model(args):
                                    vision_patch_size=args.patch_size, context_length=args.context_length,
                                    transformer_width=args.text_width, transformer_heads=max(1, args.text_width // 64),
                                    transformer_layers=args.text_layers, n_inter=args.n_inter))
-    if args.shared_p and args.n_inter:
-        M.share_joint_positions_(clip.visual, args.shared_p)
     return clip
 
 
-def lr_rule(args, frozen_blocks=0):
+def lr_rule(args):
     """The learning-rate rule, parameter name -> learning rate (None: frozen): the new pair parameters at lr_new,
-    CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and the first `frozen_blocks` vision
-    blocks (--freeze-intra: the intra module). Weight decay (--weight-decay) applies to the matrices only, never to
-    1-D tensors (train_utils.param_groups)."""
+    CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP. Weight decay (--weight-decay) applies to
+    the matrices only, never to 1-D tensors (train_utils.param_groups)."""
     def lr(name):
         if name.startswith(M.PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # 12/0: e1, e2, p, ln_mid are never used
 
-        if args.clip and name.startswith(FROZEN):
-            return None
-        if name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < frozen_blocks:
-            return None
-        return args.lr_clip
+        return None if args.clip and name.startswith(FROZEN) else args.lr_clip
     return lr
 
 
@@ -366,7 +352,7 @@ def main(argv=None):
     args = get_args(argv)
     ctx = setup(args.seed, args.device, args.amp)
     model = new_model(args).to(ctx.device)  # the model first: a CLIP file decides the input size (and --n-inter fits)
-    root = rank0_first(ctx, lambda: data.resolve_root(args.data, args.data_root, synth_pairs=args.synth_pairs))
+    root = rank0_first(ctx, lambda: data.resolve_root(args.data, args.data_root))
     # the authors' 0.5; off on the synthetic set, where a distractor's camera moves further than a change's, so a
     # swapped pair teaches the encoder to disregard the view (RESULTS.md "Tried, did not help")
     if args.swap_prob is None:
@@ -382,7 +368,7 @@ def main(argv=None):
     splits, cache, loader = load_data(args, root, ctx)
 
     # what trains at which rate (lr_rule, above), the optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
-    rule = lr_rule(args, model.cfg.vision_layers - model.cfg.n_inter if args.freeze_intra else 0)
+    rule = lr_rule(args)
     freeze(model.named_parameters(), rule)
     log(ctx, "   what trains:\n" + policy_table(model.named_parameters(), rule))
     groups = param_groups(model.named_parameters(), rule, args.weight_decay)

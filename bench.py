@@ -10,10 +10,6 @@
     python bench.py decode                  # greedy captions/s at batch 64: key/value cache vs re-running the prefix
     python bench.py e2e                     # the adaptation loop with its data, ours vs the authors' data path, on a
                                             #   synthetic set at 480x320; projected hours for real CLEVR-Change
-    python bench.py pair                    # ViT-B/32 pair encoder forward, 8 pairs (CPU fp32 / CUDA bf16)
-    python bench.py metrics                 # = python metrics.py --bench (8,000 candidates x 6 references)
-    python bench.py alloc                   # the 12x12 mini CLIP on the CPU: glibc's allocator as it comes vs
-                                            #   freed memory kept for reuse (train_utils.setup)
     python bench.py matmul                  # this CPU's fp32 GFLOP/s (2048^3 matmul): quote it beside any timing
 
 Every subcommand runs on the CPU too (--device cpu; slowly, and the authors' step and the loops only on CUDA).
@@ -25,8 +21,6 @@ figure is the worst case; random weights and memory are enough, since the cost d
 """
 import argparse
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from contextlib import nullcontext
@@ -35,7 +29,7 @@ from types import SimpleNamespace
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
-from train_utils import (GraphedStep, at_least, autocast, device_arg, freeze, keep_freed_memory, make_optimizer,
+from train_utils import (GraphedStep, at_least, autocast, device_arg, freeze, make_optimizer,
                          matmul_gflops, param_groups, train_step, warmup_cosine)
 
 # -----------------------------------------------------------------------------
@@ -113,17 +107,6 @@ def device_and_amp(args):
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU, {torch.get_num_threads()} threads, {matmul_gflops():.0f} GFLOP/s fp32"
     return device, amp, where
-
-
-def bench_pair(args):
-    device, amp, where = device_and_amp(args)
-    model = vit_b32(device).eval()
-    x = torch.randn(args.batch, 3, 224, 224, device=device)
-    with torch.no_grad():
-        seconds, (tokens, v) = timed(lambda: _amp_call(amp, model.encode_pair, x, x.flip(0)), device, args.repeats)
-    print(f"ViT-B/32 pair encoder (9 intra + 3 inter), {args.batch} pairs, {where}, "
-          f"{'bf16 autocast' if device.type == 'cuda' else 'fp32'}: {1000 * seconds:.0f} ms per batch, "
-          f"{args.batch / seconds:.1f} pairs/s; tokens {tuple(tokens.shape)}, pair vector {tuple(v.shape)}")
 
 
 def _amp_call(amp, fn, *a):
@@ -672,53 +655,16 @@ def fmt_min(seconds):
     return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
-def bench_alloc(args):
-    """The shipped 12x12 mini CLIP on the CPU with glibc's allocator as it comes, then with its freed memory kept
-    for reuse (train_utils.keep_freed_memory, which setup calls): each in a fresh process, since the setting holds
-    for the rest of a process. Its MLP activations at batch 64 are 38 MiB, above glibc's mmap threshold."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.inner:
-        if args.inner == "kept":
-            keep_freed_memory()
-        import clip_load
-        clip = clip_load.load_clip("mini12-synth", n_inter=2)
-        x, ids = torch.randn(args.batch, 3, 96, 96), torch.randint(1, 49000, (args.batch, 32))
-        with torch.no_grad():  # caption.encode_all: each pair both ways round
-            forward = timed(lambda: clip.visual.forward_pair(x, x.flip(0), both_ways=True), torch.device("cpu"),
-                            args.repeats)[0]
-
-        def step():  # adapt.py's: the pair vectors against the captions' features, forward and backward
-            loss = (clip.encode_pair(x, x.flip(0)).vector @ clip.encode_text(ids).t()).logsumexp(1).mean()
-            loss.backward()
-        backward = timed(step, torch.device("cpu"), args.repeats)[0]
-        print(f"{1000 * forward / args.batch:.2f} {1000 * backward / args.batch:.2f}")
-        return
-    print(f"the 12x12 mini CLIP, batch {args.batch}, CPU, {torch.get_num_threads()} threads, "
-          f"{matmul_gflops():.0f} GFLOP/s fp32, ms per pair:")
-    print(f"{'allocator':<34} {'forward, both ways':>19} {'training step':>14}")
-    for how, label in (("plain", "glibc as it comes"), ("kept", "freed memory kept (setup's)")):
-        cmd = [sys.executable, os.path.abspath(__file__), "alloc", "--inner", how, "--batch", str(args.batch),
-               "--repeats", str(args.repeats), "--threads", str(args.threads)]
-        forward, step = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
-        print(f"{label:<34} {forward:>19} {step:>14}")
-
-
 def bench_matmul(args):
     print(f"fp32 matmul {args.n}^3 on the CPU, {torch.get_num_threads()} threads, torch {torch.__version__}: "
           f"{matmul_gflops(args.n):.0f} GFLOP/s")
 
 
-def bench_metrics(args):
-    import metrics
-    metrics._bench()
-
-
 # -----------------------------------------------------------------------------
 
 
-def common(q, repeats=3):
-    q.add_argument("--repeats", type=at_least(1), default=repeats, help="timed steps (the mean of back-to-back steps)")
+def common(q, repeats=3, what="timed steps (the mean of back-to-back steps)"):
+    q.add_argument("--repeats", type=at_least(1), default=repeats, help=what)
     q.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when available)")
     q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
 
@@ -732,15 +678,8 @@ def main(argv=None):
     d.add_argument("--max-len", type=at_least(1), default=32, help="tokens per caption (paper: at most 32)")
     d.add_argument("--vocab", type=at_least(1), default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
     d.add_argument("--sizes", nargs="+", default=["small", "paper"], choices=list(SIZES), help="captioner sizes")
-    d.add_argument("--repeats", type=at_least(1), default=3, help="timed runs per setting (the median is reported)")
-    d.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when available)")
-    d.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
+    common(d, what="timed runs per setting (the median is reported)")
     d.set_defaults(func=bench_decode)
-    q = sub.add_parser("pair", help="ViT-B/32 pair-encoder forward",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    q.add_argument("--batch", type=at_least(1), default=8, help="pairs per batch")
-    common(q)
-    q.set_defaults(func=bench_pair)
     q = sub.add_parser("adapt", help="one ViT-B/32 adaptation training step: ours (eager, compiled) and the "
                        "authors' configuration; pairs/s, MFU, peak memory",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -783,15 +722,6 @@ def main(argv=None):
     q.add_argument("--skip-authors", action="store_true", help="time our loop only")
     common(q)
     q.set_defaults(func=bench_e2e)
-    sub.add_parser("metrics", help="scoring speed: python metrics.py --bench").set_defaults(func=bench_metrics)
-    q = sub.add_parser("alloc", help="the 12x12 mini CLIP's pair forward and training step on the CPU, glibc's "
-                                     "allocator as it comes and with freed memory kept (train_utils.setup)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    q.add_argument("--batch", type=at_least(1), default=64, help="pairs per batch (caption.py encodes 64 at a time)")
-    q.add_argument("--repeats", type=at_least(1), default=5, help="timed runs (the median is reported)")
-    q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
-    q.add_argument("--inner", choices=["plain", "kept"], default=None, help=argparse.SUPPRESS)  # one side
-    q.set_defaults(func=bench_alloc)
     m = sub.add_parser("matmul", help="this CPU's fp32 GFLOP/s, the figure to quote beside a timing",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m.add_argument("--n", type=at_least(1), default=2048, help="matrix size")

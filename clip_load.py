@@ -1,22 +1,18 @@
 """Getting CLIP into clip4idc: weights, the BPE tokenizer, image preprocessing.
 
-    python clip_load.py                      # tokenizer + preprocessing demo (no weights needed)
-    python clip_load.py --weights ViT-B/32   # also load (downloading if needed) and embed the demo pair
-
 - `load_clip` reads OpenAI's released TorchScript archive (fp16 weights), a plain `torch.save`d state dict,
   the authors' CLIP4IDC checkpoints (keys prefixed `clip.`) or our own `adapted.pt`, and returns the fp32 model
   from `model.py` in eval mode. "ViT-B/32" resolves to ~/.cache/clip/ViT-B-32.pt (downloaded, SHA256 checked).
-- `tokenize` / `decode`: OpenAI's byte-level BPE (same ids as `clip.tokenize`); the vocabulary ships in
+- `tokenize`: OpenAI's byte-level BPE (same ids as `clip.tokenize`); the vocabulary ships in
   `assets/bpe_simple_vocab_16e6.txt.gz` (MIT licence, from openai/CLIP) and is checksummed on load.
-- `preprocess`: PIL + numpy, no torchvision. Squash-resize to the model's input size (the CLIP4IDC authors'
-  choice: a change at the border survives) or OpenAI's short-side resize + centre crop, then CLIP's mean/std.
+- `preprocess`: PIL + numpy, no torchvision. A bicubic squash to the model's input size (the CLIP4IDC authors'
+  choice: a change at the border survives), then CLIP's mean/std.
 """
 import argparse
 import gzip
 import hashlib
 import html
 import os
-import sys
 import urllib.request
 import zipfile
 from functools import lru_cache
@@ -28,7 +24,7 @@ import regex as re
 import torch
 from PIL import Image
 
-from model import PAIR_KEYS, build_model
+from model import build_model
 
 # -----------------------------------------------------------------------------
 # weights
@@ -146,37 +142,6 @@ def read_state_dict(path):
                          f"visual.conv1.weight, visual.proj, token_embedding.weight). ResNet CLIPs are not "
                          f"supported: use ViT-B/32.")
     return sd, extra
-
-
-def to_fp16(module):
-    """Round a CLIP's weights as the released archive holds them, approximately: matrices, embeddings, the
-    attention and MLP biases and the [CLS] embedding in fp16; LayerNorms and the other vectors in fp32."""
-    for name, p in module.named_parameters():
-        if p.ndim >= 2 or name.endswith(("in_proj_bias", "class_embedding")) or ".mlp." in name or "out_proj" in name:
-            p.data = p.data.half()
-    return module
-
-
-def save_archive(model, path):
-    """Write a CLIP (model.py) as OpenAI's ViT-B-32.pt is written: a TorchScript archive of the fp16 model, traced
-    on encode_image and encode_text, without CLIP4IDC's pair parameters (the release has none). For tests and
-    benchmarks: a random-weight ViT-B/32 saved so goes through the same loading code as the released file.
-    Returns the model, pair parameters included, with its fp16-rounded weights back in fp32."""
-    model, vis = to_fp16(model.eval()), model.visual
-    pair = {name: getattr(vis, name) for name in dict.fromkeys(k.split(".")[1] for k in PAIR_KEYS)}  # e1, e2, p, ln_mid
-    for name in pair:
-        delattr(vis, name)
-    try:
-        res, ctx = model.cfg.image_resolution, model.cfg.context_length
-        text = torch.zeros(1, ctx, dtype=torch.long)
-        text[0, :3] = torch.tensor([SOT, 320, EOT])
-        traced = torch.jit.trace_module(model, {"encode_image": torch.zeros(1, 3, res, res, dtype=torch.half),
-                                                "encode_text": text}, check_trace=False)
-        torch.jit.save(traced, str(path))
-    finally:
-        for name, value in pair.items():
-            setattr(vis, name, value)
-    return model.float()
 
 
 def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
@@ -304,21 +269,6 @@ def trim(ids, static=False):
     return ids if static else ids[:, :int(ids.argmax(-1).max()) + 1]
 
 
-def decode(ids):
-    """Token ids (list or 1-D tensor) -> text; stops at EOT (padding follows it), skips SOT. Id 0 is "!"."""
-    decoder = {i: t for t, i in vocab()[0].items()}
-    byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
-    pieces = []
-    for i in (ids.tolist() if torch.is_tensor(ids) else ids):
-        if i == EOT:
-            break
-        if i == SOT:
-            continue
-        pieces.append(decoder[i])
-    text = bytearray(byte_decoder[c] for c in "".join(pieces)).decode("utf-8", errors="replace")
-    return text.replace("</w>", " ").strip()
-
-
 # -----------------------------------------------------------------------------
 # images
 
@@ -336,18 +286,9 @@ def to_rgb(image):
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def resize_uint8(image, size=224, crop=False):
-    """PIL image -> uint8 tensor [3, size, size]: bicubic squash (default) or short side + centre crop."""
-    image = to_rgb(image)
-    if crop:  # OpenAI's preprocessing
-        w, h = image.size
-        s = size / min(w, h)
-        image = image.resize((max(size, round(w * s)), max(size, round(h * s))), Image.BICUBIC)
-        w, h = image.size
-        left, top = round((w - size) / 2), round((h - size) / 2)
-        image = image.crop((left, top, left + size, top + size))
-    else:
-        image = image.resize((size, size), Image.BICUBIC)
+def resize_uint8(image, size=224):
+    """PIL image -> uint8 tensor [3, size, size]: a bicubic squash (the authors' preprocessing; OpenAI's crops)."""
+    image = to_rgb(image).resize((size, size), Image.BICUBIC)
     return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)  # (3, size, size)
 
 
@@ -360,9 +301,9 @@ def normalize(x):
     return (x.float() / 255 - mean) / std
 
 
-def preprocess(image, size=224, crop=False):
+def preprocess(image, size=224):
     """PIL image of any size/mode -> FloatTensor [3, size, size], ready for the model."""
-    return normalize(resize_uint8(image, size, crop))
+    return normalize(resize_uint8(image, size))
 
 
 def open_image(path):
@@ -374,34 +315,5 @@ def open_image(path):
     return image
 
 
-def load_image(path, size=224, crop=False):
-    return preprocess(open_image(path), size, crop)
-
-
-# -----------------------------------------------------------------------------
-# demo
-
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--weights", default=None, help="also load CLIP weights (a path or 'ViT-B/32') and embed the pair")
-    p.add_argument("--text", default="the small red metal cube changed to blue", help="text to tokenize")
-    args = p.parse_args()
-    ids = tokenize(args.text)[0]
-    n = int((ids != 0).sum())
-    encoder = vocab()[0]
-    pieces = {i: t for t, i in encoder.items()}
-    print(f"text: {args.text!r}\nids: {ids[:n].tolist()}\npieces: {[pieces[int(i)] for i in ids[:n]]}")
-    print(f"decoded: {decode(ids)!r}")
-    pair = Path(__file__).resolve().parent.parent / "shared" / "data" / "real_pairs"
-    if (pair / "CLEVR_new_000000.png").is_file():
-        x = load_image(pair / "CLEVR_new_000000.png")
-        print(f"image: {pair / 'CLEVR_new_000000.png'} -> {tuple(x.shape)}, mean {x.mean():.3f}, std {x.std():.3f}")
-    if args.weights:
-        model = load_clip(args.weights)
-        with torch.no_grad():
-            print("text features:", tuple(model.encode_text(tokenize(args.text)).shape))
-            if (pair / "CLEVR_new_000000.png").is_file():
-                y = load_image(pair / "CLEVR_new_000000_del.png")
-                tokens, v = model.encode_pair(x[None], y[None])
-                print(f"pair tokens {tuple(tokens.shape)}, pair vector {tuple(v.shape)}")
-    sys.exit(0)
+def load_image(path, size=224):
+    return preprocess(open_image(path), size)

@@ -1,9 +1,6 @@
 """How data gets into the model: CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders, the torch
 datasets.
 
-    python data.py cache --data clevr --size 224             # decode a dataset once into the disk cache
-    python data.py bench --root data/clevr_synth --size 96   # decode images/s per core, pairs/s from the cache
-
 One item = (before image, after image, its captions, change type or None, id). Training samples of both stages
 come from `CaptionDataset`: one sample per caption (the authors' adaptation), or with draw=True one per pair with
 one of its captions drawn per epoch (captioning, and the mini preset's adaptation). `ImageDataset` gives images
@@ -12,7 +9,6 @@ only, for evaluation and for a frozen encoder's tokens, computed once. Both read
 the layouts we read: README "Real data and OpenAI's weights". With no CLEVR-Change at data/clevr_change,
 `resolve_root("clevr")` renders the synthetic CLEVR-Change-style set of `synth.py` once and uses that.
 """
-import argparse
 import hashlib
 import json
 import os
@@ -585,71 +581,3 @@ def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", sam
 
 def _whole(batch):
     return batch  # the dataset's __getitems__ built the batch
-
-
-# -----------------------------------------------------------------------------
-# measuring decode speed
-
-
-def bench(root, size, n=512, batch=128, workers=(0, 2, 8), gpu_rate=3233, directory=None):
-    """What feeding a GPU takes: decode+resize images/s on one core (streaming's cost), pairs/s delivered from the
-    disk cache through the DataLoader at `batch` with 0, 2 and 8 workers, and the cores streaming would need to
-    keep up with a GPU step of `gpu_rate` pairs/s (default: our ViT-B/32 adaptation step with --compile on an H100,
-    BENCHMARKS.md)."""
-    items = load_items("clevr", root, "train", "semantic")
-    paths = image_paths(items)[:n]
-    t0 = time.time()
-    for p in paths:
-        _decode_uint8(p, size)
-    per_core = len(paths) / (time.time() - t0)
-    w, h = Image.open(paths[0]).size
-    print(f"decode {w}x{h} PNG -> {size} px uint8, streaming: {per_core:.0f} images/s on one core; a GPU step of "
-          f"{gpu_rate} pairs/s ({2 * gpu_rate} images/s) needs {2 * gpu_rate / per_core:.0f} cores of it")
-    cache = ImageCache(items, size, os.cpu_count(), log_every=20_000, directory=directory)
-    print(f"disk cache {cache.folder}: {len(cache.index)} images, {cache.data.numel() / 2**30:.2f} GiB" +
-          (f", built at {cache.rate:.0f} images/s on {os.cpu_count()} cores" if cache.built else ", already built"))
-    ds = CaptionDataset(items, size, 32, cache=cache)
-    for k in workers:
-        loader = make_loader(ds, batch, shuffle=True, workers=k, drop_last=True)
-        it, seen = iter(loader), 0
-        next(it)  # workers started
-        t0 = time.time()
-        for b in it:
-            seen += len(b[0])
-            if time.time() - t0 > 10:
-                break
-        print(f"  from the cache, batch {batch}, {k} workers: {seen / (time.time() - t0):.0f} pairs/s")
-
-
-if __name__ == "__main__":
-    from train_utils import at_least
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    cmd = p.add_subparsers(dest="cmd", required=True)
-    c = cmd.add_parser("cache", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       help="decode a dataset's images once into the disk cache the stages read")
-    c.add_argument("--data", default="clevr", choices=list(ROOTS), help="dataset")
-    c.add_argument("--data-root", default=None, help="its directory (default data/<name>)")
-    c.add_argument("--size", type=at_least(1), default=224,
-                   help="model input size (ViT-B/32: 224; the small preset: 96)")
-    c.add_argument("--cache-dir", default=None, help="default: $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images")
-    c.add_argument("--skip-missing", action="store_true", help="leave out pairs with missing or undecodable images")
-    b = cmd.add_parser("bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                       help="decode and cache throughput (a CLEVR-Change(-style) set: python synth.py make)")
-    b.add_argument("--root", default=synth.SYNTH_ROOT, help="a CLEVR-Change directory")
-    b.add_argument("--size", type=at_least(1), default=224, help="model input size")
-    b.add_argument("--images", type=at_least(1), default=512, help="images decoded on one core")
-    b.add_argument("--batch", type=at_least(1), default=128, help="pairs per batch from the cache")
-    b.add_argument("--gpu-rate", type=at_least(1e-9, float), default=3233, help="pairs/s of the GPU step to feed")
-    b.add_argument("--cache-dir", default=None, help="default: $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images")
-    args = p.parse_args()
-    if args.cmd == "bench" and not os.path.isdir(args.root):
-        p.error(f"argument --root: no directory at {args.root}: make one with python synth.py make --out {args.root}")
-    if args.cmd == "bench":
-        bench(args.root, args.size, args.images, args.batch, gpu_rate=args.gpu_rate, directory=args.cache_dir)
-    else:  # the images both stages read: every split, change and distractor pairs (the same cache as theirs)
-        root = resolve_root(args.data, args.data_root)
-        items = [it for s in ("train", "val", "test") for it in load_items(args.data, root, s, "total",
-                                                                            args.skip_missing)]
-        cache = ImageCache(items, args.size, os.cpu_count(), log_every=2_000, directory=args.cache_dir)
-        print(f"{cache.folder}: {len(cache.index)} images at {args.size} px, {cache.data.numel() / 2**30:.2f} GiB" +
-              (f", built at {cache.rate:.0f} images/s" if cache.built else ", already there"))

@@ -1,17 +1,13 @@
-"""Every picture of clip4idc, drawn with PIL and numpy: a contact sheet of a dataset, the gallery of test pairs
-with their captions, where the pair encoder looked (attention heat maps), and training curves.
+"""Every picture of clip4idc, drawn with PIL and numpy: the gallery of test pairs with their captions, where the
+pair encoder looked (attention heat maps), and training curves.
 
-    python synth.py sheet --root data/clevr_synth --out sheet.png        # a set's pairs and captions
     python caption.py --ckpt captioner.pt --gallery gallery.png           # test pairs, captions, heat maps
     python caption.py --ckpt captioner.pt --before a.png --after b.png --explain why.png
 
 The stages write their training curves (`<checkpoint>.curves.png`) after every epoch. Nothing here imports the
 rest of clip4idc: callers hand in images, numbers and text.
 """
-import json
-import random
 import textwrap
-from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
@@ -148,33 +144,4 @@ def curves(path, history, metric, size=(640, 240)):
             if len(pts) <= 12 or (x, v) == best:
                 draw.text((p[0] + 4, p[1] - 14), f"{v:.3g}", fill=mark)
     sheet.save(path)
-    return sheet
-
-
-# -----------------------------------------------------------------------------
-# a dataset's contact sheet
-
-
-def contact_sheet(root, out, n=8, size=0, split="test", seed=0):
-    """One row per pair of a CLEVR-Change(-style) set: before | after | distractor | change type and captions.
-    size > 0 first squashes each image to size x size, as the model sees it (shown 2x, nearest)."""
-    root = Path(root)
-    ids = json.loads((root / "splits.json").read_text())[split]
-    captions_of = json.loads((root / "change_captions.json").read_text())
-    types = {int(f[:6]): t for t, fs in json.loads((root / "type_mapping.json").read_text()).items() for f in fs}
-    ids = sorted(random.Random(seed).sample(ids, min(n, len(ids))), key=lambda i: types.get(i, ""))
-    files = lambda i: [root / d / f"CLEVR_{name}_{i:06d}.png" for d, name in
-                       (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic"))]
-    shown = lambda p: (Image.open(p).convert("RGB").resize((size, size), Image.BICUBIC).resize((2 * size, 2 * size),
-                       Image.NEAREST) if size else Image.open(p).convert("RGB"))
-    w, h = shown(files(ids[0])[0]).size
-    sheet = Image.new("RGB", (3 * w + 560, len(ids) * h), "white")
-    draw = ImageDraw.Draw(sheet)
-    for r, i in enumerate(ids):
-        for c, p in enumerate(files(i)):
-            sheet.paste(shown(p), (c * w, r * h))
-        lines = captions_of[f"CLEVR_default_{i:06d}.png"][:4]
-        draw.text((3 * w + 6, r * h + 4), f"{i:06d} {types.get(i)}\n" + "\n".join(lines), fill="black")
-    sheet.save(out)
-    print(f"{out}: {len(ids)} pairs from {root} ({split}): before | after | non-semantic distractor")
     return sheet

@@ -36,9 +36,11 @@ import time
 from dataclasses import asdict
 from functools import partial
 from multiprocessing import Pool
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 import clip_load
 import data
@@ -98,6 +100,8 @@ def get_args(argv=None):
     p.add_argument("--eval-only", action="store_true", help="evaluate --ckpt on the held-out scenes and stop")
     p.add_argument("--ckpt", type=clip_load.weights_arg, default=None,
                    help="with --eval-only: a CLIP checkpoint (default: --out)")
+    p.add_argument("--clevr-root", default=None, help="with --eval-only: also read every image of this set of "
+                   "CLEVR's own renders (with CLEVR's scene records), the probes trained on --root's objects")
     p.add_argument("--export", default=None, help="write --out's weights as the shipped fp16 file at this path "
                                                   "and stop")
     p.add_argument("--seed", type=int, default=0, help="random seed (initialization, order, wording)")
@@ -109,6 +113,8 @@ def get_args(argv=None):
     args = p.parse_args(argv)
     check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                       "--text-width": args.text_width})
+    if args.clevr_root and not args.eval_only:
+        p.error("argument --clevr-root: goes with --eval-only")
     if args.resume and (missing := no_state(args.out)):
         p.error(f"argument --resume: {missing}")
     for flag, wants in (("--export", args.export), ("--eval-only", args.eval_only and not args.ckpt)):
@@ -132,6 +138,25 @@ def scene_images(root, split, workers=None):
         seen = pool.map(partial(synth.views, **synth.scene_options(meta), size=tuple(meta["size"])), ids)
     return [(str(root / f"{name}_{i:06d}.png"), objs)
             for i, v in zip(ids, seen) for name, objs in v.items() if objs is not None]
+
+
+def clevr_images(root):
+    """Every image of a set with CLEVR's own scene records (scenes.json of CLEVR-Change's generator), as
+    scene_images gives a synthetic set's: each object at CLEVR's pixel_coords, as fractions of the width and height."""
+    path = Path(root) / "scenes.json"
+    if not path.is_file():
+        raise SystemExit(f"--clevr-root {root}: no scenes.json (CLEVR's scene records, as CLEVR-Change's generator "
+                         f"writes them): give a set rendered by it")
+    out = []
+    for s in json.loads(path.read_text())["scenes"]:
+        for kind in ("default", "semantic", "nonsemantic"):
+            if f"{kind}_scene" in s:
+                image = Path(root) / s[f"{kind}_image"]
+                w, h = Image.open(image).size
+                out.append((str(image), [({a: o[a] for a in synth.ATTRS}, (o["pixel_coords"][0] / w,
+                                                                          o["pixel_coords"][1] / h))
+                                         for o in s[f"{kind}_scene"]["objects"]]))
+    return out
 
 
 OBJECTS = [(s, c, m, h) for s in synth.SIZES for c in synth.COLORS for m in synth.MATERIALS for h in synth.SHAPES]
@@ -384,15 +409,19 @@ def main(argv=None):
     held_out = scene_images(root, "val", args.workers) + scene_images(root, "test", args.workers)
     held_out = held_out[:args.eval_images]
     probe_train = train[:2 * args.eval_images]
-    items = [data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(train + held_out)]
+    clevr = clevr_images(args.clevr_root) if args.eval_only and args.clevr_root else []
+    items = [data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(train + held_out + clevr)]
     cache = data.open_image_cache(items, args.image_size, True, log=lambda m: log(ctx, m))
     log(ctx, f"   {root}: {len(train)} training images, {len(held_out)} held out (other scenes)")
 
     if args.eval_only:
         path = args.ckpt or args.out
-        m = evaluate(model, held_out, probe_train, cache, args, ctx)
-        chance = " ".join(f"{a[:3]} {m[f'chance {a}']:.0f}" for a in PROBE_ATTRS)
-        log(ctx, f"{path}: {fmt(m)} | chance: hard-neg R@1 {100 / 9:.1f}, probe % {chance}")
+        for name, images in (("held out", held_out), (f"CLEVR's renders in {args.clevr_root}", clevr)):
+            if images:
+                m = evaluate(model, images, probe_train, cache, args, ctx)
+                chance = " ".join(f"{a[:3]} {m[f'chance {a}']:.0f}" for a in PROBE_ATTRS)
+                log(ctx, f"{path} on {name} ({len(images)} images): {fmt(m)} | chance: hard-neg R@1 "
+                         f"{100 / 9:.1f}, probe % {chance}")
         return m
 
     model = new_model(args)

@@ -3,18 +3,16 @@
     python synth.py make --out data/clevr_synth --pairs 3000   # render a set in CLEVR-Change's layout
     python synth.py make --out data/clevr_far --far-change      # harder: changes move the view as far as distractors
     python synth.py make --world clevr    # CLEVR's sizes, camera, lamps, colours and captions -> data/clevr_synth_clevr
-    python synth.py sheet --root data/clevr_synth --out sheet.png   # contact sheet: before | after | distractor
 
 With no CLEVR-Change on disk, `data.resolve_root("clevr")` calls `make_synth` once and the stages train on this
 set. Each scene is a few CLEVR objects (shapes, colours, materials, sizes) on a floor, ray-cast with PIL + numpy;
 one object changes (colour, material, position, added, dropped) in the "semantic" image, and the "non-semantic"
 distractor shows the same scene from a moved camera under a moved light. Captions follow CLEVR-Change's style.
-That is our world; `--world clevr` renders CLEVR's geometry, lamps, colours, views and captions (WORLDS).
+That is our world; `--world clevr` renders CLEVR's: its geometry, lamps, materials, views and captions (WORLDS).
 The renderer knows every change, so `scenes.json` records the objects before and after, and `judge` parses a
 generated caption back with the same vocabulary and templates: did it say "no change", the right change type,
 the right object? (`caption.py` reports these on a synthetic set, and where the changed object is drawn,
-`changed_region`, to check the attention maps.) Nothing here imports the rest of clip4idc, except that the
-`sheet` command has `plots.py` draw the contact sheet.
+`changed_region`, to check the attention maps.) Nothing here imports the rest of clip4idc.
 """
 import argparse
 import json
@@ -55,27 +53,30 @@ WORLDS = {
              # when the default set was made: its scenes and images stay those of the same seed)
              "extent": 2.7,  # objects stand in [-extent, extent]^2 on the ground plane z = 0
              "camera": (-10.5, 7.0, 0.5), "zoom": 2.25, "floor": (0.62, 0.25, 0.95, 0.5, 0.45), "tone": None},
-    "clevr": {"name": "clevr", "sizes": {"small": 0.35, "large": 0.7}, "cube": 2 ** -0.5, "cylinder": (1.0, 2.0),
-              "bound": {"cube": 1.23, "sphere": 1.0, "cylinder": 1.42}, "extent": 3.0,
-              "camera": (-10.1, 4.96, 0.0), "zoom": 35 / 16, "floor": (0.40, 0.22, 0.95, 0.41, 0.3),
-              "tone": (0.17, 0.45, 0.57)},  # a grey offset, a luminance gain, a colour gain
+    "clevr": {"name": "clevr", "sizes": {"small": 0.35, "large": 0.7}, "cube": 1.0, "cylinder": (1.0, 2.0),
+              "bound": {"cube": 1.74, "sphere": 1.0, "cylinder": 1.42}, "extent": 3.0,
+              "camera": (-9.92, 5.34, 0.0), "zoom": 35 / 16, "floor": (0.40, 0.22, 0.95, 0.41, 0.3),
+              "tone": (0.16, 0.45, 0.47), "bevel": {"cube": 0.23, "cylinder": 0.08}},  # a grey offset, a luminance gain, a colour gain
 }
 OURS = WORLDS["ours"]
 SIZES = OURS["sizes"]  # radius by size; the keys are the same in both worlds
 # CLEVR's lamps in our frame (the camera on -y, looking along +y): (azimuth, elevation) in degrees and strength
-CLEVR_LAMPS = ((-71, 31, 0.75), (174, 26, 0.25), (68, 63, 0.3))
+_TURN = np.radians(-49)  # CLEVR's camera sits at azimuth -41 degrees in its frame, ours at -90
+CLEVR_AXES = np.array([[np.cos(_TURN), -np.sin(_TURN), 0], [np.sin(_TURN), np.cos(_TURN), 0], [0, 0, 1]])
+CLEVR_LAMPS = ((-71, 31, 0.7), (174, 26, 0.3), (68, 63, 0.55))
 
 
 def camera(j, w=OURS):
     """Pinhole camera above and in front of the scene, looking along +y. j: 6 jitter values in about [-1, 1]
     (position, look-at point, zoom); j = 0 is the base view. In our world the distractor image moves them by
-    0.5-1; CLEVR's generator moves only the position, by up to 1 unit on each axis (j[:3])."""
+    0.5-1; CLEVR's generator moves only the position, along CLEVR's own axes (j[:3], turned into our frame), and
+    the camera keeps aiming at the centre."""
     back, up, ahead = w["camera"]
     if w["name"] == "ours":
         pos = np.array([0.8 * j[0], back + 0.8 * j[1], up + 0.6 * j[2]])
         at, zoom = np.array([0.4 * j[3], ahead + 0.4 * j[4], 0.0]), w["zoom"] * (1 + 0.07 * j[5])
     else:
-        pos, at, zoom = np.array([j[0], back + j[1], up + j[2]]), np.array([0.0, ahead, 0.0]), w["zoom"]
+        pos, at, zoom = np.array([0.0, back, up]) + CLEVR_AXES @ j[:3], np.array([0.0, ahead, 0.0]), w["zoom"]
     fwd = (at - pos) / np.linalg.norm(at - pos)
     right = np.cross(fwd, [0.0, 0.0, 1.0])
     right /= np.linalg.norm(right)
@@ -163,8 +164,13 @@ def intersect(o, org, d, w=OURS):
         nl = np.zeros_like(d)
         nl[np.arange(len(d)), axis] = -np.sign(ld[np.arange(len(d)), axis])
         n = nl @ rot
-        q = np.sort(np.abs(lo + tn[:, None] * ld), axis=1)[:, 1]  # 2nd largest local coordinate: 1 on an edge
-        edge = np.clip((q / s - 0.9) / 0.1, 0, 1)
+        q = lo + tn[:, None] * ld  # the hit in the cube's frame
+        if w.get("bevel"):  # CLEVR's SmoothCube_v2: edges rounded over the outer 23 % of each face
+            b = 1 - w["bevel"]["cube"]
+            nl = np.where(hit[:, None], q / s - np.clip(q / s, -b, b), nl)
+            n = nl / np.maximum(np.linalg.norm(nl, axis=1, keepdims=True), 1e-9) @ rot
+        else:  # 2nd largest local coordinate: 1 on an edge
+            edge = np.clip((np.sort(np.abs(q), axis=1)[:, 1] / s - 0.9) / 0.1, 0, 1)
     else:  # vertical cylinder: side, then the top cap
         oc = org[:2] - c[:2]
         qa, qb, qc = (d[:, :2] ** 2).sum(1), 2 * d[:, :2] @ oc, oc @ oc - a * a
@@ -180,7 +186,15 @@ def intersect(o, org, d, w=OURS):
         top = ~side & (((pt - c[:2]) ** 2).sum(1) < a * a)
         t[top], n[top] = tt[top], [0, 0, 1]
         rim = np.sqrt(((pt - c[:2]) ** 2).sum(1)) / a
-        edge[top] = np.clip((rim[top] - 0.92) / 0.08, 0, 1)
+        if w.get("bevel"):  # CLEVR's SmoothCylinder: the top's rim rounded, radius w["bevel"]["cylinder"] * a
+            rb = w["bevel"]["cylinder"] * a
+            up = np.clip(zs - (hgt - rb), 0, None)[side]  # on the side, just under the rim
+            n[side] = np.c_[n[side, :2] * rb, up] / np.sqrt(rb ** 2 + up ** 2)[:, None]
+            out = np.clip(rim * a - (a - rb), 0, None)[top]  # on the top, just inside the rim
+            radial = (pt[top] - c[:2]) / np.maximum(rim[top, None] * a, 1e-9)
+            n[top] = np.c_[radial * out[:, None], np.full(len(out), rb)] / np.sqrt(rb ** 2 + out ** 2)[:, None]
+        else:
+            edge[top] = np.clip((rim[top] - 0.92) / 0.08, 0, 1)
     return t, n, edge
 
 
@@ -203,6 +217,29 @@ def shade(o, p, n, d, lt):
     hxy = half[:, :2] / (np.linalg.norm(half[:, :2], axis=1, keepdims=True) + 1e-9)
     streak = np.clip((n[:, :2] * hxy).sum(1), 0, 1)[:, None] ** 30 * (o["shape"] == "cylinder") * (n[:, 2:] < 0.1)
     return albedo * (0.03 + 0.15 * ndl + 0.95 * env) + 0.06 * env + lt["power"] * (1.2 * ndh ** 60 + 0.5 * streak)
+
+
+def shade_clevr(o, p, n, d, lt, w, env=(0.75, 0.12, 0.2), lobes=(1.0, 1.5)):
+    """CLEVR's materials, toned as its renders show them (`tone`). Rubber: diffuse under the lamps with a faint
+    sheen. Metal (CLEVR's MyMetal: two glossy BSDFs, rough and smooth, tinted by the colour, no diffuse part)
+    mirrors CLEVR's scene: the floor near the object, lit by the lamps above it (dark at the object's own foot),
+    the far floor and backdrop dim towards the horizon (the lamps are near the objects), Blender's black world
+    above; and the lamps themselves, each a broad glow in the object's colour (the rough lobe) and a small spot
+    that saturates to white (the smooth one)."""
+    if o["material"] == "rubber":
+        return tone(shade(o, p, n, d, lt), w)
+    albedo = np.array(COLORS[o["color"]]) / 255
+    near, horizon, back = env
+    refl = d - 2 * (d * n).sum(1, keepdims=True) * n
+    rz = refl[:, 2:]
+    reach = p[:, 2:] / np.maximum(-rz, 1e-3)  # how far the mirrored ray runs before it meets the floor
+    below = horizon + (near - horizon) * np.exp(-reach / 4) * (1 - np.exp(-reach / 0.5))
+    above = (horizon + back * np.clip((refl[:, 1:2] + 0.3) / 0.5, 0, 1)) * np.clip(1 - rz / 0.5, 0, 1)
+    lamp = lambda k: sum(s * np.clip(refl @ t, 0, 1) ** k for t, s in lt["lamps"])[:, None] * lt["power"]
+    # `tone` is rubber's: a mirror keeps more of its range (dark where it mirrors the dark, its colour where lit)
+    rgb = albedo * (np.where(rz < 0, below, above) + lobes[0] * lamp(3))
+    luma = rgb @ np.array([0.299, 0.587, 0.114])
+    return 0.07 + luma[:, None] + 0.7 * (rgb - luma[:, None]) + lobes[1] * lamp(150)
 
 
 def _box(cam, points, w, h, pad=2):
@@ -267,7 +304,8 @@ def render(objs, cam, lt, w, h, wo=OURS):
         to, no, edge, d = to[front], no[front], edge[front], d[front]
         m = front.reshape(depth[box].shape)
         depth[box][m] = to  # depth[box] is a view: this writes through
-        rgb = tone(shade(o, org + to[:, None] * d, no, d, lt), wo)
+        p = org + to[:, None] * d
+        rgb = shade(o, p, no, d, lt) if wo["name"] == "ours" else shade_clevr(o, p, no, d, lt, wo)
         img[box][m] = rgb + 0.4 * edge[:, None] if o["material"] == "metal" else rgb * (1 - 0.35 * edge[:, None])
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
 
@@ -518,18 +556,17 @@ def _scene(i, seed, far_change=False, change_jitter=0.3, still_light=False, worl
     camera and the light by 0.5-1 (in jitter units); the change image moves the camera by 0-0.3 only, or, with
     far_change, as much as the distractor, so only the objects tell the two apart. still_light: the lights stay
     as they are in all three images (as CLEVR-Change's generator leaves them). In CLEVR's world (`world` "clevr")
-    each image's camera is jittered on its own, by up to 1 unit on each axis, and the lamps stay still. (CLEVR-Change's
-    generator moves the after and distractor cameras from the before's, by up to 1 unit an axis: its pairs are
-    about 0.7x as far apart as these.)"""
+    the lamps stay still and the cameras move as CLEVR-Change's generator moves them: the before's by up to 1 unit
+    an axis, the after's and the distractor's by up to 1 unit an axis from the before's."""
     rng = random.Random(f"clevr-synth-{seed}-{i}")  # one stream per scene: any worker split gives the same set
     kind = rng.choice(CHANGES)
     before, after, k = make_scene(rng, kind, WORLDS[world])
-    if world == "clevr":
-        jl = [rng.uniform(-1, 1) for _ in range(3)]
-        view = lambda objs: (objs, [rng.uniform(-1, 1) for _ in range(3)] + [0.0] * 3, jl)
-        return rng, kind, before, after, k, {"images/CLEVR_default": view(before),
-                                             "sc_images/CLEVR_semantic": view(after),
-                                             "nsc_images/CLEVR_nonsemantic": view(before)}
+    if world == "clevr":  # as CLEVR-Change's generator: the after and distractor cameras moved from the before's
+        jl, jb = [rng.uniform(-1, 1) for _ in range(3)], [rng.uniform(-1, 1) for _ in range(3)]
+        moved = lambda: [a + rng.uniform(-1, 1) for a in jb] + [0.0] * 3
+        return rng, kind, before, after, k, {"images/CLEVR_default": (before, jb + [0.0] * 3, jl),
+                                             "sc_images/CLEVR_semantic": (after, moved(), jl),
+                                             "nsc_images/CLEVR_nonsemantic": (before, moved(), jl)}
     jc, jl = [rng.uniform(-0.5, 0.5) for _ in range(6)], [rng.uniform(-0.3, 0.3) for _ in range(3)]
     shift = lambda js, lo, hi: [a + rng.choice((-1, 1)) * rng.uniform(lo, hi) for a in js]
     changed = (after, shift(jc, 0.5, 1), shift(jl, 0.5, 1)) if far_change else (after, shift(jc, 0, change_jitter), jl)
@@ -834,27 +871,15 @@ if __name__ == "__main__":
     m.add_argument("--caption-style", choices=["ours", "clevr"], default="ours",
                    help="clevr: CLEVR-Change's change phrases and referring expressions (its relation words, \"the "
                         "other X that is the same colour as the Y\")")
-    s = cmd.add_parser("sheet", formatter_class=fmt, help="contact sheet of CLEVR-Change(-style) pairs")
-    s.add_argument("--root", default=SYNTH_ROOT, help="a CLEVR-Change directory")
-    s.add_argument("--out", default="sheet.png", help="PNG to write")
-    s.add_argument("--n", type=int, default=8, help="pairs (rows)")
-    s.add_argument("--size", type=int, default=0, help="show images squashed to this input size (0: as on disk)")
-    s.add_argument("--split", default="test", choices=["train", "val", "test"], help="which split")
-    s.add_argument("--seed", type=int, default=0, help="which pairs")
     args = p.parse_args()
-    if args.cmd == "make":
-        checks = [("--pairs", args.pairs < 3, "at least 3 (a train, a val and a test pair)"),
-                  ("--size", min(args.size) < 8, "at least 8 8"),
-                  ("--workers", args.workers is not None and args.workers < 1, "at least 1"),
-                  ("--change-jitter", not args.change_jitter >= 0, "0 or more")]
-    else:
-        checks = [("--n", args.n < 1, "at least 1"), ("--size", args.size < 0, "0 (as on disk) or more"),
-                  ("--root", not os.path.isfile(os.path.join(args.root, "splits.json")),
-                   "a CLEVR-Change(-style) directory (with splits.json): python synth.py make --out DIR")]
+    checks = [("--pairs", args.pairs < 3, "at least 3 (a train, a val and a test pair)"),
+              ("--size", min(args.size) < 8, "at least 8 8"),
+              ("--workers", args.workers is not None and args.workers < 1, "at least 1"),
+              ("--change-jitter", not args.change_jitter >= 0, "0 or more")]
     for flag, wrong, allowed in checks:
         if wrong:
             p.error(f"argument {flag}: {getattr(args, flag[2:].replace('-', '_'))}: expected {allowed}")
-    if args.cmd == "make" and args.world != "ours":
+    if args.world != "ours":
         views = [f for f, on in (("--far-change", args.far_change), ("--change-jitter", args.change_jitter != 0.3),
                                  ("--still-light", args.still_light), ("--caption-style", args.caption_style != "ours"))
                  if on]
@@ -862,9 +887,5 @@ if __name__ == "__main__":
             p.error(f"argument --world: {args.world} sets its own views, lights and captions: drop {' '.join(views)}")
         if args.out == SYNTH_ROOT:  # never over the quickstart's set
             args.out = f"{SYNTH_ROOT}_{args.world}"
-    if args.cmd == "make":
-        make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change, args.change_jitter,
-                   args.still_light, args.caption_style, args.world)
-    else:  # drawn by the pictures module, from the files `make` wrote
-        import plots
-        plots.contact_sheet(args.root, args.out, args.n, args.size, args.split, args.seed)
+    make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change, args.change_jitter,
+               args.still_light, args.caption_style, args.world)
