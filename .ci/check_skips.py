@@ -7,7 +7,7 @@ import re
 import sys
 
 ALLOWED = [
-    # ../shared (the real annotation files, one real image pair, coco-caption's scored caption sets) lies beside
+    # ../shared (the real annotation files, coco-caption's scored caption sets, the development set) lies beside
     # the repository on development machines; a clone without it runs everything else
     r"\.\./shared/",
     # Debian's wordnet-base, read by the test of METEOR's WordNet fallback, when apt-get cannot install it
