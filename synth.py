@@ -1,7 +1,6 @@
 """The built-in synthetic CLEVR-Change-style set: scenes, a small ray caster, captions, and a parser of them.
 
     python synth.py make --out data/clevr_synth --pairs 3000   # render a set in CLEVR-Change's layout
-    python synth.py make --out data/clevr_far --far-change      # harder: changes move the view as far as distractors
     python synth.py make --world clevr    # CLEVR's sizes, camera, lamps, colours and captions -> data/clevr_synth_clevr
 
 With no CLEVR-Change on disk, `data.resolve_root("clevr")` calls `make_synth` once and the stages train on this
@@ -397,7 +396,7 @@ TEMPLATES = {
     "drop": ["the {o} has disappeared", "the {o} is missing", "someone removed the {o}", "the {o} is gone",
              "the {o} was removed", "the {o} is no longer there"],
 }
-# caption_style="clevr": CLEVR-Change's own change phrases (its generator's templates) and relation words
+# CLEVR's world: CLEVR-Change's own change phrases (its generator's templates) and relation words
 CLEVR_TEMPLATES = {"color": ["the {o} changed to {new}", "the {o} became {new}", "the {o} turned {new}"],
                    "material": ["the {o} changed to {new}", "the {o} became {new}", "the {o} turned {new}"],
                    "move": ["the {o} changed its location", "the {o} is in a different location"],
@@ -528,14 +527,14 @@ def hard_negative(rng, objs):
             return out
 
 
-def views(i, seed, far_change=False, change_jitter=0.3, still_light=False, world="ours", size=IMAGE_SIZE):
+def views(i, seed, world="ours", size=IMAGE_SIZE):
     """Scene i of a set `make` wrote: each image's objects as a viewer sees them, {image name: [(object, (u, v))]}
     with (u, v) the object's centre as fractions of the image's width and height (only `size`'s aspect matters: the
     focal length is in widths, so the height's fraction depends on it; the frame tests assume 3:2), or None for an
     image in which an object is cut by the frame or hidden (its description would name what cannot be seen)."""
     out = {}
     w = WORLDS[world]
-    for name, (objs, jc, _) in _scene(i, seed, far_change, change_jitter, still_light, world)[5].items():
+    for name, (objs, jc, _) in _scene(i, seed, world)[5].items():
         cam = camera(jc, w)
         seen = visibility(objs, cam, w)
         if min(seen.values()) < 0.4 or not all(_in_frame(o, cam, w) for o in objs):
@@ -550,14 +549,12 @@ def views(i, seed, far_change=False, change_jitter=0.3, still_light=False, world
 # the set on disk
 
 
-def _scene(i, seed, far_change=False, change_jitter=0.3, still_light=False, world="ours"):
+def _scene(i, seed, world="ours"):
     """Scene i's random draws, in order -> (its random stream, change type, objects before and after, the changed
-    object's index, the three views {image name: (objects, camera jitter, light jitter)}). The distractor moves the
-    camera and the light by 0.5-1 (in jitter units); the change image moves the camera by 0-0.3 only, or, with
-    far_change, as much as the distractor, so only the objects tell the two apart. still_light: the lights stay
-    as they are in all three images (as CLEVR-Change's generator leaves them). In CLEVR's world (`world` "clevr")
-    the lamps stay still and the cameras move as CLEVR-Change's generator moves them: the before's by up to 1 unit
-    an axis, the after's and the distractor's by up to 1 unit an axis from the before's."""
+    object's index, the three views {image name: (objects, camera jitter, light jitter)}). In our world the
+    distractor moves the camera and the light by 0.5-1 (in jitter units), the change image the camera by 0-0.3.
+    In CLEVR's world the lamps stay still and the cameras move as CLEVR-Change's generator moves them: the
+    before's by up to 1 unit an axis, the after's and the distractor's by up to 1 unit an axis from the before's."""
     rng = random.Random(f"clevr-synth-{seed}-{i}")  # one stream per scene: any worker split gives the same set
     kind = rng.choice(CHANGES)
     before, after, k = make_scene(rng, kind, WORLDS[world])
@@ -569,25 +566,21 @@ def _scene(i, seed, far_change=False, change_jitter=0.3, still_light=False, worl
                                              "nsc_images/CLEVR_nonsemantic": (before, moved(), jl)}
     jc, jl = [rng.uniform(-0.5, 0.5) for _ in range(6)], [rng.uniform(-0.3, 0.3) for _ in range(3)]
     shift = lambda js, lo, hi: [a + rng.choice((-1, 1)) * rng.uniform(lo, hi) for a in js]
-    changed = (after, shift(jc, 0.5, 1), shift(jl, 0.5, 1)) if far_change else (after, shift(jc, 0, change_jitter), jl)
-    views = {"images/CLEVR_default": (before, jc, jl), "sc_images/CLEVR_semantic": changed,
-             "nsc_images/CLEVR_nonsemantic": (before, shift(jc, 0.5, 1), shift(jl, 0.5, 1))}
-    if still_light:  # the same draws as without it, so that the scenes and cameras stay those of the same seed
-        views = {name: (objs, j1, jl) for name, (objs, j1, _) in views.items()}
-    return rng, kind, before, after, k, views
+    return rng, kind, before, after, k, {"images/CLEVR_default": (before, jc, jl),
+                                         "sc_images/CLEVR_semantic": (after, shift(jc, 0, 0.3), jl),
+                                         "nsc_images/CLEVR_nonsemantic": (before, shift(jc, 0.5, 1), shift(jl, 0.5, 1))}
 
 
-def _make_triple(i, out, seed, size, far_change=False, change_jitter=0.3, still_light=False, caption_style="ours",
-                 world="ours"):
+def _make_triple(i, out, seed, size, world="ours"):
     """Scene i -> default, semantic-change and non-semantic images on disk; returns its type, change captions,
     no-change captions and scene record (the objects before and after, the changed one's index)."""
-    rng, kind, before, after, k, views = _scene(i, seed, far_change, change_jitter, still_light, world)
+    rng, kind, before, after, k, views = _scene(i, seed, world)
     w = WORLDS[world]
     for name, (objs, j1, j2) in views.items():
         Image.fromarray(render(objs, camera(j1, w), light(j2, w), *size, w)).save(f"{out}/{name}_{i:06d}.png",
                                                                                   compress_level=1)
     scene = {"type": kind, "before": before, "after": after, "changed": k}
-    return kind, captions(rng, kind, before, after, k, style=caption_style), rng.sample(NO_CHANGE, 6), scene
+    return kind, captions(rng, kind, before, after, k, style=world), rng.sample(NO_CHANGE, 6), scene
 
 
 def changed_region(root, scene_id):
@@ -612,51 +605,39 @@ def changed_region(root, scene_id):
 
 def scene_options(meta):
     """A set's synth.json -> the arguments of _scene and views that remake its scenes."""
-    return {"seed": meta["seed"], "far_change": bool(meta.get("far_change")),
-            "change_jitter": meta.get("change_jitter", 0.3), "still_light": bool(meta.get("still_light")),
-            "world": meta.get("world", "ours")}
+    return {"seed": meta["seed"], "world": meta.get("world", "ours")}
 
 
-def set_meta(pairs, size, seed, far_change=False, change_jitter=0.3, still_light=False, caption_style="ours",
-               world="ours"):
-    """The synth.json of a set made with these arguments: a default left out, so that a set made before an option
-    existed keeps its meta (data.resolve_synth re-renders a set whose meta differs)."""
-    caption_style = "clevr" if world == "clevr" else caption_style
+def set_meta(pairs, size, seed, world="ours"):
+    """The synth.json of a set made with these arguments (data.resolve_synth re-renders a set whose meta differs);
+    CLEVR's world says its caption style too (data.reversed_pairs reads it)."""
     return {"pairs": pairs, "size": list(size), "seed": seed, "version": VERSION,
-            **({"far_change": 1} if far_change else {}),
-            **({"change_jitter": change_jitter} if change_jitter != 0.3 else {}),
-            **({"still_light": 1} if still_light else {}),
-            **({"caption_style": caption_style} if caption_style != "ours" else {}),
-            **({"world": world} if world != "ours" else {})}
+            **({"caption_style": world, "world": world} if world != "ours" else {})}
 
 
-def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None, far_change=False,
-               change_jitter=0.3, still_light=False, caption_style="ours", world="ours"):
+def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None, world="ours"):
     """Write a synthetic CLEVR-Change (images/, sc_images/, nsc_images/, the caption, split and type files) and
     scenes.json ({"%06d": {"type", "before": [objects], "after": [objects], "changed": index}}). world "clevr":
     CLEVR's geometry, lamps, colours and views (WORLDS, _scene), and CLEVR-Change's caption style."""
-    caption_style = "clevr" if world == "clevr" else caption_style
     out = Path(out)
     for d in ("images", "sc_images", "nsc_images"):
         (out / d).mkdir(parents=True, exist_ok=True)
     (out / "synth.json").unlink(missing_ok=True)  # written last: marks a complete set
     t0 = time.time()
     with Pool(workers or os.cpu_count()) as pool:
-        scene = partial(_make_triple, out=str(out), seed=seed, size=tuple(size), far_change=far_change,
-                        change_jitter=change_jitter, still_light=still_light, caption_style=caption_style,
-                        world=world)
+        scene = partial(_make_triple, out=str(out), seed=seed, size=tuple(size), world=world)
         made = pool.map(scene, range(pairs), chunksize=8)
     name = lambda i: f"CLEVR_default_{i:06d}.png"
     types = {t: [f"{i:06d}.png" for i, m in enumerate(made) if m[0] == t] for t in CHANGES}
     order = random.Random(seed).sample(range(pairs), pairs)
     n_val, n_test = max(1, pairs // 20), max(1, pairs // 10)  # the real split is 85 / 5 / 10 %
-    meta = set_meta(pairs, size, seed, far_change, change_jitter, still_light, caption_style, world)
+    meta = set_meta(pairs, size, seed, world)
     files = {"change_captions.json": {name(i): m[1] for i, m in enumerate(made)},
              "no_change_captions.json": {name(i): m[2] for i, m in enumerate(made)}, "type_mapping.json": types,
              "splits.json": {"train": order[n_val + n_test:], "val": order[:n_val],
                              "test": order[n_val:n_val + n_test]},
              "scenes.json": {f"{i:06d}": m[3] for i, m in enumerate(made)},
-             "synth.json": meta}  # far_change only when set: a far-change set is never taken for the default one
+             "synth.json": meta}
     for f, obj in files.items():
         (out / f).write_text(json.dumps(obj))
     dt = time.time() - t0
@@ -858,34 +839,16 @@ if __name__ == "__main__":
     m.add_argument("--size", type=int, nargs=2, default=list(IMAGE_SIZE), metavar=("W", "H"),
                    help="image size on disk (CLEVR-Change's is 480 320)")
     m.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
-    m.add_argument("--far-change", action="store_true",
-                   help="move the change image's camera and light as far as the distractor's (a harder set)")
-    m.add_argument("--change-jitter", type=float, default=0.3,
-                   help="most camera move of the change image, in jitter units (the distractor's is 0.5-1)")
-    m.add_argument("--still-light", action="store_true",
-                   help="the lights the same in all three images, as CLEVR-Change's generator leaves them")
     m.add_argument("--world", choices=list(WORLDS), default="ours",
-                   help="clevr: CLEVR's object sizes, camera, lamps and colours, each image's camera jittered on its "
-                        "own under still lamps, CLEVR-Change's caption style (the view, light and caption flags do not "
-                        "apply); written to --out's default + _clevr when --out is left out")
-    m.add_argument("--caption-style", choices=["ours", "clevr"], default="ours",
-                   help="clevr: CLEVR-Change's change phrases and referring expressions (its relation words, \"the "
-                        "other X that is the same colour as the Y\")")
+                   help="clevr: CLEVR's object sizes, materials, camera moves, lamps and colours, CLEVR-Change's "
+                        "captions; written to --out's default + _clevr when --out is left out")
     args = p.parse_args()
     checks = [("--pairs", args.pairs < 3, "at least 3 (a train, a val and a test pair)"),
               ("--size", min(args.size) < 8, "at least 8 8"),
-              ("--workers", args.workers is not None and args.workers < 1, "at least 1"),
-              ("--change-jitter", not args.change_jitter >= 0, "0 or more")]
+              ("--workers", args.workers is not None and args.workers < 1, "at least 1")]
     for flag, wrong, allowed in checks:
         if wrong:
             p.error(f"argument {flag}: {getattr(args, flag[2:].replace('-', '_'))}: expected {allowed}")
-    if args.world != "ours":
-        views = [f for f, on in (("--far-change", args.far_change), ("--change-jitter", args.change_jitter != 0.3),
-                                 ("--still-light", args.still_light), ("--caption-style", args.caption_style != "ours"))
-                 if on]
-        if views:
-            p.error(f"argument --world: {args.world} sets its own views, lights and captions: drop {' '.join(views)}")
-        if args.out == SYNTH_ROOT:  # never over the quickstart's set
-            args.out = f"{SYNTH_ROOT}_{args.world}"
-    make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.far_change, args.change_jitter,
-               args.still_light, args.caption_style, args.world)
+    if args.world != "ours" and args.out == SYNTH_ROOT:  # never over the quickstart's set
+        args.out = f"{SYNTH_ROOT}_{args.world}"
+    make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.world)

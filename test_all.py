@@ -1446,39 +1446,13 @@ def test_synth_deterministic(synth_set, tmp_path):
     assert not np.array_equal(np.asarray(Image.open(other / name)), np.asarray(Image.open(synth_set / name)))
 
 
-def test_synth_change_view_near_far_or_still(synth_set, tmp_path):
-    """The change image's camera: near the default's (default), as far as the distractor's (--far-change), or the
-    default's own (--change-jitter 0: only the changed object differs)."""
-    far = synth.make_synth(tmp_path / "far", pairs=20, seed=0, size=SIZE, workers=1, far_change=True)
-    still = synth.make_synth(tmp_path / "still", pairs=20, seed=0, size=SIZE, workers=1, change_jitter=0)
-    img = lambda root, d, name, i: np.asarray(Image.open(root / d / f"CLEVR_{name}_{i:06d}.png"), dtype=float)
-    moved = lambda root, d, name: np.mean([np.abs(img(root, d, name, i) - img(root, "images", "default", i)).mean()
-                                           for i in range(20)])  # mean pixel change from the default image
-    near_sc, far_sc = moved(synth_set, "sc_images", "semantic"), moved(far, "sc_images", "semantic")
-    far_nsc = moved(far, "nsc_images", "nonsemantic")
-    assert near_sc < 0.7 * far_nsc and 0.7 * far_nsc < far_sc < 1.5 * far_nsc
-    assert moved(still, "sc_images", "semantic") < 0.7 * near_sc
-    scenes = synth.read_scenes(still)  # a colour change with a still camera: pixels differ around that object only
-    i = next(int(k) for k, sc in scenes.items() if sc["type"] == "color")
-    diff = np.abs(img(still, "sc_images", "semantic", i) - img(still, "images", "default", i)).max(-1) > 8
-    assert 0 < diff.mean() < 0.1
-    assert json.loads((still / "synth.json").read_text())["change_jitter"] == 0
-    assert (still / "change_captions.json").read_text() == (synth_set / "change_captions.json").read_text()
-    assert json.loads((far / "synth.json").read_text())["far_change"] == 1
-    assert "far_change" not in json.loads((synth_set / "synth.json").read_text())  # default sets keep their meta
-
-
-def test_synth_still_light_keeps_the_lights_and_the_draws():
-    """--still-light: the three images of a scene under the same lights (CLEVR-Change's generator re-jitters only
-    the camera), with the same objects, cameras and captions as the set of the same seed without it."""
-    for i in range(6):
-        _, kind, before, after, k, moving = synth._scene(i, 0, far_change=True)
-        _, kind2, before2, after2, k2, still = synth._scene(i, 0, far_change=True, still_light=True)
-        assert (kind, before, after, k) == (kind2, before2, after2, k2)
-        assert [v[1] for v in moving.values()] == [v[1] for v in still.values()]  # the cameras
-        lights = [v[2] for v in still.values()]
-        assert lights[0] == lights[1] == lights[2] == moving["images/CLEVR_default"][2]
-        assert moving["nsc_images/CLEVR_nonsemantic"][2] != lights[0]  # without it the distractor's light moves
+def test_synth_change_view_is_near(synth_set):
+    """Our world: the change image's camera moves by 0-0.3 jitter units, the distractor's by 0.5-1, so the change
+    image differs from the default one less than the distractor does."""
+    img = lambda d, name, i: np.asarray(Image.open(synth_set / d / f"CLEVR_{name}_{i:06d}.png"), dtype=float)
+    moved = lambda d, name: np.mean([np.abs(img(d, name, i) - img("images", "default", i)).mean() for i in range(20)])
+    assert moved("sc_images", "semantic") < 0.7 * moved("nsc_images", "nonsemantic")
+    assert set(json.loads((synth_set / "synth.json").read_text())) == {"pairs", "size", "seed", "version"}
 
 
 def test_synth_clevr_world(synth_set, tmp_path):
@@ -1696,10 +1670,10 @@ def test_an_evaluation_only_set_with_clevr_records(trained, tmp_path, capsys):
 
 
 def test_clevr_caption_style_reads_back(tmp_path):
-    """synth.py make --caption-style clevr: the same scenes and images, captions in CLEVR-Change's phrases and
-    referring expressions ("has been newly placed", "on the left side of", "the other X that is the same colour as
-    the Y"), each naming its change type and exactly the changed object; --reverse's captions keep the style."""
-    root = synth.make_synth(tmp_path / "clevr", pairs=30, seed=0, size=SIZE, workers=1, caption_style="clevr")
+    """synth.py make --world clevr: captions in CLEVR-Change's phrases and referring expressions ("has been newly
+    placed", "on the left side of", "the other X that is the same colour as the Y"), each naming its change type and
+    exactly the changed object; --reverse's captions keep the style."""
+    root = synth.make_synth(tmp_path / "clevr", pairs=30, seed=0, size=SIZE, workers=1, world="clevr")
     scenes = synth.read_scenes(root)
     change = json.loads((root / "change_captions.json").read_text())
     said = [c for i in scenes for c in change[f"CLEVR_default_{i}.png"]]
@@ -2867,8 +2841,7 @@ BAD_FLAGS = {
                  "numerics --batch 0", "caption --batches 0", "caption --vocab 0", "caption --caption-len 1",
                  "e2e --root nowhere", "e2e --scenes 0", "e2e --batch 0", "e2e --workers -1", "e2e --batches 0",
                  "matmul --n 0"],
-    "synth.py": ["make --pairs 0", "make --size 0 0", "make --workers 0", "make --change-jitter -1",
-                 "make --caption-style foo"],
+    "synth.py": ["make --pairs 0", "make --size 0 0", "make --workers 0", "make --world foo"],
     "metrics.py": ["--refs nowhere.json --cands nowhere.json", "--refs list.json --cands list.json",
                    "--refs text.txt --cands text.txt",
                    "--refs refs.json --cands refs.json --wordnet nowhere => --wordnet",
