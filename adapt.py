@@ -75,11 +75,9 @@ def get_args(argv=None):
                    help="one caption per pair and epoch, drawn at random (an epoch is a pass over the pairs), "
                         "instead of every caption once per epoch, as the authors (preset)")
     p.add_argument("--workers", type=at_least(0), default=None, help="DataLoader worker processes (preset)")
-    p.add_argument("--cache-dir", default=None, help="where decoded-image caches go (default: "
-                                                     "$CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images)")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode every image once into a uint8 file (--cache-dir), reused by later runs, and train "
-                        "from it; default: when the disk has room for it")
+                   help="decode every image once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/"
+                        "images), reused by later runs, and train from it; default: when the disk has room for it")
     # model
     p.add_argument("--preset", default="auto", choices=["auto", "paper", "mini", "scratch"],
                    help="auto: paper when OpenAI's weights are found (or --clip names a file), else mini (the "
@@ -305,7 +303,7 @@ def load_data(args, root, ctx):
     splits = {s: split(s) for s in ("train", "val", "test")}
     # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
     cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache,
-                                  args.cache_dir, ctx.world, ctx.rank, log=lambda m: log(ctx, m))
+                                  None, ctx.world, ctx.rank, log=lambda m: log(ctx, m))
     train = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
                                 cache=cache, seed=args.seed, draw=args.draw_captions)
     sampler = data.EpochSampler(len(train), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)

@@ -57,6 +57,7 @@ PRESETS = {
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
+MAX_LEN = 32  # most tokens a caption gets, <eos> included (the paper's)
 CHANGE_TYPES = ("color", "material", "move", "add", "drop", "distractor")
 
 
@@ -68,9 +69,8 @@ def words(sentence):
     return metrics.tokenize(sentence).split()  # PTB-style, as the evaluation sees it
 
 
-def build_vocab(captions, min_count=1):
-    counts = Counter(w for c in captions for w in words(c))
-    return SPECIALS + sorted(w for w, n in counts.items() if n >= min_count)
+def build_vocab(captions):
+    return SPECIALS + sorted({w for c in captions for w in words(c)})
 
 
 def encode_captions(items, vocab, max_len):
@@ -329,7 +329,7 @@ def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
     # the attention figure needs the changed object's place (a synthetic set); 12/0 has no inter block to look at
     explained = bool(scenes) and synth.is_synthetic(root) and model.clip.cfg.n_inter > 0 and ctx.main
     results = {"scores": scores, "scores_by_type": by_type,
-               "baseline": constant_baseline(train_items, items, args.baseline_candidates),
+               "baseline": constant_baseline(train_items, items),
                "read_back": synth.report(preds, scenes) if scenes else None,
                "attention": attention_on_change(model, items, root, ctx.device) if explained else None,
                "predictions": [{"id": it.id, "before": it.before, "after": it.after, "caption": preds[it.id],
@@ -340,8 +340,7 @@ def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
         os.replace(args.results + ".tmp", args.results)
         report(ctx, results, args, len(items), seconds)
         if args.gallery:
-            draw_gallery(args.gallery, items, preds, model, model.clip.cfg.image_resolution, ctx.device,
-                         args.gallery_n)
+            draw_gallery(args.gallery, items, preds, model, model.clip.cfg.image_resolution, ctx.device)
     return results
 
 
@@ -404,10 +403,8 @@ def get_args(argv=None):
                         "synthetic set in the small preset, off in the paper preset)")
     p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode every image once into a uint8 file (--cache-dir), reused by later runs (adapt.py "
-                        "builds the same one); default: when the disk has room for it")
-    p.add_argument("--cache-dir", default=None, help="where decoded-image caches go (default: "
-                                                     "$CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images)")
+                   help="decode every image once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/"
+                        "images), reused by later runs (adapt.py builds the same one); default: when the disk has room")
     # model
     p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks of the pair encoder (default: the "
                    "checkpoint's, 3 for a raw CLIP)")
@@ -424,9 +421,6 @@ def get_args(argv=None):
                         "(model.Captioner.pool; the grid must divide by k) [small: 2 on a patch grid of 12x12 or "
                         "more that 2 divides, else 1; paper: 1]")
     p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout (paper 0.1)")
-    p.add_argument("--max-len", type=at_least(2), default=32, help="most tokens per caption, <eos> included (paper 32)")
-    p.add_argument("--min-count", type=at_least(1), default=1,
-                   help="training-caption count for a word to enter the vocab")
     # optimization
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
     p.add_argument("--batch-size", type=at_least(1), default=None,
@@ -448,10 +442,7 @@ def get_args(argv=None):
     # decoding, output figures
     p.add_argument("--beam", type=at_least(1), default=1, help="beam size (1: greedy, as the paper)")
     p.add_argument("--eval-batch-size", type=at_least(1), default=64, help="pairs per decoding batch")
-    p.add_argument("--baseline-candidates", type=at_least(0), default=5000,
-                   help="constant-caption baseline: try the N most frequent training captions (0: all)")
     p.add_argument("--gallery", default=None, help="also draw test pairs with their captions into this PNG")
-    p.add_argument("--gallery-n", type=at_least(1), default=8, help="pairs in the gallery")
     # your own two images
     p.add_argument("--before", default=None, help="caption this image pair (needs a captioner --ckpt)")
     p.add_argument("--after", default=None, help="the 'after' image of --before")
@@ -546,9 +537,8 @@ def load_data(args, ckpt_info, resume, ctx):
         args.reverse = synth.is_synthetic(root)
     if args.reverse:
         splits["train"] = splits["train"] + data.reversed_pairs(splits["train"], root)
-    vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions],
-                                                       args.min_count)
-    captions = encode_captions(splits["train"], vocab, args.max_len)
+    vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions])
+    captions = encode_captions(splits["train"], vocab, MAX_LEN)
     log(ctx, f"data: {name} at {root} | pairs train {len(splits['train'])}"
              f"{' (half of them reversed, --reverse)' if args.reverse else ''} val {len(splits['val'])} test "
              f"{len(splits['test'])} | vocabulary {len(vocab)} words | {len(captions)} training captions")
@@ -575,7 +565,7 @@ def new_model(args, ckpt_info, vocab, ctx, clip):
     n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // resolve_mem_pool(args, clip)) ** 2  # pooled
     cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
-                          max_len=args.max_len, dropout=args.dropout, mem_diff=args.mem_diff,
+                          max_len=MAX_LEN, dropout=args.dropout, mem_diff=args.mem_diff,
                           mem_pool=args.mem_pool)
     return PairCaptioner(clip, Captioner(cfg)).to(ctx.device)  # every process builds the same (setup seeds them alike)
 
@@ -607,7 +597,7 @@ def loaders(model, splits, captions, args, ctx):
     are decoded once (the cache adapt.py built, when it used the same images and size); a frozen encoder then runs
     once per pair, here, and the loaders give its tokens; a fine-tuned one reads the images at every step."""
     size = model.clip.cfg.image_resolution
-    cache = data.open_image_cache([it for v in splits.values() for it in v], size, args.image_cache, args.cache_dir,
+    cache = data.open_image_cache([it for v in splits.values() for it in v], size, args.image_cache, None,
                                   ctx.world, ctx.rank, log=lambda m: log(ctx, m))
     feats = {}
     if args.freeze_encoder:

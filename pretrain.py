@@ -4,7 +4,8 @@
     python pretrain.py --resume                       # continue a killed run exactly (mid-epoch too)
     python pretrain.py --eval-only --ckpt mini12-synth     # held-out figures of a checkpoint (the shipped one)
     python pretrain.py --export clip_mini12_synth.pt  # the run's latest weights as the shipped fp16 file
-    python pretrain.py --world clevr --samples 40000 --out clevr.pt  # CLEVR's world: 20 min on 1 thread, rendering too
+    python pretrain.py --world clevr --out clevr.pt   # CLEVR's world: the shipped mini12-clevr (70 min on 1 thread)
+    python pretrain.py --eval-only --ckpt mini12-clevr --world clevr --clevr-root assets/clevr_renders
 
 CLIP4IDC adapts a CLIP that already sees objects: OpenAI pretrained ViT-B/32 on 400M image-text pairs, and the
 adaptation (adapt.py) moves its weights at 1e-7. The quickstart has no such CLIP, so this file makes one in
@@ -25,7 +26,8 @@ CLIP's loss trains the path into [CLS]; the patch tokens learn objects only as f
 each object, against the phrases of all 96 objects CLEVR can make ("a big red shiny cube"), must pick its own.
 The image tower's attention starts mimetically (Trockman and Kolter 2023; `--no-mimetic-init` for OpenAI's
 initialization): a token first attends to tokens like itself, which gives better held-out figures for the same
-cost (RESULTS.md "The mini CLIP"). The defaults are the recipe of the shipped `assets/clip_mini12_synth.pt`.
+cost (RESULTS.md "The mini CLIP"). The defaults are the recipe of the shipped `assets/clip_mini12_synth.pt`, and with
+`--world clevr` of `assets/clip_mini12_clevr.pt`, pretrained on scenes rendered as CLEVR renders them.
 """
 import argparse
 import json
@@ -56,6 +58,7 @@ ROOT = "data/clevr_pretrain"
 DEFAULTS = dict(scenes=12000, image_size=96, patch_size=8, vision_width=128, vision_layers=6, text_width=64,
                 text_layers=4, embed_dim=128, context_length=77, batch_size=128, negatives=1, lr=5e-4,
                 weight_decay=0.1, warmup=0.02, samples=300_000, eval_every=150)
+CLEVR = dict(samples=150_000, eval_every=300)  # --world clevr: the shipped mini12-clevr's recipe
 PROBE_ATTRS = synth.ATTRS  # size, color, material, shape
 
 
@@ -88,10 +91,11 @@ def get_args(argv=None):
                    "image tower's attention mimetically (Trockman and Kolter 2023): each token first attends to "
                    "tokens like itself")
     p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
-    p.add_argument("--samples", type=at_least(1), default=d["samples"],
-                   help="training images seen in all (the schedule)")
-    p.add_argument("--eval-every", type=at_least(1), default=d["eval_every"], help="steps between held-out evaluations "
-                                                                          "(each also writes the resumable state)")
+    p.add_argument("--samples", type=at_least(1), default=argparse.SUPPRESS, help="training images seen in all (the "
+                   f"schedule) (default: {d['samples']:,}; {CLEVR['samples']:,} for --world clevr)")
+    p.add_argument("--eval-every", type=at_least(1), default=argparse.SUPPRESS, help="steps between held-out "
+                   "evaluations, each also writing the resumable state (default: "
+                   f"{d['eval_every']}; {CLEVR['eval_every']} for --world clevr)")
     p.add_argument("--eval-images", type=at_least(1), default=1000, help="held-out images evaluated")
     p.add_argument("--out", default="pretrained.pt", help="the run's weights (fp32); resumable state in *.last.pt")
     p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
@@ -111,6 +115,9 @@ def get_args(argv=None):
                    help="rendering/decoding processes (default: all cores)")
     p.add_argument("--log-every", type=at_least(1), default=20, help="steps between progress lines")
     args = p.parse_args(argv)
+    for k in ("samples", "eval_every"):
+        if getattr(args, k, None) is None:
+            setattr(args, k, (CLEVR if args.world == "clevr" else d)[k])
     check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                       "--text-width": args.text_width})
     if args.clevr_root and not args.eval_only:

@@ -55,7 +55,8 @@ WORLDS = {
     "clevr": {"name": "clevr", "sizes": {"small": 0.35, "large": 0.7}, "cube": 1.0, "cylinder": (1.0, 2.0),
               "bound": {"cube": 1.74, "sphere": 1.0, "cylinder": 1.42}, "extent": 3.0,
               "camera": (-9.92, 5.34, 0.0), "zoom": 35 / 16, "floor": (0.40, 0.22, 0.95, 0.41, 0.3),
-              "tone": (0.16, 0.45, 0.47), "bevel": {"cube": 0.23, "cylinder": 0.08}},  # a grey offset, a luminance gain, a colour gain
+              "tone": (0.16, 0.45, 0.47),  # a grey offset, a luminance gain, a colour gain
+              "bevel": {"cube": 0.23, "cylinder": 0.08}},  # SmoothCube_v2's and SmoothCylinder's rounded edges
 }
 OURS = WORLDS["ours"]
 SIZES = OURS["sizes"]  # radius by size; the keys are the same in both worlds

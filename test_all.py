@@ -130,7 +130,7 @@ def save_archive(model, path):
     benchmarks: a random-weight ViT-B/32 saved so goes through the same loading code as the released file.
     Returns the model, pair parameters included, with its fp16-rounded weights back in fp32."""
     model, vis = to_fp16(model.eval()), model.visual
-    pair = {name: getattr(vis, name) for name in dict.fromkeys(k.split(".")[1] for k in M.PAIR_KEYS)}  # e1, e2, p, ln_mid
+    pair = {name: getattr(vis, name) for name in dict.fromkeys(k.split(".")[1] for k in M.PAIR_KEYS)}  # e1, e2, p, ...
     for name in pair:
         delattr(vis, name)
     try:
@@ -147,7 +147,7 @@ def save_archive(model, path):
 
 
 def decode(ids):
-    """Token ids (list or 1-D tensor) -> text; stops at clip_load.EOT (padding follows it), skips clip_load.SOT. Id 0 is "!"."""
+    """Token ids (list or 1-D tensor) -> text; stops at EOT (padding follows it), skips SOT. Id 0 is "!"."""
     decoder = {i: t for t, i in clip_load.vocab()[0].items()}
     byte_decoder = {c: b for b, c in clip_load.bytes_to_unicode().items()}
     pieces = []
@@ -2815,12 +2815,12 @@ BAD_FLAGS = {
                  "--lr-clip nan", "--weight-decay -1", "--grad-clip -1", "--eval-batch-size 0", "--log-every 0",
                  "--clip nowhere.pt", "--data-root nowhere", "--data spot => --data-root",
                  "--resume --out nowhere.pt", "--seed x"],
-    "caption.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu", "--beam 0", "--max-len 1",
+    "caption.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu", "--beam 0",
                    "--patience 0", "--ckpt nowhere.pt", "--workers -1", "--n-inter -1",
-                   "--width 0", "--heads 0", "--enc-layers -1", "--dec-layers 0", "--dropout 1", "--min-count 0",
+                   "--width 0", "--heads 0", "--enc-layers -1", "--dec-layers 0", "--dropout 1",
                    "--epochs 0", "--batch-size 0", "--lr -1", "--encoder-lr -1", "--weight-decay -1", "--warmup 1",
-                   "--grad-clip -1", "--log-every 0", "--eval-batch-size 0", "--baseline-candidates -1",
-                   "--gallery-n 0", "--ckpt mini-synth --before nowhere.png --after x => --before",
+                   "--grad-clip -1", "--log-every 0", "--eval-batch-size 0",
+                   "--ckpt mini-synth --before nowhere.png --after x => --before",
                    "--ckpt mini-synth --before a.png => --after",
                    "--ckpt mini-synth --resume --out x.pt => --resume", "--ckpt mini-synth --n-inter 9 => --n-inter",
                    "--ckpt mini-synth --width 130 --heads 4 => --heads",
