@@ -270,13 +270,6 @@ class CLIP(nn.Module):
         both_ways: (2B, ...), the pairs and then the same pairs reversed (VisionTransformer.forward_pair)."""
         return self.visual.forward_pair(before, after, both_ways)
 
-    def forward(self, image, text):
-        """OpenAI's logits_per_image, logits_per_text."""
-        img = F.normalize(self.encode_image(image), dim=-1)
-        txt = F.normalize(self.encode_text(text), dim=-1)
-        logits = self.logit_scale.exp() * img @ txt.t()
-        return logits, logits.t()
-
 
 def config_from_state_dict(sd, n_inter=3):
     """Read OpenAI's build arguments off the tensors' shapes (openai/CLIP `build_model`)."""
