@@ -152,7 +152,9 @@ def encode_all(model, loader, ctx, both_ways=False):
     out, back = [], []
     for batch in loader:
         with ctx.amp:
-            tokens = model.clip.encode_pair(**model_inputs(batch, ctx.device, False), both_ways=both_ways).tokens
+            inputs = model_inputs(batch, ctx.device, False)
+            pair = model.clip.visual.forward_both_ways if both_ways else model.clip.encode_pair
+            tokens = pair(inputs["before"], inputs["after"]).tokens
         tokens = model.captioner.pool(tokens.float()).half().cpu()
         out.append(tokens[:len(batch[0])])
         back.append(tokens[len(batch[0]):])  # empty unless both_ways

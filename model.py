@@ -165,25 +165,33 @@ class VisionTransformer(nn.Module):
         x = self.transformer(self.stem(x))
         return self.ln_post(x[:, 0]) @ self.proj
 
-    def forward_pair(self, before, after, both_ways=False):
-        """(B, 3, H, W) x2 -> PairEncoding: tokens (B, 2(n+1), output_dim), pair vector v (B, output_dim).
-        both_ways: also each pair the other way round, (after, before), as rows B..2B-1, at the cost of its inter
-        blocks only (the intra blocks see each image alone, so both orders share their work)."""
+    def forward_pair(self, before, after):
+        """The pair encoder, eq. (2)-(5): (B, 3, H, W) x2 -> PairEncoding: tokens (B, 2(n+1), output_dim), the pair
+        vector v (B, output_dim)."""
         B = before.shape[0]
-        x = self.stem(torch.cat([before, after]))  # both images in one batch: (2B, n+1, width)
-        blocks = self.transformer.resblocks
-        n_intra = len(blocks) - self.n_inter
-        for block in blocks[:n_intra]:  # eq. (2): intra blocks, each image alone
+        x = self.intra(self.stem(torch.cat([before, after])))  # eq. (2): each image alone, both in one batch
+        return self.inter(torch.cat([x[:B], x[B:]], dim=1))  # eq. (3)-(5) on the joint sequence (B, 2(n+1), width)
+
+    def forward_both_ways(self, before, after):
+        """A speed path for caption.py --reverse: forward_pair of (before, after) as rows 0..B-1 and of (after,
+        before) as rows B..2B-1, the intra blocks run once for both orders (they see each image alone)."""
+        B = before.shape[0]
+        x = self.intra(self.stem(torch.cat([before, after])))
+        return self.inter(torch.cat([torch.cat([x[:B], x[B:]], dim=1), torch.cat([x[B:], x[:B]], dim=1)]))
+
+    def intra(self, x):
+        """eq. (2): the first N_intra blocks, each image's tokens (B, n+1, width) alone."""
+        for block in self.transformer.resblocks[:len(self.transformer.resblocks) - self.n_inter]:
             x = block(x)
-        x_before, x_after = x[:B], x[B:]
-        x = torch.cat([x_before, x_after], dim=1)  # (B, 2(n+1), width)
-        if both_ways:  # then the same pairs reversed: (2B, 2(n+1), width)
-            x = torch.cat([x, torch.cat([x_after, x_before], dim=1)])
+        return x
+
+    def inter(self, x):
+        """eq. (3)-(5) on the two images' tokens side by side, x (B, 2(n+1), width) -> PairEncoding."""
         if self.n_inter > 0:
             n1 = x.shape[1] // 2
             e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
             x = self.ln_mid(x + e + self.joint_positional_embedding)  # eq. (4), ln_mid as in the authors' code
-            for block in blocks[n_intra:]:  # inter blocks: full attention over both images
+            for block in self.transformer.resblocks[-self.n_inter:]:  # full attention over both images
                 x = block(x)
         tokens = self.ln_post(x) @ self.proj  # all 2(n+1) tokens go to the captioner: (B, 2(n+1), output_dim)
         v = (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2  # eq. (5): mean of the two [CLS] tokens
@@ -191,7 +199,7 @@ class VisionTransformer(nn.Module):
 
     def inter_attention(self, before, after, last=None):
         """The inter blocks' attention weights on these pairs, one (B, heads, 2(n+1), 2(n+1)) per block (the `last`
-        blocks only, if given), for pictures and probes: hooks read each block's input during forward_pair and
+        blocks only, if given), for the pictures: hooks read each block's input during forward_pair and
         take the plain softmax (attention_weights) of it; the forward itself keeps scaled_dot_product_attention."""
         assert self.n_inter > 0, "the attention maps are the inter blocks': a 12/0 encoder has none"
         blocks = self.transformer.resblocks[-(self.n_inter if last is None else min(last, self.n_inter)):]
@@ -265,10 +273,9 @@ class CLIP(nn.Module):
         eot = text.argmax(dim=-1)  # the end-of-text id (49407) is the largest id
         return x[torch.arange(x.shape[0]), eot] @ self.text_projection
 
-    def encode_pair(self, before, after, both_ways=False):
-        """The CLIP4IDC pair encoder -> PairEncoding(tokens (B, 2(n+1), embed_dim), vector (B, embed_dim));
-        both_ways: (2B, ...), the pairs and then the same pairs reversed (VisionTransformer.forward_pair)."""
-        return self.visual.forward_pair(before, after, both_ways)
+    def encode_pair(self, before, after):
+        """The CLIP4IDC pair encoder -> PairEncoding(tokens (B, 2(n+1), embed_dim), vector (B, embed_dim))."""
+        return self.visual.forward_pair(before, after)
 
 
 def config_from_state_dict(sd, n_inter=3):
