@@ -316,6 +316,14 @@ def load_data(args, root, ctx):
     return splits, cache, loader
 
 
+def checkpoint(model, args, root, metrics):
+    """What caption.py and clip_load.load_clip need to rebuild the encoder, plus what produced it."""
+    return {"model": model.state_dict(), "config": asdict(model.cfg), "stage": "adapt",
+            "tokenizer": {"context_length": args.context_length, "bpe_sha256": clip_load.BPE_SHA256},
+            "data": {"name": args.data, "root": str(root), "image_size": args.image_size},
+            "metrics": metrics, "args": vars(args)}
+
+
 def save_epoch(model, optimizer, scheduler, rng, args, root, val, epoch, step, best, history):
     """After an epoch (rank 0): the model when val improved (--out), and always the resumable state (*.last.pt)."""
     if val["R@mean"] > best:
@@ -426,14 +434,6 @@ def main(argv=None):
         torch.distributed.destroy_process_group()
     if ctx.main:
         test_best(model, splits["test"], args, ctx, cache, history, t_start)
-
-
-def checkpoint(model, args, root, metrics):
-    """What caption.py and clip_load.load_clip need to rebuild the encoder, plus what produced it."""
-    return {"model": model.state_dict(), "config": asdict(model.cfg), "stage": "adapt",
-            "tokenizer": {"context_length": args.context_length, "bpe_sha256": clip_load.BPE_SHA256},
-            "data": {"name": args.data, "root": str(root), "image_size": args.image_size},
-            "metrics": metrics, "args": vars(args)}
 
 
 if __name__ == "__main__":

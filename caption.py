@@ -11,7 +11,7 @@ cross entropy. The pair encoder is fine-tuned at its own tiny learning rate (aut
 "total" setting in training and evaluation: (default, semantic) pairs with change captions and (default,
 non-semantic) distractor pairs with no-change captions. The model is chosen on val CIDEr-D with early stopping
 (the authors chose on test); the test scores (metrics.py: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D), CIDEr-D per change
-type (paper Table 2) and the best constant-caption baseline go to --results. The small preset (adapt.py's small
+type (paper Table 2) and the best constant-caption baseline go to --results. The mini preset (adapt.py's small
 encoders, on a CPU) departs from the paper's captioner: README "Where the quickstart differs from the paper".
 """
 import argparse
@@ -47,7 +47,7 @@ PRESETS = {
     # 74 memory tokens instead of 290); on a synthetic set every training pair is also shown the other way round
     # (--reverse; reverse=None: where the scene records allow it), so that the order of the images tells an
     # addition from a removal
-    "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
+    "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                   freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=15, reverse=None, mem_diff=True,
                   mem_pool=None),
     # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
@@ -123,8 +123,8 @@ class PairCaptioner(nn.Module):
         those tokens computed already (a frozen encoder runs once per pair, before training)."""
         return tokens if tokens is not None else self.clip.encode_pair(before, after).tokens
 
-    def forward(self, words, **inputs):
-        return self.captioner(self.memory(**inputs), words)  # (B, T, vocab)
+    def forward(self, ids, **inputs):
+        return self.captioner(self.memory(**inputs), ids)  # (B, T, vocab)
 
     @torch.no_grad()
     def caption(self, beam=1, **inputs):
@@ -161,7 +161,7 @@ def encode_all(model, loader, ctx, both_ways=False):
     return torch.cat(out + back)
 
 
-def build(ckpt, device, n_inter=None, ckpt_info=None):
+def build(ckpt, device, ckpt_info, n_inter=None):
     """A captioner checkpoint (caption.py's own) -> (PairCaptioner model, vocab)."""
     clip = clip_load.load_clip(ckpt, device, n_inter)
     captioner = Captioner(CaptionerConfig(**ckpt_info["captioner_config"]))
@@ -191,7 +191,7 @@ def lr_rule(args, n_inter):
         if not name.startswith("clip.visual."):
             return None  # the text tower and the logit scale take no part in captioning
         if args.freeze_encoder:
-            return None  # the small preset: the pair encoder's tokens are computed once, before training
+            return None  # the mini preset: the pair encoder's tokens are computed once, before training
         if name[len("clip."):] in unused:
             return None  # 12/0: e1, e2, p, ln_mid are never used (and DDP wants every trained parameter used)
         # the whole pair encoder fine-tuned end to end (authors: 1e-7), CLIP's input embeddings included: the
@@ -389,8 +389,8 @@ def get_args(argv=None):
     p.add_argument("--out", default="captioner.pt", help="where the best captioner goes (+ .last.pt to resume)")
     p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
     p.add_argument("--resume", action="store_true", help="continue the run that writes --out from its last epoch")
-    p.add_argument("--preset", choices=["auto", "small", "paper"], default="auto", help="defaults for the flags "
-                   "left unset: auto = small for adapt.py's small encoder, paper for ViT-B/32")
+    p.add_argument("--preset", choices=["auto", "mini", "paper"], default="auto", help="defaults for the flags "
+                   "left unset: auto = mini for adapt.py's small encoders, paper for ViT-B/32")
     p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
                    help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
@@ -402,7 +402,7 @@ def get_args(argv=None):
     p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None,
                    help="also train on every pair the other way round, (after, before), captioned backwards (an "
                         "addition becomes a removal): needs the synthetic set's scene records (default: on for a "
-                        "synthetic set in the small preset, off in the paper preset)")
+                        "synthetic set in the mini preset, off in the paper preset)")
     p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="decode every image once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/"
@@ -420,7 +420,7 @@ def get_args(argv=None):
                         f"(model.Captioner.encode) {pre('mem_diff')}")
     p.add_argument("--mem-pool", type=at_least(1), default=None,
                    help="not in the paper: the captioner reads each image's patch tokens averaged over k x k cells "
-                        "(model.Captioner.pool; the grid must divide by k) [small: 2 on a patch grid of 12x12 or "
+                        "(model.Captioner.pool; the grid must divide by k) [mini: 2 on a patch grid of 12x12 or "
                         "more that 2 divides, else 1; paper: 1]")
     p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout (paper 0.1)")
     # optimization
@@ -468,10 +468,10 @@ def get_args(argv=None):
 
 
 def apply_preset(args, ckpt_info):
-    """auto: small for adapt.py's small encoders (the shipped mini CLIP, adapted or raw, and the from-scratch one),
+    """auto: mini for adapt.py's small encoders (the shipped mini CLIP, adapted or raw, and the from-scratch one),
     paper for a ViT-B/32 (OpenAI's, adapted or raw)."""
     small = args.ckpt in clip_load.SHIPPED or ckpt_info.get("config", {}).get("vision_width", 768) < 768  # raw mini
-    name = args.preset if args.preset != "auto" else ("small" if small else "paper")
+    name = args.preset if args.preset != "auto" else ("mini" if small else "paper")
     for k, v in PRESETS[name].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -535,7 +535,7 @@ def load_data(args, ckpt_info, resume, ctx):
     vocabulary (a resumed run's own), every training caption's word ids)."""
     name, root = data_source(args, ckpt_info, ctx)
     splits = {s: data.load_items(name, root, s, "total", args.skip_missing) for s in ("train", "val", "test")}
-    if args.reverse is None:  # the small preset: on where the renderer's scene records allow it
+    if args.reverse is None:  # the mini preset: on where the renderer's scene records allow it
         args.reverse = synth.is_synthetic(root)
     if args.reverse:
         splits["train"] = splits["train"] + data.reversed_pairs(splits["train"], root)
@@ -548,7 +548,7 @@ def load_data(args, ckpt_info, resume, ctx):
 
 
 def resolve_mem_pool(args, clip):
-    """--mem-pool for this CLIP's patch grid: the small preset's None is 2 (2x2 cells) on a grid of 12x12 or more
+    """--mem-pool for this CLIP's patch grid: the mini preset's None is 2 (2x2 cells) on a grid of 12x12 or more
     that 2 divides, else 1 (every patch); the grid must divide by it."""
     grid = clip.cfg.image_resolution // clip.cfg.vision_patch_size
     if args.mem_pool is None:
@@ -634,11 +634,11 @@ def validate(model, loader, items, vocab, scenes, ctx):
     return val
 
 
-def checkpoint(model, vocab, source, args, metrics_):
+def checkpoint(model, vocab, source, args, figures):
     """What `--ckpt captioner.pt` needs to rebuild the captioner (build), plus what produced it."""
     return {"model": model.clip.state_dict(), "captioner": model.captioner.state_dict(),
             "config": asdict(model.clip.cfg), "captioner_config": asdict(model.captioner.cfg), "vocab": vocab,
-            "data": source, "args": vars(args), "metrics": metrics_, "stage": "caption"}
+            "data": source, "args": vars(args), "metrics": figures, "stage": "caption"}
 
 
 # where a run stands, in its resumable file
@@ -703,10 +703,10 @@ def train(args, ckpt_info):
     start, stop, step, best, best_epoch, no_gain, history = resume_from(resume, model, optimizer, scheduler, args, ctx)
 
     def loss_fn(batch):  # (inputs..., each pair's drawn caption (B, T), item index): word-level cross entropy
-        words = batch[-2]
-        words = words[:, :int((words != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
-        logits = net(words[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))
-        return caption_loss(logits, words[:, 1:], ctx.world), len(batch[-1])  # pairs, for the pairs/s
+        ids = batch[-2]
+        ids = ids[:, :int((ids != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
+        logits = net(ids[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))
+        return caption_loss(logits, ids[:, 1:], ctx.world), len(batch[-1])  # pairs, for the pairs/s
 
     # training: select on val CIDEr-D, stop after --patience epochs without gain
     t_start = time.time()

@@ -273,6 +273,13 @@ class CLIP(nn.Module):
         eot = text.argmax(dim=-1)  # the end-of-text id (49407) is the largest id
         return x[torch.arange(x.shape[0]), eot] @ self.text_projection
 
+    def forward(self, image, text):
+        """OpenAI's logits_per_image, logits_per_text (its archive's traced module needs a forward)."""
+        img = F.normalize(self.encode_image(image), dim=-1)
+        txt = F.normalize(self.encode_text(text), dim=-1)
+        logits = self.logit_scale.exp() * img @ txt.t()
+        return logits, logits.t()
+
     def encode_pair(self, before, after):
         """The CLIP4IDC pair encoder -> PairEncoding(tokens (B, 2(n+1), embed_dim), vector (B, embed_dim))."""
         return self.visual.forward_pair(before, after)

@@ -319,7 +319,7 @@ def tiny_encoder(path, root):
 
 def run(tmp, *extra, epochs):
     return caption.main([*CPU, "--ckpt", str(tmp / "adapted.pt"), "--out", str(tmp / "captioner.pt"), "--results",
-                         str(tmp / "captions.json"), "--preset", "small", "--width", "64", "--heads", "2",
+                         str(tmp / "captions.json"), "--preset", "mini", "--width", "64", "--heads", "2",
                          "--enc-layers", "1", "--dec-layers", "1", "--epochs", str(epochs), "--batch-size", "4",
                          "--lr", "2e-3", "--patience", "100", "--workers", "0", "--log-every", "1000", *extra])
 
@@ -779,7 +779,7 @@ def test_mem_pool_averages_each_images_patch_grid():
 
 
 def test_the_small_presets_mem_pool_follows_the_patch_grid(capsys):
-    """caption.resolve_mem_pool: the small preset (None) pools 2x2 on a grid of 12x12 or more that 2 divides and
+    """caption.resolve_mem_pool: the mini preset (None) pools 2x2 on a grid of 12x12 or more that 2 divides and
     reads every patch of a smaller or odd one (the 6x6 CLIP, ViT-B/32's 7x7); a k the grid does not divide is a
     clear --mem-pool error."""
     for (size, patch), want in {(96, 8): 2, (96, 16): 1, (224, 32): 1, (208, 16): 1, (224, 16): 2}.items():
@@ -805,7 +805,7 @@ def test_caption_mem_diff_is_saved_and_read_back(tmp_path):
     model, _ = caption.build(tmp_path / "captioner.pt", "cpu", ckpt_info=saved)  # its 4x4 grid read pooled 2x2
     assert model.captioner.mem_diff is not None and model.captioner.cfg.mem_pool == 2
     assert torch.equal(model.captioner.mem_diff.weight, saved["captioner"]["mem_diff.weight"])
-    run(tmp_path, "--no-mem-diff", epochs=1)  # off (the small preset has it on)
+    run(tmp_path, "--no-mem-diff", epochs=1)  # off (the mini preset has it on)
     saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
     assert saved["captioner_config"]["mem_diff"] is False and "mem_diff.weight" not in saved["captioner"]
 
@@ -1723,7 +1723,7 @@ def test_reversed_pairs_get_their_own_tokens(adapt_synth, openai_archive, pool):
     """caption.loaders encodes --reverse's pairs together with the forward ones (the intra blocks' work shared):
     each reversed pair's stored tokens are the frozen encoder's on (after, before), and in the items' order; with
     --mem-pool 2 they are stored pooled, as the captioner reads them (the 4x4 grid's 2x2 cells)."""
-    args = caption.get_args(["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "small",
+    args = caption.get_args(["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "mini",
                              "--workers", "0", "--eval-batch-size", "5", "--mem-pool", str(pool)])
     ctx = train_utils.setup(0, "cpu")
     caption.apply_preset(args, {})
@@ -2315,7 +2315,7 @@ def test_cider_by_change_type_scores_each_type_alone():
 @pytest.mark.slow
 def test_reverse_needs_the_scene_records(trained, tmp_path):
     """--reverse captions a pair backwards from the renderer's record of the change: on a set without one (real
-    CLEVR-Change, here a tiny one in its format) asking for it is a clear error, and the small preset's default
+    CLEVR-Change, here a tiny one in its format) asking for it is a clear error, and the mini preset's default
     leaves it off (the fixture's run trained on the pairs as they are)."""
     tmp, _ = trained
     assert torch.load(tmp / "captioner.pt", weights_only=False)["args"]["reverse"] is False
@@ -2645,13 +2645,13 @@ def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     assert caption.apply_preset(args, {}) == "paper"
     assert all(getattr(args, k) == v for k, v in caption.PRESETS["paper"].items())
     args = caption.get_args(["--ckpt", "mini-synth", "--warmup", "0.3", "--weight-decay", "0.5"])
-    assert caption.apply_preset(args, {}) == "small" and (args.warmup, args.weight_decay) == (0.3, 0.5)
-    assert args.epochs == caption.PRESETS["small"]["epochs"]
+    assert caption.apply_preset(args, {}) == "mini" and (args.warmup, args.weight_decay) == (0.3, 0.5)
+    assert args.epochs == caption.PRESETS["mini"]["epochs"]
     rule = caption.lr_rule(caption.get_args(["--ckpt", A_FILE, "--lr", "2e-4", "--encoder-lr", "1e-6",
                                              "--no-freeze-encoder"]), 0)
     assert rule("captioner.decoder.0.attn.q_proj.weight") == 2e-4 and rule("clip.transformer.ln_1") is None
     assert rule("clip.visual.conv1.weight") == 1e-6 and rule("clip.visual.bef_embedding") is None
-    assert caption.lr_rule(args, 3)("clip.visual.bef_embedding") is None  # frozen encoder (the small preset)
+    assert caption.lr_rule(args, 3)("clip.visual.bef_embedding") is None  # frozen encoder (the mini preset)
 
 
 @pytest.mark.slow
@@ -3005,7 +3005,7 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
 @pytest.mark.slow
 def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch, capsys):
     """The quickstart's two commands in miniature: the mini preset adapts the shipped 12x12 CLIP (2 heads, 145
-    tokens an image, the authors' random p), and the small preset captions over its memory pooled 2x2 (74 tokens,
+    tokens an image, the authors' random p), and the mini preset captions over its memory pooled 2x2 (74 tokens,
     128 wide, 4 heads, after minus before at each position, every pair both ways round)."""
     monkeypatch.setattr(clip_load, "CACHE", tmp_path)  # no ViT-B-32.pt anywhere
     out = tmp_path / "adapted.pt"
@@ -3026,7 +3026,7 @@ def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch,
     p = adapted["visual.joint_positional_embedding"]  # the authors' random p: each token its own, small
     assert p.shape == (2 * 145, 128)  # a 12x12 grid and [CLS], twice
     assert (p[:145] - p[145:]).norm(dim=1).min() > 0.1 and p.norm(dim=1).max() < 5
-    # caption.py's small preset over those tokens pooled 2x2, every training pair both ways round
+    # caption.py's mini preset over those tokens pooled 2x2, every training pair both ways round
     cap = tmp_path / "captioner.pt"
     res = caption.main([*CPU, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"),
                         "--epochs", "1",
@@ -3055,12 +3055,12 @@ def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
     b, a = torch.randn(2, 3, 32, 32), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert_close(adapted.encode_pair(b, a).vector, (adapted.encode_image(b) + adapted.encode_image(a)) / 2)
-    # no adaptation: the raw CLIP archive as caption.py's encoder, frozen (the small preset)
-    res = caption.main([*CPU, "--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "small",
+    # no adaptation: the raw CLIP archive as caption.py's encoder, frozen (the mini preset)
+    res = caption.main([*CPU, "--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "mini",
                         "--out", str(tmp_path / "cap.pt"), "--results", str(tmp_path / "c.json"), "--epochs", "1",
                         "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
     saved, raw = torch.load(tmp_path / "cap.pt", weights_only=False), clip_load.load_clip(openai_archive).state_dict()
-    # the small preset on a synthetic set trains on every pair both ways round (--reverse): twice the steps
+    # the mini preset on a synthetic set trains on every pair both ways round (--reverse): twice the steps
     n_train = len(data.load_items("clevr", adapt_synth, "train", "total"))
     assert saved["args"]["reverse"] is True
     assert torch.load(tmp_path / "cap.last.pt", weights_only=False)["step"] == 2 * n_train // 8
@@ -3154,7 +3154,7 @@ def test_sigkilled_runs_resume_to_the_same_weights(adapt_synth, tmp_path):
     checkpoint, then resumed: the final weights and the chosen model equal those of a run never stopped."""
     stages = {
         "adapt": TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2", "--workers", "0"],
-        "caption": [*CPU, "--ckpt", str(tmp_path / "full_adapt.pt"), "--preset", "small", "--width", "64",
+        "caption": [*CPU, "--ckpt", str(tmp_path / "full_adapt.pt"), "--preset", "mini", "--width", "64",
                     "--heads", "2",
                     "--enc-layers", "1", "--dec-layers", "1", "--epochs", "2", "--batch-size", "8", "--workers", "0",
                     "--patience", "100", "--log-every", "1"],
@@ -3242,7 +3242,7 @@ def assert_cpu_checkpoints(*outs):
 @pytest.mark.slow
 def test_cuda_quickstart_stages_in_bf16_read_back_on_the_cpu(gpu, adapt_synth, tmp_path, monkeypatch, capsys):
     """The quickstart's two commands on a tiny synthetic set on the GPU: the mini preset adapts the shipped 12x12
-    CLIP, the small preset captions (with --gallery: the attention maps on the GPU). Every step trains on the GPU
+    CLIP, the mini preset captions (with --gallery: the attention maps on the GPU). Every step trains on the GPU
     under bf16 autocast with fp32 weights. The checkpoints hold CPU tensors, and the captioner written on the GPU
     writes the same test captions, and the same caption of one pair (--before/--after), on the GPU and on the CPU,
     fp32 on both sides."""
