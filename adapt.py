@@ -205,8 +205,8 @@ def encode_split(model, items, args, ctx, cache=None):
     ds = data.ImageDataset(items, args.image_size, cache=cache)
     loader = data.make_loader(ds, args.eval_batch_size, workers=args.workers, device=ctx.device)
     pairs = []
-    for before, after, _ in loader:
-        before, after = (clip_load.normalize(x.to(ctx.device, non_blocking=True)) for x in (before, after))
+    for batch in loader:
+        before, after = (clip_load.normalize(batch[k].to(ctx.device, non_blocking=True)) for k in ("before", "after"))
         with ctx.amp:
             pairs.append(model.encode_pair(before, after).vector.float())
     # every caption is a retrieval target (load_items has dropped the empty ones)
@@ -397,8 +397,8 @@ def main(argv=None):
     if args.compile:
         net = torch.compile(net)
 
-    def loss_fn(batch):  # eq. (6)-(8) on a batch of (before, after, caption ids, item index)
-        before, after, ids, _ = batch
+    def loss_fn(batch):  # eq. (6)-(8) on a batch of pairs and a caption of each
+        before, after, ids = batch["before"], batch["after"], batch["ids"]
         ids = clip_load.trim(ids, static=args.compile or args.cuda_graphs)  # reading the length makes a GPU wait
         before, after, ids = (t.to(ctx.device, non_blocking=True) for t in (before, after, ids))
         before, after = clip_load.normalize(before), clip_load.normalize(after)  # uint8 -> CLIP's input, on device

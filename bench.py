@@ -198,16 +198,17 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
     images = torch.randint(0, 256, (2, batch, 3, 224, 224), dtype=torch.uint8, generator=g).to(device)
     ids = random_ids(batch, text_len, device)
 
-    def loss_fn(b):  # b: a loader's (before uint8, after uint8, ids, index), or None for the fixed batch above
+    def loss_fn(b):  # b: a loader's batch (uint8 images), or None for the fixed batch above
         if b is None:  # the paper's 32 tokens
             before, after, text = images[0], images[1], ids
         else:  # as adapt.py: trimmed to the longest caption on the CPU, or (compiled) static shapes, all 32 tokens
-            text = clip_load.trim(b[2], static=compile or graphs)
-            before, after, text = (t.to(device, non_blocking=True) for t in (b[0], b[1], text))
+            text = clip_load.trim(b["ids"], static=compile or graphs)
+            before, after, text = (t.to(device, non_blocking=True) for t in (b["before"], b["after"], text))
         return contrastive_loss(*net(clip_load.normalize(before), clip_load.normalize(after), text)), len(text)
     if graphs:  # a loader's batch, or the fixed one, through the captured step
         graphed = GraphedStep(ctx, loss_fn, optimizer, scheduler, params, args.grad_clip)
-        return model, lambda b=None: graphed(b if b is not None else (images[0], images[1], ids))[0]
+        return model, lambda b=None: graphed(b if b is not None else {"before": images[0], "after": images[1],
+                                                                      "ids": ids})[0]
     step = lambda b=None: train_step(ctx, net, b, loss_fn, optimizer, scheduler, params, args.grad_clip)[0]
     return model, step
 
@@ -513,8 +514,8 @@ class _Normalized(torch.utils.data.Dataset):
 
     def __getitem__(self, key):
         import clip_load
-        before, after, ids, i = self.ds[key]
-        return clip_load.normalize(before), clip_load.normalize(after), ids, i
+        s = self.ds[key]
+        return clip_load.normalize(s["before"]), clip_load.normalize(s["after"]), s["ids"], s["index"]
 
 
 class GPUBusy:
@@ -562,13 +563,14 @@ def loop_rate(loader, step, device, batches, warmup=1):
         except StopIteration:
             it = iter(loader)
             batch = next(it)
+        fields = list(batch.values()) if isinstance(batch, dict) else batch  # ours, or the authors' tuples
         if step is None:
-            for t in batch[:3]:
+            for t in fields[:3]:
                 t.to(device, non_blocking=True)
         else:
             step(batch)
         if k >= warmup:
-            n += len(batch[0])
+            n += len(fields[0])
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0

@@ -135,12 +135,11 @@ class PairCaptioner(nn.Module):
 
 
 def model_inputs(batch, device, frozen):
-    """PairCaptioner's inputs on the device from a batch's leading entries: a frozen encoder's tokens (the datasets'
-    `features`), else the two uint8 images, normalized here."""
+    """PairCaptioner's inputs on the device from a batch: a frozen encoder's tokens (the datasets' "features"),
+    else the two uint8 images, normalized here."""
     if frozen:
-        return {"tokens": batch[0].to(device, non_blocking=True)}
-    before, after = (clip_load.normalize(x.to(device, non_blocking=True)) for x in batch[:2])
-    return {"before": before, "after": after}
+        return {"tokens": batch["features"].to(device, non_blocking=True)}
+    return {k: clip_load.normalize(batch[k].to(device, non_blocking=True)) for k in ("before", "after")}
 
 
 @torch.no_grad()
@@ -156,8 +155,8 @@ def encode_all(model, loader, ctx, both_ways=False):
             pair = model.clip.visual.forward_both_ways if both_ways else model.clip.encode_pair
             tokens = pair(inputs["before"], inputs["after"]).tokens
         tokens = model.captioner.pool(tokens.float()).half().cpu()
-        out.append(tokens[:len(batch[0])])
-        back.append(tokens[len(batch[0]):])  # empty unless both_ways
+        out.append(tokens[:len(batch["index"])])
+        back.append(tokens[len(batch["index"]):])  # empty unless both_ways
     return torch.cat(out + back)
 
 
@@ -212,7 +211,7 @@ def predict(model, loader, items, vocab, ctx, beam=1):
     for batch in loader:
         with ctx.amp:
             ids = model.caption(beam, **model_inputs(batch, ctx.device, frozen))
-        for i, row in zip(batch[-1].tolist(), ids.tolist()):
+        for i, row in zip(batch["index"].tolist(), ids.tolist()):
             out[items[i].id] = to_text(row, vocab)
     return out
 
@@ -702,11 +701,11 @@ def train(args, ckpt_info):
         model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
     start, stop, step, best, best_epoch, no_gain, history = resume_from(resume, model, optimizer, scheduler, args, ctx)
 
-    def loss_fn(batch):  # (inputs..., each pair's drawn caption (B, T), item index): word-level cross entropy
-        ids = batch[-2]
+    def loss_fn(batch):  # word-level cross entropy on each pair's drawn caption (B, T)
+        ids = batch["ids"]
         ids = ids[:, :int((ids != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
         logits = net(ids[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))
-        return caption_loss(logits, ids[:, 1:], ctx.world), len(batch[-1])  # pairs, for the pairs/s
+        return caption_loss(logits, ids[:, 1:], ctx.world), len(ids)  # pairs, for the pairs/s
 
     # training: select on val CIDEr-D, stop after --patience epochs without gain
     t_start = time.time()

@@ -454,9 +454,11 @@ def open_image_cache(items, size, flag=None, directory=None, world=1, rank=0, lo
 class _Pairs(torch.utils.data.Dataset):
     """Items -> uint8 images [3, S, S] (streamed from disk, or from an ImageCache) and pre-tokenized captions. The
     stages normalize on the device (`clip_load.normalize`): a quarter of the bytes through the loader and the
-    host-to-GPU copy. Each dataset says what one sample is in `parts(key)`: (its image paths, its other fields).
-    A DataLoader asks for whole batches (`__getitems__`): from a cache, one sorted read per image column.
-    `features`: per item, a frozen encoder's tokens, computed once, given in place of the two images."""
+    host-to-GPU copy. A sample and a batch are dicts of named fields: "before", "after" (uint8 images) or
+    "features" (per item, a frozen encoder's tokens, computed once, given in place of the two images), then the
+    dataset's own ("ids", "index"). Each dataset says what one sample is in `parts(key)`: ({field: image path},
+    {field: value}). A DataLoader asks for whole batches (`__getitems__`): from a cache, one sorted read per image
+    field."""
 
     def __init__(self, items, size=224, cache=None, features=None):
         self.items, self.size, self.cache, self.features = items, size, cache, features
@@ -470,22 +472,22 @@ class _Pairs(torch.utils.data.Dataset):
             raise BadImage(f"{e}: replace that file with a readable image, or pass --skip-missing to drop its "
                            f"pair ({SEE})") from None
 
-    def pair(self, i, before, rest):
-        """Sample parts of item i: its images (before: the path to use) and `rest`, or its features and `rest`."""
+    def pair(self, i, before, **rest):
+        """Sample fields of item i: {name: path} of its two images (before: the path to use) and `rest`, or no
+        images and its features in `rest`."""
         if self.features is not None:
-            return (), (self.features[i], *rest)
-        return (before, self.items[i].after), rest
+            return {}, {"features": self.features[i], **rest}
+        return {"before": before, "after": self.items[i].after}, rest
 
     def __getitem__(self, key):
         paths, rest = self.parts(key)
-        return (*(self.image(p) for p in paths), *rest)
+        return {**{k: self.image(p) for k, p in paths.items()}, **rest}
 
     def __getitems__(self, keys):
-        parts = [self.parts(k) for k in keys]
-        images = [self.cache.batch(list(column)) if self.cache is not None else
-                  torch.stack([self.image(p) for p in column]) for column in zip(*(paths for paths, _ in parts))]
-        rest = [torch.utils.data.default_collate(list(column)) for column in zip(*(r for _, r in parts))]
-        return (*images, *rest)
+        paths, rest = zip(*(self.parts(k) for k in keys))
+        images = {k: self.cache.batch([p[k] for p in paths]) if self.cache is not None else
+                  torch.stack([self.image(p[k]) for p in paths]) for k in paths[0]}
+        return {**images, **{k: torch.utils.data.default_collate([r[k] for r in rest]) for k in rest[0]}}
 
 
 def sample_rng(seed, epoch, index):
@@ -502,8 +504,8 @@ def set_epoch(loader, epoch):
 
 
 class CaptionDataset(_Pairs):
-    """Training samples of both stages -> (before, after, caption token ids, item index), or with `features`
-    (features, caption token ids, item index). What a sample is:
+    """Training samples of both stages -> {"before", "after" (or "features"), "ids": the caption's token ids,
+    "index": the item's}. What a sample is:
     - draw=False (adaptation, as the authors): one sample per caption, each caption once an epoch;
     - draw=True (captioning, and adapt.py's mini preset): one sample per pair, trained on one of its captions
       drawn from (seed, epoch, pair).
@@ -533,18 +535,17 @@ class CaptionDataset(_Pairs):
         if r is None:  # draw=True: one of the pair's captions
             r = self.first[i] + int(rng.integers(self.counts[i]))
         swap = it.alt_before and self.swap_prob and rng.random() < self.swap_prob
-        return self.pair(i, it.alt_before if swap else it.before, (self.tokens[r], i))
+        return self.pair(i, it.alt_before if swap else it.before, ids=self.tokens[r], index=i)
 
 
 class ImageDataset(_Pairs):
-    """Images only -> (before, after, item_index), or with `features` (features, item index); references stay in
-    items[i].captions."""
+    """Images only -> {"before", "after" (or "features"), "index"}; references stay in items[i].captions."""
 
     def __len__(self):
         return len(self.items)
 
     def parts(self, i):
-        return self.pair(i, self.items[i].before, (i,))
+        return self.pair(i, self.items[i].before, index=i)
 
 
 class EpochSampler(torch.utils.data.Sampler):

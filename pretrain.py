@@ -193,21 +193,22 @@ class Descriptions(torch.utils.data.Dataset):
                                                     for _ in range(self.negatives)]
 
     def batch(self, keys, epoch):
-        """-> images (B, 3, S, S) uint8, token ids (B * (1 + negatives), L): the B descriptions first, then the
-        first negative of each image, then the second...; with `objects` (--object-loss) also (image in batch, patch
-        cell, index in OBJECTS) rows (N_objects, 3) and OBJECTS' phrases worded for this step (len(OBJECTS), L)."""
+        """-> {"images": (B, 3, S, S) uint8, "ids": token ids (B * (1 + negatives), L): the B descriptions first,
+        then the first negative of each image, then the second...}; with `objects` (--object-loss) also "objects":
+        (image in batch, patch cell, index in OBJECTS) rows (N_objects, 3), and "phrases": OBJECTS' phrases worded
+        for this step (len(OBJECTS), L)."""
         images = self.cache.batch([self.images[k][0] for k in keys])
         texts = [self.texts(k, epoch) for k in keys]
         ordered = [t[j] for j in range(1 + self.negatives) for t in texts]
+        batch = {"images": images, "ids": clip_load.tokenize(ordered, self.context_length, truncate=True)}
         if not self.objects:  # 96 phrases to tokenize: about 90 ms a step on a CPU core
-            return images, clip_load.tokenize(ordered, self.context_length, truncate=True)
+            return batch
         grid = self.cache.data.shape[-1] // self.patch_size
         objects = torch.tensor([(b, cell(u, v, grid), OBJECTS.index(tuple(o[a] for a in synth.ATTRS)))
                                 for b, k in enumerate(keys) for o, (u, v) in self.images[k][1]])
         rng = random.Random(f"objects-{self.seed}-{epoch}-{keys[0]}")  # the wording, again the same on resume
         phrases = ["a " + " ".join(rng.choice(synth.SAY.get(w, (w,))) for w in o) for o in OBJECTS]
-        return (images, clip_load.tokenize(ordered, self.context_length, truncate=True), objects,
-                clip_load.tokenize(phrases, self.context_length))
+        return {**batch, "objects": objects, "phrases": clip_load.tokenize(phrases, self.context_length)}
 
 
 class Steps:
@@ -455,14 +456,14 @@ def main(argv=None):
         log(ctx, f"   resumed from {last_path(args.out)} at step {step}")
 
     def loss_fn(batch):
-        images, ids = batch[:2]
+        images, ids = batch["images"], batch["ids"]
         ids = clip_load.trim(ids)  # up to the longest text's end token
         images, ids = clip_load.normalize(images.to(ctx.device)), ids.to(ctx.device)
         if not args.object_loss:
             return clip_loss(model.encode_image(images), model.encode_text(ids), model.logit_scale), len(images)
         tokens = image_tokens(model.visual, images)  # token 0 is encode_image's output
         loss = clip_loss(tokens[:, 0], model.encode_text(ids), model.logit_scale)
-        objects, phrases = batch[2].to(ctx.device), clip_load.trim(batch[3]).to(ctx.device)
+        objects, phrases = batch["objects"].to(ctx.device), clip_load.trim(batch["phrases"]).to(ctx.device)
         loss = loss + args.object_loss * object_loss(tokens[objects[:, 0], objects[:, 1]], model.encode_text(phrases),
                                                      objects[:, 2], model.logit_scale)
         return loss, len(images)

@@ -1104,16 +1104,18 @@ def test_datasets(synth_set):
     items = data.load_items("clevr", synth_set, "train", "semantic")
     ds = data.CaptionDataset(items, size=32, context_length=32)
     assert len(ds) == sum(len(it.captions) for it in items)
-    before, after, tokens, i = ds[7]
+    s = ds[7]
+    before, after, tokens, i = s["before"], s["after"], s["ids"], s["index"]
     assert before.shape == after.shape == (3, 32, 32) and before.dtype == torch.uint8  # normalized on the device
     assert tokens.shape == (32,) and tokens[0] == 49406 and (i, 7) == (ds.samples[7][0], 7)
     first = [k for k, (owner, _) in enumerate(ds.samples) if owner == i][0]  # the item's first caption's sample
     assert torch.equal(tokens, tokenize(items[i].captions[7 - first], 32)[0])
     assert torch.equal(clip_load.normalize(before), load_image(items[i].before, 32))  # what the model sees
-    swapped = data.CaptionDataset(items, size=32, swap_prob=1.0)[7][0]
+    swapped = data.CaptionDataset(items, size=32, swap_prob=1.0)[7]["before"]
     assert torch.equal(clip_load.normalize(swapped), load_image(items[i].alt_before, 32))
-    b, a, i = data.ImageDataset(items, size=32)[2]
-    assert i == 2 and torch.equal(clip_load.normalize(a), load_image(items[2].after, 32))
+    s = data.ImageDataset(items, size=32)[2]
+    a, i = s["after"], s["index"]
+    assert set(s) == {"before", "after", "index"} and i == 2 and torch.equal(clip_load.normalize(a), load_image(items[2].after, 32))
 
 
 def test_drawn_captions_and_features_in_place_of_images(synth_set):
@@ -1129,19 +1131,19 @@ def test_drawn_captions_and_features_in_place_of_images(synth_set):
     for epoch in range(40):
         ds.epoch = epoch
         for i in (0, 5):
-            f, ids, j = ds[i]
+            f, ids, j = (ds[i][k] for k in ("features", "ids", "index"))
             r = int(ids[0])
             assert j == i and owner[r] == i and torch.equal(f, feats[i])  # one of the pair's own captions
             assert r - owner.index(i) == data.sample_rng(3, epoch, i).integers(len(items[i].captions))
             seen.add(r)
     assert seen == {r for r, o in enumerate(owner) if o in (0, 5)}  # every caption of the two pairs, in 40 epochs
-    f, ids, idx = ds.__getitems__([4, 1])  # a whole batch, as the loader asks for it
+    f, ids, idx = ds.__getitems__([4, 1]).values()  # a whole batch, as the loader asks for it (no images)
     assert torch.equal(f, feats[[4, 1]]) and idx.tolist() == [4, 1] and ids.shape == (2, 3)
     ds.epoch = 0
     images = data.CaptionDataset(items, 32, ids=rows, draw=True, seed=3)[5]  # epoch 0 too
-    assert len(images) == 4 and images[0].shape == (3, 32, 32)  # (before, after, ids, index)
-    assert torch.equal(images[2], ds[5][1]) and images[3] == 5  # the same draw as with features
-    f, i = data.ImageDataset(items, 32, features=feats)[2]
+    assert list(images) == ["before", "after", "ids", "index"] and images["before"].shape == (3, 32, 32)
+    assert torch.equal(images["ids"], ds[5]["ids"]) and images["index"] == 5  # the same draw as with features
+    f, i = data.ImageDataset(items, 32, features=feats)[2].values()
     assert i == 2 and torch.equal(f, feats[2])
 
 
@@ -1202,7 +1204,7 @@ def test_levir_cc_layout(tmp_path):
     assert items[1].captions == ["a road was built 1 ."]  # raw text, stripped; the empty one left out
     assert items[1].before.endswith("images/train/A/train_000001.png") and "/B/" in items[1].after
     assert len(data.load_items("levir", root, "val")) == 2 and len(data.load_items("levir", root, "test")) == 1
-    b, a, _ = data.ImageDataset(items, 32)[0]
+    b, a, _ = data.ImageDataset(items, 32)[0].values()
     assert b.shape == a.shape == (3, 32, 32) and not torch.equal(a, b)
     (root / "LevirCCcaptions.json").write_text(json.dumps({"images": [{"filename": "x.png", "split": "train"}]}))
     with pytest.raises(SystemExit, match="LevirCCcaptions.json is not in the expected format"):
@@ -1270,21 +1272,22 @@ def test_cache_equals_streaming(synth_set, tmp_path):
     assert isinstance(cache.array, np.memmap)  # read from the file, not held in memory
     streamed, cached = data.ImageDataset(items, 48), data.ImageDataset(items, 48, cache=cache)
     for k in range(len(items)):
-        assert all(torch.equal(x, y) for x, y in zip(streamed[k][:2], cached[k][:2]))
+        assert all(torch.equal(streamed[k][f], cached[k][f]) for f in ("before", "after"))
     # whole batches (one sorted read per column) equal sample by sample, in the sampler's order
     keys = [5, 0, 3, 3, 1]
     for batch, one_by_one in ((cached.__getitems__(keys), [cached[k] for k in keys]),
                               (streamed.__getitems__(keys), [streamed[k] for k in keys])):
-        assert all(torch.equal(col, torch.stack([s[j] for s in one_by_one]) if j < 2 else torch.tensor(
-            [s[j] for s in one_by_one])) for j, col in enumerate(batch))
+        assert all(torch.equal(col, torch.stack([s[f] for s in one_by_one]) if f != "index" else torch.tensor(
+            [s[f] for s in one_by_one])) for f, col in batch.items())
     caps = data.CaptionDataset(items, 48, swap_prob=0.5, cache=cache)
     keyed = [7, 2, 7]
-    for col, want in zip(caps.__getitems__(keyed), zip(*[caps[k] for k in keyed])):
+    for f, col in caps.__getitems__(keyed).items():
+        want = [caps[k][f] for k in keyed]
         assert torch.equal(col, torch.stack(want) if torch.is_tensor(want[0]) else torch.tensor(want))
     # through a DataLoader with 2 workers: the same batches as streaming
     batches = lambda ds: [b for b in data.make_loader(ds, 4, shuffle=True, workers=2, seed=3)]
     for a, b in zip(batches(streamed), batches(cached)):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert a.keys() == b.keys() and all(torch.equal(a[f], b[f]) for f in a)
 
 
 def test_cache_is_reused_and_follows_its_images(synth_set, tmp_path):
@@ -1300,7 +1303,7 @@ def test_cache_is_reused_and_follows_its_images(synth_set, tmp_path):
     victim = Path(moved[0].after)
     Image.open(victim).transpose(Image.FLIP_LEFT_RIGHT).save(victim)  # the image changed: a new cache
     changed = data.ImageCache(moved, 32, workers=2, directory=tmp_path)
-    assert changed.built and torch.equal(changed[str(victim)], data.ImageDataset(moved, 32)[0][1])
+    assert changed.built and torch.equal(changed[str(victim)], data.ImageDataset(moved, 32)[0]["after"])
 
 
 def test_a_killed_cache_build_is_never_read(synth_set, tmp_path):
@@ -1315,7 +1318,7 @@ def test_a_killed_cache_build_is_never_read(synth_set, tmp_path):
     assert list((tmp_path / "cache").iterdir()) == []  # nothing left that a later run could take for a cache
     victim.write_bytes(good)
     cache = data.ImageCache(items, 32, workers=2, directory=tmp_path / "cache")
-    assert cache.built and torch.equal(cache[str(victim)], data.ImageDataset(items, 32)[3][1])
+    assert cache.built and torch.equal(cache[str(victim)], data.ImageDataset(items, 32)[3]["after"])
 
 
 @pytest.mark.slow
@@ -1380,17 +1383,17 @@ def test_cache_decision_is_rank_zeros(synth_set, tmp_path):
 def test_loader_reproducible(synth_set):
     items = data.load_items("clevr", synth_set, "train", "semantic")
     ds = data.CaptionDataset(items, size=16, swap_prob=0.5)
-    batches = lambda loader: [torch.cat([b[0].flatten(1), b[2]], 1) for b in loader]
+    batches = lambda loader: [torch.cat([b["before"].flatten(1), b["ids"]], 1) for b in loader]
     a = data.make_loader(ds, 8, shuffle=True, workers=0, seed=3)
     b = data.make_loader(ds, 8, shuffle=True, workers=2, seed=3)  # workers draw the same swaps: (seed, epoch, index)
     for epoch in (0, 1):
         data.set_epoch(a, epoch)
         data.set_epoch(b, epoch)
         assert all(torch.equal(x, y) for x, y in zip(batches(a), batches(b)))
-    first = [x[3] for x in a]
+    first = [x["index"] for x in a]
     data.set_epoch(a, 0)
-    assert not all(torch.equal(x, y) for x, y in zip(first, [x[3] for x in a]))  # a new order each epoch
-    swapped = lambda epoch: [ds.parts(k)[0][0] == items[ds.samples[k][0]].alt_before for k in range(len(ds))]
+    assert not all(torch.equal(x, y) for x, y in zip(first, [x["index"] for x in a]))  # a new order each epoch
+    swapped = lambda epoch: [ds.parts(k)[0]["before"] == items[ds.samples[k][0]].alt_before for k in range(len(ds))]
     ds.epoch = 0
     at0 = swapped(0)
     ds.epoch = 1
@@ -1736,7 +1739,7 @@ def test_reversed_pairs_get_their_own_tokens(adapt_synth, openai_archive, pool):
     assert len(train.features) == 2 * n
     pairs = data.ImageDataset(splits["train"], clip.cfg.image_resolution)  # the images, read one pair at a time
     for i in (0, n - 1, n, 2 * n - 1):  # a forward pair and a reversed one at each end
-        before, after = (clip_load.normalize(x[None]) for x in pairs[i][:2])
+        before, after = (clip_load.normalize(pairs[i][f][None]) for f in ("before", "after"))
         with torch.no_grad():
             want = clip.encode_pair(before, after).tokens
         if pool > 1:  # each image's 16 patch tokens -> 4 cell means, [CLS] kept: 2 (4 + 1) tokens
@@ -2219,7 +2222,7 @@ def test_loss_decreases_on_synthetic_batches(adapt_synth):
     items = data.load_items("clevr", adapt_synth, "train", setting="semantic")[:8]
     ds = data.CaptionDataset(items, 32, 32, swap_prob=0.5)
     batch = next(iter(data.make_loader(ds, 8, shuffle=True)))
-    batch = [clip_load.normalize(batch[0]), clip_load.normalize(batch[1]), batch[2]]
+    batch = [clip_load.normalize(batch["before"]), clip_load.normalize(batch["after"]), batch["ids"]]
     train_utils.freeze(model.named_parameters(), adapt.lr_rule(args))
     opt = torch.optim.AdamW(adapt.param_groups(model.named_parameters(), adapt.lr_rule(args), 0.0))
     net = adapt.PairText(model)
@@ -2519,7 +2522,7 @@ def test_object_loss_names_the_object_under_each_patch(tmp_path):
     cache = data.ImageCache([data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(images)], 48, 1,
                             directory=tmp_path / "cache")
     ds = pretrain.Descriptions(images, cache, 1, 77, patch_size=16, objects=True)  # a 3 x 3 grid
-    _, _, objects, phrases = ds.batch(list(range(len(images))), epoch=0)
+    _, _, objects, phrases = ds.batch(list(range(len(images))), epoch=0).values()
     want = [(b, 1 + 3 * math.floor(3 * v) + math.floor(3 * u), tuple(o[a] for a in synth.ATTRS))
             for b, (_, objs) in enumerate(images) for o, (u, v) in objs]
     assert [(b, c, pretrain.OBJECTS[i]) for b, c, i in objects.tolist()] == want
@@ -2712,9 +2715,9 @@ def _steps(graphed, n=5):
     ctx = SimpleNamespace(device=torch.device("cpu"), amp=train_utils.autocast(torch.device("cpu")))
     g = torch.Generator().manual_seed(1)
     words = ["a red cube", "the small red metal cube changed to blue", "no change", "a ball", "the cylinder moved"]
-    batches = [(torch.randn(5, 3, 32, 32, generator=g), torch.randn(5, 3, 32, 32, generator=g),
-                tokenize(words[i:] + words[:i])) for i in range(n)]
-    loss_fn = lambda batch: (adapt.contrastive_loss(*net(*batch)), len(batch[0]))
+    batches = [{"before": torch.randn(5, 3, 32, 32, generator=g), "after": torch.randn(5, 3, 32, 32, generator=g),
+                "ids": tokenize(words[i:] + words[:i])} for i in range(n)]
+    loss_fn = lambda b: (adapt.contrastive_loss(*net(b["before"], b["after"], b["ids"])), len(b["ids"]))
     if graphed:
         step = train_utils.GraphedStep(ctx, loss_fn, optimizer, scheduler, params)
     else:

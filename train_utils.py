@@ -336,9 +336,9 @@ class GraphedStep:
     def __call__(self, batch):
         if self.ctx.device.type == "cuda" and self.graph is None:
             self.capture(batch)
-        if self.graph is not None and [t.shape for t in batch] == [t.shape for t in self.static]:
-            for static, t in zip(self.static, batch):
-                static.copy_(t, non_blocking=True)
+        if self.graph is not None and shapes(batch) == shapes(self.static):
+            for k, t in batch.items():
+                self.static[k].copy_(t, non_blocking=True)
             self.graph.replay()
             out = self.out
         else:  # eagerly, into the gradients the graph owns (zeroed in place, not reallocated)
@@ -348,7 +348,7 @@ class GraphedStep:
         return out
 
     def capture(self, batch):
-        self.static = [t.to(self.ctx.device, non_blocking=True).clone() for t in batch]
+        self.static = {k: t.to(self.ctx.device, non_blocking=True).clone() for k, t in batch.items()}
         weights = [p.detach().clone() for p in self.params]
         state = {p: {k: v.clone() for k, v in s.items()} for p, s in self.optimizer.state.items()}
         side = torch.cuda.Stream()
@@ -371,7 +371,11 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = self.body(self.static)
-        log(self.ctx, f"   the training step captured as one CUDA graph, batch {[tuple(t.shape) for t in batch]}")
+        log(self.ctx, f"   the training step captured as one CUDA graph, batch {shapes(batch)}")
+
+
+def shapes(batch):
+    return {k: tuple(t.shape) for k, t in batch.items()}
 
 
 @dataclass
