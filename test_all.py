@@ -1519,6 +1519,27 @@ def test_clevr_world_looks_like_clevrs_renders(tmp_path):
         assert len(both) >= 5 and gap < 18, (material, len(both), gap)
 
 
+def test_the_clevr_clip_sees_clevrs_objects(tmp_path):
+    """The shipped mini12-clevr, pretrained on the ray caster's CLEVR world only, and linear probes of the patch
+    token under each object trained on that world's images: on CLEVR's own renders (assets/clevr_renders, 121
+    objects) they read material and colour far above the most frequent class (84 against 55 %, 94 against 17 %).
+    Metal drawn as a bright tinted mirror again (the look before CLEVR's MyMetal) reads 69 %, and fails."""
+    root = synth.make_synth(tmp_path / "w", pairs=150, seed=5, size=synth.IMAGE_SIZE, workers=1, world="clevr")
+    meta = json.loads((root / "synth.json").read_text())
+    train = [(str(root / f"{name}_{i:06d}.png"), objs) for i in range(150)
+             for name, objs in synth.views(i, **synth.scene_options(meta)).items() if objs]
+    clevr = pretrain.clevr_images(ASSETS / "clevr_renders")
+    clip = load_clip("mini12-clevr")
+    size = clip.cfg.image_resolution
+    cache = data.ImageCache([data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(train + clevr)], size, 1,
+                            directory=tmp_path / "cache")
+    ctx = train_utils.setup(0, "cpu")
+    (_, x, y), (_, xt, yt) = (pretrain.encode_images(clip, images, cache, size, ctx) for images in (train, clevr))
+    for attr, margin in (("material", 20), ("color", 50)):
+        most = 100 * max(yt[attr].count(v) for v in set(yt[attr])) / len(yt[attr])
+        assert pretrain.linear_probe(x, y[attr], xt, yt[attr]) > most + margin, attr
+
+
 def test_synth_changes_are_what_the_type_says():
     for kind in synth.CHANGES:
         for s in range(10):
