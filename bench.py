@@ -4,8 +4,6 @@
                                             #   authors' configuration (OpenAI's clip/model.py, pure fp16): pairs/s,
                                             #   MFU, peak memory (--profile ours: where the GPU time goes)
     python bench.py numerics                # bf16 autocast vs fp32 on the same weights: features, loss, gradients
-    python bench.py casts                   # bf16 autocast's weight casts in one adaptation step: how many per
-                                            #   weight, and the bytes they move
     python bench.py caption                 # the paper captioner's training step, encoder fine-tuned, batch 16/64
     python bench.py decode                  # greedy captions/s at batch 64: key/value cache vs re-running the prefix
     python bench.py e2e                     # the adaptation loop with its data, ours vs the authors' data path, on a
@@ -37,7 +35,7 @@ from train_utils import (GraphedStep, at_least, autocast, device_arg, freeze, ma
 
 SIZES = {  # captioner sizes and the pair-encoder memory they read, as caption.py's presets build them
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, memory_dim=512, memory_len=100),  # ViT-B/32
-    "small": dict(width=128, heads=4, enc_layers=0, dec_layers=2, memory_dim=128, memory_len=74),  # adapt small
+    "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, memory_dim=128, memory_len=74),  # 12x12, pooled
 }
 
 
@@ -107,11 +105,6 @@ def device_and_amp(args):
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
         f"CPU, {torch.get_num_threads()} threads, {matmul_gflops():.0f} GFLOP/s fp32"
     return device, amp, where
-
-
-def _amp_call(amp, fn, *a):
-    with amp:
-        return fn(*a)
 
 
 # ---- FLOPs and the GPU's peak: what MFU is measured against
@@ -373,50 +366,12 @@ def profile_step(step, device, name, rows=12):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 
-# ---- casts: how often bf16 autocast casts each fp32 weight in one adaptation step
-
-
-def bench_casts(args):
-    """Counts the casts (aten::_to_copy) whose input is one of the model's weights, in one training step of
-    adapt.py under bf16 autocast: autocast keeps the bf16 copy of a weight for the rest of its region (the whole
-    forward here), so a weight used several times is cast once; a flat bf16 copy of all weights made once per step
-    would save only the launches, which a CUDA graph (--cuda-graphs) removes too."""
-    from collections import Counter
-    from torch.utils._python_dispatch import TorchDispatchMode
-    device, _, where = device_and_amp(args)
-    model, step = our_adapt_step(device, autocast(device, "bf16"), batch=args.batch)
-    step()  # the optimizer's state exists: the counted step is a steady one
-    weights = {p.data_ptr(): p for p in model.parameters()}  # frozen ones too: autocast keeps no copy of those
-
-    class Casts(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = Counter()
-
-        def __torch_dispatch__(self, func, types, a=(), kw=None):
-            if func is torch.ops.aten._to_copy.default and a[0].data_ptr() in weights:
-                self.count[a[0].data_ptr()] += 1
-            return func(*a, **(kw or {}))
-
-    with Casts() as casts:
-        step()
-    moved = sum(weights[k].numel() * (4 + 2) * n for k, n in casts.count.items()) / 2 ** 30
-    for trained in (True, False):
-        per = Counter(n for k, n in casts.count.items() if weights[k].requires_grad == trained)
-        print(f"adaptation step, batch {args.batch}, bf16 autocast on {where}: "
-              f"{sum(p.requires_grad == trained for p in weights.values())} {'trained' if trained else 'frozen'} "
-              f"tensors, {sum(per.values())} of them cast ({sum(k * n for k, n in per.items())} casts: "
-              + (", ".join(f"{n} tensors {k}x" for k, n in sorted(per.items())) or "none") + ")")
-    print(f"the weights' casts read and write {moved:.2f} GiB a step (their gradients cast back: as much again)")
-
-
 # ---- numerics: bf16 autocast against fp32 on the same weights
 
 
 def bench_numerics(args):
     """Pair vectors, text features and the contrastive loss of one batch, fp32 (TF32 off) against bf16 autocast,
-    on the same random-weight ViT-B/32; and the logits as they were computed before contrastive_loss turned
-    autocast off."""
+    on the same random-weight ViT-B/32."""
     from adapt import contrastive_loss
     import clip_load
     import torch.nn.functional as F
@@ -436,11 +391,9 @@ def bench_numerics(args):
             tokens, v = model.encode_pair(images[0], images[1])
             text = model.encode_text(ids)
             loss = contrastive_loss(v, text, model.logit_scale)
-            old = (model.logit_scale.exp() * F.normalize(v.float(), dim=-1) @ F.normalize(text.float(), dim=-1).t())
         loss.backward()
         grad = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
-        out[name] = dict(tokens=tokens.float(), v=v.float(), g=text.float(), loss=loss.item(), grad=grad,
-                         old_logits=old.float())
+        out[name] = dict(tokens=tokens.float(), v=v.float(), g=text.float(), loss=loss.item(), grad=grad)
     a, b = out["fp32"], out["bf16"]
     print(f"bf16 autocast vs fp32, ViT-B/32 random weights, {args.batch} pairs x 32 tokens, {where}:")
     for key, label in (("v", "pair vectors"), ("g", "text features"), ("tokens", "pair tokens (captioner memory)")):
@@ -450,8 +403,6 @@ def bench_numerics(args):
               f"min {cos.min():.5f} mean {cos.mean():.5f}")
     print(f"  contrastive loss                 fp32 {a['loss']:.5f} bf16 {b['loss']:.5f} (diff "
           f"{abs(a['loss'] - b['loss']):.5f}); gradient cosine {cosine64(a['grad'], b['grad']):.5f}")
-    print(f"  logits left under autocast (before the fix): max |diff| to fp32 "
-          f"{(a['old_logits'] - b['old_logits']).abs().max():.3f}, dtype {b['old_logits'].dtype} after .float()")
 
 
 def cosine64(x, y):
@@ -679,7 +630,7 @@ def main(argv=None):
     d.add_argument("--batch", type=at_least(1), default=64, help="captions decoded together")
     d.add_argument("--max-len", type=at_least(1), default=32, help="tokens per caption (paper: at most 32)")
     d.add_argument("--vocab", type=at_least(1), default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
-    d.add_argument("--sizes", nargs="+", default=["small", "paper"], choices=list(SIZES), help="captioner sizes")
+    d.add_argument("--sizes", nargs="+", default=["mini", "paper"], choices=list(SIZES), help="captioner sizes")
     common(d, what="timed runs per setting (the median is reported)")
     d.set_defaults(func=bench_decode)
     q = sub.add_parser("adapt", help="one ViT-B/32 adaptation training step: ours (eager, compiled) and the "
@@ -698,12 +649,6 @@ def main(argv=None):
     q.add_argument("--batch", type=at_least(1), default=128, help="pairs")
     common(q)
     q.set_defaults(func=bench_numerics)
-    q = sub.add_parser("casts", help="bf16 autocast's casts of the weights in one adaptation step",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    q.add_argument("--batch", type=at_least(1), default=4, help="pairs (the count does not depend on it)")
-    q.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when available)")
-    q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
-    q.set_defaults(func=bench_casts)
     q = sub.add_parser("caption", help="the paper captioner's training step with the encoder fine-tuned",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     q.add_argument("--batches", type=at_least(1), nargs="+", default=[16, 64], help="batch sizes (paper: 16)")

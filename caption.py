@@ -85,13 +85,8 @@ def encode_captions(items, vocab, max_len):
 
 
 def to_text(ids, vocab):
-    out = []
-    for i in ids:
-        if i == EOS:
-            break
-        if i not in (PAD, BOS):
-            out.append(vocab[i])
-    return " ".join(out)
+    ids = ids[:ids.index(EOS)] if EOS in ids else ids
+    return " ".join(vocab[i] for i in ids if i not in (PAD, BOS))
 
 
 def caption_loss(logits, targets, world=1):
@@ -160,9 +155,9 @@ def encode_all(model, loader, ctx, both_ways=False):
     return torch.cat(out + back)
 
 
-def build(ckpt, device, ckpt_info, n_inter=None):
+def build(ckpt, device, ckpt_info):
     """A captioner checkpoint (caption.py's own) -> (PairCaptioner model, vocab)."""
-    clip = clip_load.load_clip(ckpt, device, n_inter)
+    clip = clip_load.load_clip(ckpt, device)
     captioner = Captioner(CaptionerConfig(**ckpt_info["captioner_config"]))
     captioner.load_state_dict(ckpt_info["captioner"])
     return PairCaptioner(clip, captioner).to(device).eval(), ckpt_info["vocab"]
@@ -231,13 +226,13 @@ def score(items, preds, by_type=False):
     return scores, {t: cider(subset, preds) for t, subset in subsets.items() if subset}
 
 
-def constant_baseline(train_items, items, limit=5000):
+def constant_baseline(train_items, items):
     """The single training caption scoring highest on CIDEr-D when given for every pair of `items`: what a model
-    that ignores the images can reach, so a reader sees what the captioner adds. Candidates: the `limit` most
-    frequent distinct training captions (0: all); with no training captions (an evaluation-only set), the fixed
+    that ignores the images can reach, so a reader sees what the captioner adds. Candidates: the 5,000 most
+    frequent distinct training captions; with no training captions (an evaluation-only set), the fixed
     "no change" sentences of CLEVR-Change's style (synth.NO_CHANGE)."""
     counts = Counter(metrics.tokenize(c) for it in train_items for c in it.captions)
-    candidates = [c for c, _ in counts.most_common(limit or None)]
+    candidates = [c for c, _ in counts.most_common(5000)]
     source = "training captions"
     if not candidates:
         candidates = [metrics.tokenize(c) for c in synth.NO_CHANGE]
@@ -252,65 +247,6 @@ def constant_baseline(train_items, items, limit=5000):
 
 def summary(scores):
     return " ".join(f"{k} {scores[k]:.1f}" for k in metrics.METRICS if k in scores)
-
-
-# -----------------------------------------------------------------------------
-# where the encoder looks: the last inter block's attention (plots.pair_maps says which map is which)
-
-
-@torch.no_grad()
-def encoder_maps(model, pairs, size, device, batch=64):
-    """[(before path, after path)] -> their attention maps {"before": (g, g), "after": (g, g)}, through the
-    plain-softmax path (the last block of model.VisionTransformer.inter_attention), `batch` pairs at a time."""
-    grid = size // model.clip.cfg.vision_patch_size
-    out = []
-    for i in range(0, len(pairs), batch):
-        b, a = (torch.stack([clip_load.load_image(p, size) for p in paths]).to(device)
-                for paths in zip(*pairs[i:i + batch]))
-        weights = model.clip.visual.inter_attention(b, a, last=1)[0].float().cpu()
-        out += [plots.pair_maps(w, grid) for w in weights]
-    return out
-
-
-def maps_on_change(maps, items, root):
-    """On a synthetic set: % of change pairs whose map's strongest patch overlaps the changed object (on the image
-    that shows it: after for "add", else before), and the % a patch drawn at random would give."""
-    hits, chance = [], []
-    for m, it in zip(maps, items):
-        region = synth.changed_region(root, it.id)
-        side = "after" if region["before"] is None else "before"
-        (x0, y0, x1, y1), g = region[side], m[side].shape[0]
-        on = lambda r, c: c / g < x1 and (c + 1) / g > x0 and r / g < y1 and (r + 1) / g > y0
-        hits.append(on(*divmod(int(m[side].argmax()), g)))
-        chance.append(sum(on(r, c) for r in range(g) for c in range(g)) / g ** 2)
-    return 100 * sum(hits) / len(hits), 100 * sum(chance) / len(chance)
-
-
-def rgb(path):
-    """An image file as an RGB array, as the pictures show it."""
-    return clip_load.to_rgb(clip_load.open_image(path))
-
-
-def draw_gallery(path, items, preds, model=None, size=None, device="cpu", n=8):
-    """Test pairs, one per row: before | after | (their heat maps, when the encoder has inter blocks) | the
-    generated and the first reference caption."""
-    picks = items[:: max(1, len(items) // n)][:n]
-    maps = [None] * len(picks)
-    if model is not None and model.clip.cfg.n_inter > 0:
-        maps = encoder_maps(model, [(it.before, it.after) for it in picks], size, device)
-    rows = [{"before": rgb(it.before), "after": rgb(it.after), "maps": m,
-             "lines": [f"[{it.change_type or it.id}]", f"generated: {preds[it.id]}", f"reference: {it.captions[0]}"]}
-            for it, m in zip(picks, maps)]
-    plots.gallery(path, rows)
-    print(f"gallery of {len(rows)} test pairs -> {path}")
-
-
-def attention_on_change(model, items, root, device):
-    """On the synthetic set: how often the last inter block's map has its strongest patch on the changed object,
-    over the change pairs (distractors have none), and what a patch drawn at random gives (maps_on_change)."""
-    changes = [it for it in items if it.change_type != "distractor"]
-    maps = encoder_maps(model, [(it.before, it.after) for it in changes], model.clip.cfg.image_resolution, device)
-    return dict(zip(("map on the change %", "random patch %"), maps_on_change(maps, changes, root)))
 
 
 # -----------------------------------------------------------------------------
@@ -332,7 +268,7 @@ def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
     results = {"scores": scores, "scores_by_type": by_type,
                "baseline": constant_baseline(train_items, items),
                "read_back": synth.report(preds, scenes) if scenes else None,
-               "attention": attention_on_change(model, items, root, ctx.device) if explained else None,
+               "attention": plots.attention_on_change(model, items, root, ctx.device) if explained else None,
                "predictions": [{"id": it.id, "before": it.before, "after": it.after, "caption": preds[it.id],
                                 "references": it.captions} for it in items]}
     if ctx.main:
@@ -341,7 +277,7 @@ def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
         os.replace(args.results + ".tmp", args.results)
         report(ctx, results, args, len(items), seconds)
         if args.gallery:
-            draw_gallery(args.gallery, items, preds, model, model.clip.cfg.image_resolution, ctx.device)
+            plots.draw_gallery(args.gallery, items, preds, model, model.clip.cfg.image_resolution, ctx.device)
     return results
 
 
@@ -500,8 +436,8 @@ def caption_images(args):
     if args.explain:
         if model.clip.cfg.n_inter == 0:
             raise SystemExit("--explain draws the last inter block's attention: this encoder (12/0) has none")
-        maps = encoder_maps(model, [(args.before, args.after)], size, device)[0]
-        plots.explain(args.explain, rgb(args.before), rgb(args.after), text, maps)
+        maps = plots.encoder_maps(model, [(args.before, args.after)], size, device)[0]
+        plots.explain(args.explain, plots.rgb(args.before), plots.rgb(args.after), text, maps)
         print(f"caption, images and attention maps -> {args.explain}")
     return text
 

@@ -47,7 +47,7 @@ class Item(NamedTuple):
     before: str  # path
     after: str  # path
     captions: list
-    change_type: str | None = None  # clevr: color/material/move/add/drop/distractor; None for spot/ier
+    change_type: str | None = None  # clevr: color/material/move/add/drop/distractor; None for spot/ier/levir
     alt_before: str | None = None  # clevr semantic pairs: the non-semantic image, for the adaptation swap
 
 
@@ -282,16 +282,11 @@ def image_paths(items):
     return sorted({p for it in items for p in (it.before, it.after, it.alt_before) if p})
 
 
-def cache_bytes(items, size):
-    """Bytes an ImageCache of these items takes: every distinct image once, uint8 at size x size."""
-    return len(image_paths(items)) * 3 * size * size
-
-
 PREPROCESS = "squash-bicubic-uint8-v1"  # the decoding rule above: change the name when it changes (old caches unread)
 
 
 def cache_dir(directory=None):
-    """Where image caches live: --cache-dir, else $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images (under
+    """Where image caches live: `directory`, else $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images (under
     $XDG_CACHE_HOME when set)."""
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return Path(directory or os.environ.get("CLIP4IDC_IMAGE_CACHE") or home / "clip4idc" / "images")
@@ -299,13 +294,13 @@ def cache_dir(directory=None):
 
 def use_image_cache(items, size, flag=None, directory=None):
     """Decode into an ImageCache? flag True/False decides; None (auto): yes, unless the cache's disk lacks room
-    for it (CLEVR-Change at 224 px is 119k images, 17.9 GB; the synthetic set at 96 px, 0.2 GB)."""
+    for it (every distinct image once, uint8 at size x size: BENCHMARKS.md gives the sizes)."""
     if flag is not None:
         return flag
     where = cache_dir(directory)
     while not where.exists():
         where = where.parent
-    return cache_bytes(items, size) < shutil.disk_usage(where).free * 0.9
+    return len(image_paths(items)) * 3 * size * size < shutil.disk_usage(where).free * 0.9
 
 
 class ImageCache:
@@ -321,7 +316,7 @@ class ImageCache:
 
     def __init__(self, items, size, workers=2, log_every=0, directory=None):
         paths = image_paths(items)
-        stamp = [PREPROCESS, size] + [(p, *_stat(p)) for p in paths]
+        stamp = [PREPROCESS, size] + [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
         key = hashlib.sha1(json.dumps(stamp).encode()).hexdigest()[:16]
         self.folder = cache_dir(directory) / f"{len(paths)}x{size}px-{key}"
         self.index = {p: i for i, p in enumerate(paths)}
@@ -345,11 +340,6 @@ class ImageCache:
         out = torch.empty((len(idx), *self.data.shape[1:]), dtype=torch.uint8)
         out[torch.from_numpy(order)] = torch.from_numpy(np.ascontiguousarray(self.array[idx[order]]))
         return out
-
-
-def _stat(path):
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
 
 
 def _build_cache(folder, paths, size, workers, log_every):
@@ -393,7 +383,7 @@ LOCK = "building"  # inside a build's temporary folder, locked (flock) while the
 
 def _start_build(folder):
     """A temporary folder next to `folder` for a new build, readable by whoever may read `folder` (the umask, not
-    mkdtemp's 0700: a shared --cache-dir), and its lock, held until the returned file is closed or the process
+    mkdtemp's 0700: a shared $CLIP4IDC_IMAGE_CACHE), and its lock, held until the returned file is closed or the process
     dies. Leftovers of builds whose process died (killed, crashed) are removed first; a live build, however long
     it has run, is not: its lock says so (writes through a memmap never touch the folder's time)."""
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -14,15 +14,14 @@ tokenization, BLEU-1..4, ROUGE-L, CIDEr-D and METEOR equal coco-caption's, per i
 its four stages (exact, stem, synonym, paraphrase) on Meteor's own data files, which pip's `pycocoevalcap` ships
 (requirements.txt): the synonym files inside meteor-1.5.jar and the paraphrase table, indexed once into
 ~/.cache/clip4idc (about 25 s, 88 MB) so that each call costs about a second more. We read those files only and
-never run pycocoevalcap's scorers or Java. Without the package: WordNet 3.0 from nltk or Debian for the synonyms
-and no paraphrases (up to 0.010 low), or exact and stem only (up to 0.017 low), each said once in a warning.
+never run pycocoevalcap's scorers or Java. Without the package METEOR runs exact and stem only (up to 0.017 low),
+said once in a warning.
 
 Checked against coco-caption's own figures, per item, on two real caption sets (Image-Editing-Request's and
 Spot-the-Diff's validation captions, as coco-caption scored them):
 
     setup                                                      METEOR gap, IER val   METEOR gap, Spot-the-Diff val
     pip install -r requirements.txt (Meteor's own data files)  0.000000              0.000000
-    no pycocoevalcap, WordNet 3.0 (nltk's or Debian's)         -0.003                -0.010
     no pycocoevalcap, no WordNet (exact + stem only)           -0.010                -0.017
 
 Tokenization is identical (766/766 and 1,815/1,815 references), and BLEU-1..4, ROUGE-L and CIDEr-D match to
@@ -259,7 +258,6 @@ ALPHA, BETA, GAMMA, DELTA = 0.85, 0.2, 0.6, 0.75
 STAGE_WEIGHTS = (1.0, 0.6, 0.8, 0.6)  # exact, stem, synonym, paraphrase
 SEARCH_WEIGHTS = (1.0, 0.5, 0.5, 0.5)  # what the aligner's beam search counts per matched word (MeteorScorer)
 BEAM = 40
-WORDNET_DIRS = ("/usr/share/wordnet",)  # where Debian/Ubuntu's wordnet-base puts WordNet 3.0
 FUNCTION_WORDS = set(ASSETS.joinpath("english.words").read_text(encoding="utf-8").splitlines())
 
 # Normalizer.normalizeLine (English, punctuation kept): Moses-style rules, in the jar's order. Runs of dots and
@@ -341,20 +339,6 @@ def meteor_data():
     return found
 
 
-def _nltk_wordnet():
-    """nltk's WordNet data folder (a path pointer; it may sit inside wordnet.zip), or None."""
-    try:
-        import nltk
-    except ImportError:
-        return None
-    for where in ("corpora/wordnet", "corpora/wordnet.zip/wordnet/"):  # as nltk.download('wordnet') leaves it
-        try:
-            return nltk.data.find(where)
-        except LookupError:
-            pass
-    return None
-
-
 def _read_jar_synonyms(jar):
     """The jar's synonym/english.synsets (line pairs: word / its synset ids) and english.exceptions (base form /
     its irregular forms) -> (word -> synset ids, irregular form -> base forms)."""
@@ -369,42 +353,14 @@ def _read_jar_synonyms(jar):
     return synsets, dict(bases)
 
 
-def _read_wordnet(opener):
-    """WordNet 3.0's index.{noun,verb,adj,adv} (word -> synset offsets, all parts of speech in one id space, as the
-    jar's english.synsets has them) and {noun,verb,adj,adv}.exc (irregular form -> base forms)."""
-    synsets, bases = defaultdict(set), defaultdict(list)
-    for pos in ("noun", "verb", "adj", "adv"):
-        with opener(f"index.{pos}") as f:
-            for line in f:  # lemma pos synset_cnt p_cnt [ptr...] sense_cnt tagsense_cnt offset...
-                if not line.startswith(" "):  # the licence header is indented
-                    fields = line.split()
-                    synsets[fields[0]].update(fields[-int(fields[2]):])
-        with opener(f"{pos}.exc") as f:
-            for line in f:  # irregular_form base [base...]
-                fields = line.split()
-                bases[fields[0]] += fields[1:]
-    return dict(synsets), dict(bases)
-
-
 @lru_cache(maxsize=None)
-def load_synonyms(wordnet_dir=None):
-    """The synonym stage's data, from the first source found: `wordnet_dir` or $WORDNET_DIR (a WordNet 3.0 dict/
-    folder you point at); Meteor's own synonym files in its jar (pycocoevalcap or $METEOR_DATA: the exact
-    figure); WordNet 3.0 from nltk's data (nltk.download('wordnet')) or Debian's wordnet-base (WORDNET_DIRS).
-    -> (word -> synset ids, irregular form -> base forms, where from), or None after a warning (stage skipped)."""
-    folder = lambda d: lambda name: open(Path(d, name), encoding="latin-1")
-    for d in (wordnet_dir, os.environ.get("WORDNET_DIR")):
-        if d and Path(d, "index.noun").exists():
-            return (*_read_wordnet(folder(d)), f"WordNet 3.0 at {d}")
+def load_synonyms():
+    """The synonym stage's data: Meteor's own synonym files in its jar (pycocoevalcap or $METEOR_DATA) -> (word ->
+    synset ids, irregular form -> base forms, where from), or None after a warning (the stage skipped)."""
     if (jar := meteor_data()["jar"]) is not None:
         return (*_read_jar_synonyms(jar), f"Meteor 1.5's synonym files in {jar}")
-    if (root := _nltk_wordnet()) is not None:
-        return (*_read_wordnet(lambda name: root.join(name).open(encoding="latin-1")), "nltk's WordNet 3.0")
-    for d in WORDNET_DIRS:
-        if Path(d, "index.noun").exists():
-            return (*_read_wordnet(folder(d)), f"WordNet 3.0 at {d}")
-    _warn_once("METEOR: no synonym data (pip install pycocoevalcap: Meteor 1.5's files are in it; or nltk.download("
-               "'wordnet')): synonym stage skipped; METEOR reads up to 0.007 (0.7 points x100) lower for it")
+    _warn_once("METEOR: no synonym data (pip install pycocoevalcap: Meteor 1.5's files are in it): synonym stage "
+               "skipped; METEOR reads up to 0.007 (0.7 points x100) lower for it")
     return None
 
 
@@ -660,13 +616,13 @@ def paraphrase_table():
     return os.environ.get("METEOR_PARAPHRASE") or meteor_data()["paraphrase"]
 
 
-def meteor(refs_tok, cands_tok, wordnet_dir=None, paraphrase=None):
+def meteor(refs_tok, cands_tok, paraphrase=None):
     """-> (corpus score from the summed statistics, {id: score}), as coco-caption's EVAL line. Per item, the
     reference with the best score is kept (the first one on ties). paraphrase: path to paraphrase-en.gz, None for
-    paraphrase_table(), False to skip that stage; wordnet_dir: a WordNet 3.0 dict folder (default: load_synonyms)."""
+    paraphrase_table(), False to skip that stage."""
     norm = {s: meteor_normalize(s) for s in {*cands_tok.values(), *(r for i in cands_tok for r in refs_tok[i])}}
     vocab = {w for words in norm.values() for w in words}
-    stemmer, synonyms = _stemmer(), load_synonyms(wordnet_dir)
+    stemmer, synonyms = _stemmer(), load_synonyms()
     path = paraphrase_table() if paraphrase is None else paraphrase
     if path is None:
         _warn_once("METEOR: no paraphrase table (pip install pycocoevalcap: Meteor 1.5's paraphrase-en.gz is in it): "
@@ -719,7 +675,7 @@ def _check(refs, cands):
     return out
 
 
-def evaluate(refs, cands, per_item=False, wordnet_dir=None, paraphrase=None):
+def evaluate(refs, cands, per_item=False, paraphrase=None):
     """Raw sentences in, coco-caption's figures out. refs: {id: [sentence, ...]}, cands: {id: sentence}.
     -> {"BLEU-1": ..., "CIDEr-D": ...}, or (that, {metric: {id: score}}) with per_item=True.
     Empty sentences (also after dropping punctuation) are scored as coco-caption does: an empty candidate scores 0,
@@ -732,15 +688,15 @@ def evaluate(refs, cands, per_item=False, wordnet_dir=None, paraphrase=None):
     if n_empty_c or n_empty_r:
         warnings.warn(f"{n_empty_c} empty candidates (score 0) and {n_empty_r} empty references after tokenization",
                       stacklevel=2)
-    return evaluate_tokenized(refs_tok, cands_tok, per_item, wordnet_dir, paraphrase)
+    return evaluate_tokenized(refs_tok, cands_tok, per_item, paraphrase)
 
 
-def evaluate_tokenized(refs_tok, cands_tok, per_item=False, wordnet_dir=None, paraphrase=None):
+def evaluate_tokenized(refs_tok, cands_tok, per_item=False, paraphrase=None):
     """evaluate() on text already tokenized (e.g. coco-caption's own tokenization)."""
     b, b_items = bleu(refs_tok, cands_tok)
     corpus = {f"BLEU-{k + 1}": b[k] for k in range(4)}
     items = {f"BLEU-{k + 1}": {i: s[k] for i, s in b_items.items()} for k in range(4)}
-    corpus["METEOR"], items["METEOR"] = meteor(refs_tok, cands_tok, wordnet_dir, paraphrase)
+    corpus["METEOR"], items["METEOR"] = meteor(refs_tok, cands_tok, paraphrase)
     corpus["ROUGE-L"], items["ROUGE-L"] = rouge_l(refs_tok, cands_tok)
     corpus["CIDEr-D"], items["CIDEr-D"] = cider_d(refs_tok, cands_tok)
     return (corpus, items) if per_item else corpus
@@ -750,16 +706,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="coco-caption metrics in pure Python (printed x100, as papers do)")
     parser.add_argument("--refs", help="JSON file {id: [reference sentence, ...]}")
     parser.add_argument("--cands", help="JSON file {id: candidate sentence}")
-    parser.add_argument("--wordnet", default=None, help="a WordNet 3.0 dict folder for the synonym stage (default: "
-                                                        "Meteor's own files in pycocoevalcap; see load_synonyms)")
     parser.add_argument("--paraphrase", default=None, help="Meteor's paraphrase-en.gz (default: $METEOR_PARAPHRASE, "
                                                            "else the one in $METEOR_DATA or pycocoevalcap)")
     args = parser.parse_args()
     if args.refs and args.cands:
-        for flag, path, is_there in (("--wordnet", args.wordnet, os.path.isdir),
-                                     ("--paraphrase", args.paraphrase, os.path.isfile)):
-            if path and not is_there(path):
-                parser.error(f"argument {flag}: nothing at {path}")
+        if args.paraphrase and not os.path.isfile(args.paraphrase):
+            parser.error(f"argument --paraphrase: nothing at {args.paraphrase}")
         loaded = {}
         for flag, path in (("--refs", args.refs), ("--cands", args.cands)):
             try:
@@ -767,7 +719,7 @@ if __name__ == "__main__":
             except (OSError, UnicodeDecodeError, ValueError) as e:
                 parser.error(f"argument {flag}: cannot read {path} as JSON ({type(e).__name__}: {e})")
         try:
-            scores = evaluate(loaded["--refs"], loaded["--cands"], wordnet_dir=args.wordnet, paraphrase=args.paraphrase)
+            scores = evaluate(loaded["--refs"], loaded["--cands"], paraphrase=args.paraphrase)
         except (TypeError, ValueError) as e:  # check_inputs: ids that differ, a caption that is not a string
             parser.error(f"argument --refs/--cands: {e}")
         print(" | ".join(f"{m:>7s}" for m in METRICS))

@@ -197,21 +197,19 @@ class VisionTransformer(nn.Module):
         v = (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2  # eq. (5): mean of the two [CLS] tokens
         return PairEncoding(tokens, v)
 
-    def inter_attention(self, before, after, last=None):
-        """The inter blocks' attention weights on these pairs, one (B, heads, 2(n+1), 2(n+1)) per block (the `last`
-        blocks only, if given), for the pictures: hooks read each block's input during forward_pair and
-        take the plain softmax (attention_weights) of it; the forward itself keeps scaled_dot_product_attention."""
+    def inter_attention(self, before, after):
+        """The last inter block's attention weights on these pairs (B, heads, 2(n+1), 2(n+1)), for the pictures: a
+        hook reads the block's input during forward_pair and takes the plain softmax (attention_weights) of it; the
+        forward itself keeps scaled_dot_product_attention."""
         assert self.n_inter > 0, "the attention maps are the inter blocks': a 12/0 encoder has none"
-        blocks = self.transformer.resblocks[-(self.n_inter if last is None else min(last, self.n_inter)):]
         weights = []
         keep = lambda attn, inputs: weights.append(attention_weights(attn, inputs[0]))  # inputs[0]: ln_1(x)
-        hooks = [block.attn.register_forward_pre_hook(keep) for block in blocks]
+        hook = self.transformer.resblocks[-1].attn.register_forward_pre_hook(keep)
         try:
             self.forward_pair(before, after)
         finally:
-            for hook in hooks:
-                hook.remove()
-        return weights
+            hook.remove()
+        return weights[0]
 
 
 # -----------------------------------------------------------------------------
@@ -318,7 +316,7 @@ def build_model(sd, n_inter=3):
 
 # -----------------------------------------------------------------------------
 # The captioning Transformer (paper Sec. 3.3): an encoder over the pair encoder's 2(n+1) output tokens (3 layers in
-# the paper; the quickstart's small preset has none), and a causal decoder with cross-attention to them, trained
+# the paper; the quickstart's mini preset has none), and a causal decoder with cross-attention to them, trained
 # from scratch with word-level cross entropy. Pre-LN blocks (stable without a warmup tuned per size); dropout on
 # every residual branch and on the input embeddings.
 

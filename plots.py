@@ -4,13 +4,18 @@ pair encoder looked (attention heat maps), and training curves.
     python caption.py --ckpt captioner.pt --gallery gallery.png           # test pairs, captions, heat maps
     python caption.py --ckpt captioner.pt --before a.png --after b.png --explain why.png
 
-The stages write their training curves (`<checkpoint>.curves.png`) after every epoch. Nothing here imports the
-rest of clip4idc: callers hand in images, numbers and text.
+The stages write their training curves (`<checkpoint>.curves.png`) after every epoch. The drawing takes images,
+numbers and text; the last section runs a captioner's encoder to get its maps, and measures on a synthetic set how
+often they fall on the changed object.
 """
 import textwrap
 
 import numpy as np
+import torch
 from PIL import Image, ImageDraw
+
+import clip_load
+import synth
 
 # -----------------------------------------------------------------------------
 # heat maps
@@ -145,3 +150,62 @@ def curves(path, history, metric, size=(640, 240)):
                 draw.text((p[0] + 4, p[1] - 14), f"{v:.3g}", fill=mark)
     sheet.save(path)
     return sheet
+
+
+# -----------------------------------------------------------------------------
+# where the encoder looks: the last inter block's attention (pair_maps says which map is which)
+
+
+@torch.no_grad()
+def encoder_maps(model, pairs, size, device, batch=64):
+    """[(before path, after path)] -> their attention maps {"before": (g, g), "after": (g, g)}, through the
+    plain-softmax path (model.VisionTransformer.inter_attention), `batch` pairs at a time."""
+    grid = size // model.clip.cfg.vision_patch_size
+    out = []
+    for i in range(0, len(pairs), batch):
+        b, a = (torch.stack([clip_load.load_image(p, size) for p in paths]).to(device)
+                for paths in zip(*pairs[i:i + batch]))
+        weights = model.clip.visual.inter_attention(b, a).float().cpu()
+        out += [pair_maps(w, grid) for w in weights]
+    return out
+
+
+def maps_on_change(maps, items, root):
+    """On a synthetic set: % of change pairs whose map's strongest patch overlaps the changed object (on the image
+    that shows it: after for "add", else before), and the % a patch drawn at random would give."""
+    hits, chance = [], []
+    for m, it in zip(maps, items):
+        region = synth.changed_region(root, it.id)
+        side = "after" if region["before"] is None else "before"
+        (x0, y0, x1, y1), g = region[side], m[side].shape[0]
+        on = lambda r, c: c / g < x1 and (c + 1) / g > x0 and r / g < y1 and (r + 1) / g > y0
+        hits.append(on(*divmod(int(m[side].argmax()), g)))
+        chance.append(sum(on(r, c) for r in range(g) for c in range(g)) / g ** 2)
+    return 100 * sum(hits) / len(hits), 100 * sum(chance) / len(chance)
+
+
+def rgb(path):
+    """An image file as an RGB array, as the pictures show it."""
+    return clip_load.to_rgb(clip_load.open_image(path))
+
+
+def draw_gallery(path, items, preds, model=None, size=None, device="cpu", n=8):
+    """Test pairs, one per row: before | after | (their heat maps, when the encoder has inter blocks) | the
+    generated and the first reference caption."""
+    picks = items[:: max(1, len(items) // n)][:n]
+    maps = [None] * len(picks)
+    if model is not None and model.clip.cfg.n_inter > 0:
+        maps = encoder_maps(model, [(it.before, it.after) for it in picks], size, device)
+    rows = [{"before": rgb(it.before), "after": rgb(it.after), "maps": m,
+             "lines": [f"[{it.change_type or it.id}]", f"generated: {preds[it.id]}", f"reference: {it.captions[0]}"]}
+            for it, m in zip(picks, maps)]
+    gallery(path, rows)
+    print(f"gallery of {len(rows)} test pairs -> {path}")
+
+
+def attention_on_change(model, items, root, device):
+    """On the synthetic set: how often the last inter block's map has its strongest patch on the changed object,
+    over the change pairs (distractors have none), and what a patch drawn at random gives (maps_on_change)."""
+    changes = [it for it in items if it.change_type != "distractor"]
+    maps = encoder_maps(model, [(it.before, it.after) for it in changes], model.clip.cfg.image_resolution, device)
+    return dict(zip(("map on the change %", "random patch %"), maps_on_change(maps, changes, root)))

@@ -539,7 +539,7 @@ def test_attention_weights_are_the_sdpa_paths():
     b, a = torch.randn(2, 3, 48, 48), torch.randn(2, 3, 48, 48)
     blocks, vis = clip.visual.transformer.resblocks, clip.visual
     with torch.no_grad():
-        weights = vis.inter_attention(b, a, last=1)[0]
+        weights = vis.inter_attention(b, a)
         x = blocks[0](vis.stem(torch.cat([b, a])))  # eq. (2)-(4) written out: 1 intra block, then the joint sequence
         x = torch.cat([x[:2], x[2:]], dim=1)
         x = vis.ln_mid(x + torch.cat([vis.bef_embedding.expand(10, -1), vis.aft_embedding.expand(10, -1)])
@@ -1973,7 +1973,7 @@ def test_meteor_synonym_stage():
 @pytest.fixture
 def fresh_meteor_sources(monkeypatch, tmp_path):
     """No user settings, caches in tmp_path, and the source lookups run again (before and after the test)."""
-    for var in ("METEOR_DATA", "METEOR_PARAPHRASE", "WORDNET_DIR"):
+    for var in ("METEOR_DATA", "METEOR_PARAPHRASE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     metrics.load_synonyms.cache_clear(), metrics._warned.clear()
@@ -1987,8 +1987,6 @@ def test_meteor_reads_synonyms_from_meteors_jar(tmp_path, monkeypatch, fresh_met
         z.writestr("synonym/english.synsets", "car\n02958343 00001\nautomobile\n02958343\nmouse\n0777\n"
                                               "rodent\n0777 0888\n")
         z.writestr("synonym/english.exceptions", "mouse\nmice\n")
-    monkeypatch.setattr(metrics, "_nltk_wordnet", lambda: None)
-    monkeypatch.setattr(metrics, "WORDNET_DIRS", ())
     monkeypatch.setenv("METEOR_DATA", str(tmp_path))
     assert metrics.meteor_data()["jar"] == tmp_path / "meteor-1.5.jar"
     one_synonym = (0.75 + 0.8 * 0.75) / 1.5
@@ -2147,16 +2145,9 @@ def test_meteor_matches_coco_caption(path):
 
 @pytest.mark.slow
 @needs_reference
-@pytest.mark.parametrize("wordnet", [True, False], ids=["wordnet-only", "exact-and-stem"])
-def test_meteor_fallbacks_say_so_and_stay_near(monkeypatch, fresh_meteor_sources, wordnet):
-    # without pycocoevalcap: nltk's (or Debian's) WordNet for synonyms and no paraphrase, then exact + stem only;
-    # each missing source is said once, with the size of the gap it leaves
+def test_meteor_without_meteors_data_says_so_and_stays_near(monkeypatch, fresh_meteor_sources):
+    # without pycocoevalcap: exact + stem only; each missing source is said once, with the size of the gap it leaves
     monkeypatch.setattr(metrics, "meteor_data", lambda: {"jar": None, "paraphrase": None})
-    if not wordnet:
-        monkeypatch.setattr(metrics, "_nltk_wordnet", lambda: None)
-        monkeypatch.setattr(metrics, "WORDNET_DIRS", ())
-    elif metrics.load_synonyms() is None:
-        pytest.skip("no WordNet here (nltk.download('wordnet') or apt-get install wordnet-base)")
     for path in REFERENCE_SETS:
         ref = json.loads(path.read_text())
         with warnings.catch_warnings(record=True) as caught:
@@ -2164,9 +2155,9 @@ def test_meteor_fallbacks_say_so_and_stay_near(monkeypatch, fresh_meteor_sources
             corpus, _ = meteor(ref["tokenized_refs"], ref["tokenized_cands"])
         said = " ".join(str(w.message) for w in caught)
         assert ("no paraphrase table" in said and "0.010" in said) == (path == REFERENCE_SETS[0])
-        assert ("no synonym data" in said and "0.007" in said) == (path == REFERENCE_SETS[0] and not wordnet)
+        assert ("no synonym data" in said and "0.007" in said) == (path == REFERENCE_SETS[0])
         gap = ref["corpus"]["METEOR"] - corpus
-        assert 0 <= gap <= (0.0105 if wordnet else 0.0175)  # the gaps the warnings state, summed
+        assert 0 <= gap <= 0.0175  # the gaps the warnings state, summed
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -2470,12 +2461,12 @@ def test_maps_on_the_change(synth_set):
         m = {s: np.zeros((g, g)) for s in ("before", "after")}
         m[side][int((y0 + y1) / 2 * g), int((x0 + x1) / 2 * g)] = 1.0
         maps.append(m)
-    on, chance = caption.maps_on_change(maps, items, synth_set)
+    on, chance = plots.maps_on_change(maps, items, synth_set)
     assert on == 100 and 0 < chance < 50
     for m in maps:
         for side in m:
             m[side] = np.roll(m[side], (3, 3), axis=(0, 1))  # half a grid away
-    assert caption.maps_on_change(maps, items, synth_set)[0] < 50
+    assert plots.maps_on_change(maps, items, synth_set)[0] < 50
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -2868,7 +2859,6 @@ BAD_FLAGS = {
     "synth.py": ["make --pairs 0", "make --size 0 0", "make --workers 0", "make --world foo"],
     "metrics.py": ["--refs nowhere.json --cands nowhere.json", "--refs list.json --cands list.json",
                    "--refs text.txt --cands text.txt",
-                   "--refs refs.json --cands refs.json --wordnet nowhere => --wordnet",
                    "--refs refs.json --cands refs.json --paraphrase nowhere.gz => --paraphrase",
                    "--refs refs.json => --cands"],
 }

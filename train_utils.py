@@ -1,7 +1,5 @@
-"""What both training stages share: device/distributed setup, the lr schedule, the training epoch with its
-progress line, atomic resumable checkpoints, and the cross-process gather for the contrastive loss.
-
-`adapt.py` and `caption.py` import from here; nothing here knows which stage it serves.
+"""What the training stages share: device/distributed setup, the lr schedule, the training epoch with its
+progress line, atomic resumable checkpoints, and adapt.py's cross-process gather for the contrastive loss.
 """
 import argparse
 import ctypes
@@ -99,10 +97,9 @@ def flag_error(flag, message):
 
 def keep_freed_memory():
     """On a CPU under glibc: freed memory stays in the process for the next allocation instead of going back to
-    the OS. glibc serves each allocation above its mmap threshold (at most 32 MiB by default) with fresh pages,
-    and faulting them in again at every step cost a quarter of the 12x12 mini CLIP's forward at batch 64, whose
-    MLP activations are 38 MiB (BENCHMARKS.md). Resident memory then stays at its peak. False where there is no
-    glibc (macOS, musl: nothing changes)."""
+    the OS: glibc serves each allocation above its mmap threshold (at most 32 MiB) with fresh pages, faulted in
+    again at every step (BENCHMARKS.md "glibc's allocator"). Resident memory then stays at its peak. False where
+    there is no glibc (macOS, musl: nothing changes)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
