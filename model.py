@@ -355,30 +355,16 @@ class Attention(nn.Module):
         B, T, C = x.shape
         return x.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, heads, T, hs)
 
-    def keys_values(self, x):
-        return map(self.split, self.kv_proj(x).chunk(2, dim=-1))
-
-    def self_keys_values(self, x, kv_cache):
-        """This call's positions' keys/values, after the cached prefix's (then cached in turn)."""
-        k, v = self.keys_values(x)
-        if kv_cache is not None:
-            if kv_cache:
-                k, v = torch.cat([kv_cache["k"], k], dim=2), torch.cat([kv_cache["v"], v], dim=2)
-            kv_cache["k"], kv_cache["v"] = k, v
-        return k, v
-
-    def cross_keys_values(self, memory, kv_cache):
-        """The memory's keys/values: projected at the first decoding step, reused at the others."""
-        if kv_cache is None or not kv_cache:
-            k, v = self.keys_values(memory)
-            if kv_cache is None:
-                return k, v
-            kv_cache["k"], kv_cache["v"] = k, v
-        return kv_cache["k"], kv_cache["v"]
-
     def forward(self, x, source=None, causal=False, kv_cache=None):
         q = self.split(self.q_proj(x))
-        k, v = self.self_keys_values(x, kv_cache) if source is None else self.cross_keys_values(source, kv_cache)
+        if source is not None and kv_cache:  # cross-attention, a later decoding step: the memory's, projected once
+            k, v = kv_cache["k"], kv_cache["v"]
+        else:
+            k, v = map(self.split, self.kv_proj(x if source is None else source).chunk(2, dim=-1))
+            if source is None and kv_cache:  # self-attention while decoding: the cached prefix's, then this call's
+                k, v = torch.cat([kv_cache["k"], k], dim=2), torch.cat([kv_cache["v"], v], dim=2)
+            if kv_cache is not None:
+                kv_cache["k"], kv_cache["v"] = k, v
         y = attention(q, k, v, causal)  # causal: x's positions are the last of k's (see attention)
         return self.out_proj(y.transpose(1, 2).flatten(2))  # (B, T, width)
 
