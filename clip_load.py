@@ -42,7 +42,7 @@ SHIPPED = {"mini-synth": ("clip_mini_synth.pt", "01b1c8f6b466124bc64bbec45f9943b
            # the 12x12-grid one (8-px patches, --object-loss 1): the quickstart's (adapt.py's mini preset)
            "mini12-synth": ("clip_mini12_synth.pt", "c867cbc98bafedfaab3a87372ef481f514ed50fd41b4cee028ffb0ce11bcdae6"),
            # the same recipe on scenes drawn as CLEVR renders them (pretrain.py --world clevr): it sees CLEVR's objects
-           "mini12-clevr": ("clip_mini12_clevr.pt", "f6666ee5c1e93278b880ba5f109576b362ef32f593621cba7625d97a5c1821ce")}
+           "mini12-clevr": ("clip_mini12_clevr.pt", "a22d414ce5a4c40dba9d13a097a9e16affa3de5606c082fbac994c27ae0425dd")}
 NON_PARAMETERS = ("input_resolution", "context_length", "vocab_size")  # scalars in OpenAI's state dict
 
 
