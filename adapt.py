@@ -185,7 +185,7 @@ class PairText(torch.nn.Module):
 def contrastive_loss(v, g, logit_scale):
     """eq. (6)-(8): InfoNCE over the (global) batch, pair -> text and text -> pair, averaged.
     v: pair vectors (B, D), g: caption features (B, D); row i of each belongs together. Computed in fp32 with
-    autocast off: at logit scale 100, bf16 logits would be off by up to ~0.4."""
+    autocast off: at logit scale 100, bf16's 8-bit mantissa would shift the logits (BENCHMARKS.md)."""
     with torch.autocast(v.device.type, enabled=False):
         v, g = gather(F.normalize(v.float(), dim=-1)), gather(F.normalize(g.float(), dim=-1))  # (N, D), N = global B
         scale = logit_scale.float().clamp(max=math.log(100)).exp()  # temperature >= 0.01, as the authors clamp it

@@ -382,8 +382,7 @@ def mimetic_init_(visual, a1=0.7, b1=0.7, a2=0.4, b2=0.4):
 
 def lr_rule(args):
     """The learning-rate rule: everything at one rate, but CLIP4IDC's pair parameters are frozen: single images
-    never use them, and the
-    shipped file leaves them out (as OpenAI's release has none)."""
+    never use them, and the shipped file leaves them out (as OpenAI's release has none)."""
     return lambda name: None if name.startswith(M.PAIR_KEYS) else args.lr
 
 

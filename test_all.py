@@ -1115,7 +1115,8 @@ def test_datasets(synth_set):
     assert torch.equal(clip_load.normalize(swapped), load_image(items[i].alt_before, 32))
     s = data.ImageDataset(items, size=32)[2]
     a, i = s["after"], s["index"]
-    assert set(s) == {"before", "after", "index"} and i == 2 and torch.equal(clip_load.normalize(a), load_image(items[2].after, 32))
+    assert set(s) == {"before", "after", "index"} and i == 2
+    assert torch.equal(clip_load.normalize(a), load_image(items[2].after, 32))
 
 
 def test_drawn_captions_and_features_in_place_of_images(synth_set):
