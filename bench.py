@@ -4,6 +4,8 @@
                                             #   authors' configuration (OpenAI's clip/model.py, pure fp16): pairs/s,
                                             #   MFU, peak memory (--profile ours: where the GPU time goes)
     python bench.py numerics                # bf16 autocast vs fp32 on the same weights: features, loss, gradients
+    python bench.py casts                   # bf16 autocast's weight casts in one adaptation step: how many per
+                                            #   weight, and the bytes they move
     python bench.py caption                 # the paper captioner's training step, encoder fine-tuned, batch 16/64
     python bench.py decode                  # greedy captions/s at batch 64: key/value cache vs re-running the prefix
     python bench.py e2e                     # the adaptation loop with its data, ours vs the authors' data path, on a
@@ -366,6 +368,43 @@ def profile_step(step, device, name, rows=12):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 
+# ---- casts: how often bf16 autocast casts each fp32 weight in one adaptation step
+
+
+def bench_casts(args):
+    """Counts the casts (aten::_to_copy) whose input is one of the model's weights, in one training step of
+    adapt.py under bf16 autocast: autocast keeps the bf16 copy of a weight for the rest of its region (the whole
+    forward here), so a weight used several times is cast once; a flat bf16 copy of all weights made once per step
+    would save only the launches, which a CUDA graph (--cuda-graphs) removes too."""
+    from collections import Counter
+    from torch.utils._python_dispatch import TorchDispatchMode
+    device, _, where = device_and_amp(args)
+    model, step = our_adapt_step(device, autocast(device, "bf16"), batch=args.batch)
+    step()  # the optimizer's state exists: the counted step is a steady one
+    weights = {p.data_ptr(): p for p in model.parameters()}  # frozen ones too: autocast keeps no copy of those
+
+    class Casts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = Counter()
+
+        def __torch_dispatch__(self, func, types, a=(), kw=None):
+            if func is torch.ops.aten._to_copy.default and a[0].data_ptr() in weights:
+                self.count[a[0].data_ptr()] += 1
+            return func(*a, **(kw or {}))
+
+    with Casts() as casts:
+        step()
+    moved = sum(weights[k].numel() * (4 + 2) * n for k, n in casts.count.items()) / 2 ** 30
+    for trained in (True, False):
+        per = Counter(n for k, n in casts.count.items() if weights[k].requires_grad == trained)
+        print(f"adaptation step, batch {args.batch}, bf16 autocast on {where}: "
+              f"{sum(p.requires_grad == trained for p in weights.values())} {'trained' if trained else 'frozen'} "
+              f"tensors, {sum(per.values())} of them cast ({sum(k * n for k, n in per.items())} casts: "
+              + (", ".join(f"{n} tensors {k}x" for k, n in sorted(per.items())) or "none") + ")")
+    print(f"the weights' casts read and write {moved:.2f} GiB a step (their gradients cast back: as much again)")
+
+
 # ---- numerics: bf16 autocast against fp32 on the same weights
 
 
@@ -649,6 +688,12 @@ def main(argv=None):
     q.add_argument("--batch", type=at_least(1), default=128, help="pairs")
     common(q)
     q.set_defaults(func=bench_numerics)
+    q = sub.add_parser("casts", help="bf16 autocast's casts of the weights in one adaptation step",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q.add_argument("--batch", type=at_least(1), default=4, help="pairs (the count does not depend on it)")
+    q.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when available)")
+    q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
+    q.set_defaults(func=bench_casts)
     q = sub.add_parser("caption", help="the paper captioner's training step with the encoder fine-tuned",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     q.add_argument("--batches", type=at_least(1), nargs="+", default=[16, 64], help="batch sizes (paper: 16)")
