@@ -316,7 +316,7 @@ class ImageCache:
 
     def __init__(self, items, size, workers=2, log_every=0, directory=None):
         paths = image_paths(items)
-        stamp = [PREPROCESS, size] + [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in paths]
+        stamp = [PREPROCESS, size] + [(p, s.st_size, s.st_mtime_ns) for p in paths for s in [os.stat(p)]]
         key = hashlib.sha1(json.dumps(stamp).encode()).hexdigest()[:16]
         self.folder = cache_dir(directory) / f"{len(paths)}x{size}px-{key}"
         self.index = {p: i for i, p in enumerate(paths)}

@@ -22,7 +22,7 @@ Spot-the-Diff's validation captions, as coco-caption scored them):
 
     setup                                                      METEOR gap, IER val   METEOR gap, Spot-the-Diff val
     pip install -r requirements.txt (Meteor's own data files)  0.000000              0.000000
-    no pycocoevalcap, no WordNet (exact + stem only)           -0.010                -0.017
+    no pycocoevalcap (exact + stem only)                       -0.010                -0.017
 
 Tokenization is identical (766/766 and 1,815/1,815 references), and BLEU-1..4, ROUGE-L and CIDEr-D match to
 0.000000 in every setup.
