@@ -294,12 +294,14 @@ def resize_uint8(image, size=224):
     return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)  # (3, size, size)
 
 
-_MEAN_T, _STD_T = torch.tensor(MEAN).view(3, 1, 1), torch.tensor(STD).view(3, 1, 1)
+_MEAN_STD = {}  # device -> CLIP's mean and std there, made once: a CUDA graph's capture may copy nothing to the GPU
 
 
 def normalize(x):
     """uint8 [..., 3, H, W] -> float32 normalized with CLIP's mean/std."""
-    mean, std = _MEAN_T.to(x.device), _STD_T.to(x.device)
+    if x.device not in _MEAN_STD:
+        _MEAN_STD[x.device] = [torch.tensor(v, device=x.device).view(3, 1, 1) for v in (MEAN, STD)]
+    mean, std = _MEAN_STD[x.device]
     return (x.float() / 255 - mean) / std
 
 

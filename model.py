@@ -269,7 +269,7 @@ class CLIP(nn.Module):
         x = self.token_embedding(text) + self.positional_embedding[:L]  # (B, L, width)
         x = self.ln_final(self.transformer(x, causal=True))
         eot = text.argmax(dim=-1)  # the end-of-text id (49407) is the largest id
-        return x[torch.arange(x.shape[0]), eot] @ self.text_projection
+        return x[torch.arange(x.shape[0], device=x.device), eot] @ self.text_projection
 
     def forward(self, image, text):
         """OpenAI's logits_per_image, logits_per_text (its archive's traced module needs a forward)."""

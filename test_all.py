@@ -2753,6 +2753,32 @@ def test_graphed_step_is_train_step():
         torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-5, msg=k)
 
 
+def test_normalize_copies_nothing_to_the_device_twice():
+    """clip_load.normalize inside a captured step (GraphedStep): CUDA refuses a copy from unpinned CPU memory during
+    a capture, so CLIP's mean and std reach a device once, at the first call there (the warm-up), and never again.
+    Checked on the meta device, which stands for any device but the CPU here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CrossDevice(TorchDispatchMode):
+        seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            tensors = [t for t in (*args, out) if isinstance(t, torch.Tensor)]
+            if len({t.device for t in tensors}) > 1:
+                self.seen.append(str(func))
+            return out
+    with CrossDevice() as mode:
+        torch.ones(3).to("meta")
+    assert mode.seen == ["aten._to_copy.default"]  # the mode sees a copy to the device: the check below can fail
+    x = torch.zeros(2, 3, 4, 5, dtype=torch.uint8, device="meta")
+    clip_load.normalize(x)
+    mode.seen.clear()
+    with mode:
+        y = clip_load.normalize(x)
+    assert y.shape == x.shape and y.dtype == torch.float32 and not mode.seen, mode.seen
+
+
 @pytest.mark.slow
 def test_cuda_graphs_flag_trains_as_eager(adapt_synth, tmp_path, monkeypatch):
     """adapt.py --cuda-graphs through main on a CPU (every step through GraphedStep: static caption length, the
@@ -2976,7 +3002,7 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     out = tmp_path / "adapted.pt"
     adapt.main(["--data-root", str(adapt_synth), "--out", str(out)] + FAST)
     log = capsys.readouterr().out
-    assert "preset 'paper'" in log and "takes 32px images: --image-size 224 -> 32" in log
+    assert "preset 'paper'" in log and "cuda_graphs=False" in log and "takes 32px images: --image-size 224 -> 32" in log
     assert "lr 1.00e-04/1.00e-07" in log  # both learning rates on the progress line
     train_utils.seed_everything(0)  # adapt.main's seed: the same fresh pair parameters
     start = clip_load.load_clip(openai_archive, n_inter=3).state_dict()
@@ -3227,14 +3253,15 @@ def fp32_matmuls():
 
 
 def watch_steps(monkeypatch):
-    """Record each training step's (loss device, autocast dtype, weight dtype): what a run really trained in."""
-    seen, real = [], train_utils.train_step
+    """Record each training step's (loss device, autocast dtype, weight dtype): what a run really trained in (a
+    step captured as a CUDA graph is recorded in its warm-up and capture, not in its replays)."""
+    seen, real = [], train_utils.update
 
-    def step(ctx, model, *args, **kwargs):
-        loss, n = real(ctx, model, *args, **kwargs)
-        seen.append((loss.device.type, getattr(ctx.amp, "fast_dtype", None), next(model.parameters()).dtype))
+    def update(ctx, batch, loss_fn, optimizer, params, *args):
+        loss, n = real(ctx, batch, loss_fn, optimizer, params, *args)
+        seen.append((loss.device.type, getattr(ctx.amp, "fast_dtype", None), params[0].dtype))
         return loss, n
-    monkeypatch.setattr(train_utils, "train_step", step)
+    monkeypatch.setattr(train_utils, "update", update)
     return seen
 
 
@@ -3296,9 +3323,9 @@ def vit_b32_archive(gpu, tmp_path_factory):
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_cuda_paper_preset_on_vit_b32(gpu, vit_b32_archive, adapt_synth, tmp_path, monkeypatch, capsys):
-    """The paper path on the GPU: a ViT-B/32 archive in the cache chooses the paper preset (9 + 3 blocks at 224 px),
-    both stages train under bf16 autocast (adaptation at two learning rates, the encoder fine-tuned while
-    captioning), and their checkpoints hold CPU tensors."""
+    """The paper path on the GPU: a ViT-B/32 archive in the cache chooses the paper preset (9 + 3 blocks at 224 px,
+    the step captured as a CUDA graph), both stages train under bf16 autocast (adaptation at two learning rates,
+    the encoder fine-tuned while captioning), and their checkpoints hold CPU tensors."""
     as_cached_release(monkeypatch, vit_b32_archive)
     steps = watch_steps(monkeypatch)
     out, cap = tmp_path / "adapted.pt", tmp_path / "captioner.pt"
@@ -3306,6 +3333,7 @@ def test_cuda_paper_preset_on_vit_b32(gpu, vit_b32_archive, adapt_synth, tmp_pat
                 "--eval-batch-size", "32", "--workers", "0", "--log-every", "1"])
     log = capsys.readouterr().out
     assert "preset 'paper'" in log and "lr 1.00e-04/1.00e-07" in log
+    assert "captured as one CUDA graph" in log  # the paper preset's default on one GPU
     res = caption.main([*gpu, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"),
                         "--epochs", "1", "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
     assert "preset paper" in capsys.readouterr().out

@@ -337,7 +337,7 @@ class GraphedStep:
             for k, t in batch.items():
                 self.static[k].copy_(t, non_blocking=True)
             self.graph.replay()
-            out = self.out
+            out = self.out[0].clone(), self.out[1]  # a copy: the next replay overwrites the graph's own
         else:  # eagerly, into the gradients the graph owns (zeroed in place, not reallocated)
             self.optimizer.zero_grad(set_to_none=self.graph is None)
             out = self.body(batch)
