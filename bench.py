@@ -1,23 +1,14 @@
-"""Benchmarks for clip4idc, one subcommand each; BENCHMARKS.md gives the figures they printed.
-
-    python bench.py adapt                   # ViT-B/32 adaptation step at batch 128: ours (eager, compiled) vs the
-                                            #   authors' configuration (OpenAI's clip/model.py, pure fp16): pairs/s,
-                                            #   MFU, peak memory (--profile ours: where the GPU time goes)
-    python bench.py numerics                # bf16 autocast vs fp32 on the same weights: features, loss, gradients
-    python bench.py casts                   # bf16 autocast's weight casts in one adaptation step: how many per
-                                            #   weight, and the bytes they move
-    python bench.py caption                 # the paper captioner's training step, encoder fine-tuned, batch 16/64
-    python bench.py decode                  # greedy captions/s at batch 64: key/value cache vs re-running the prefix
-    python bench.py e2e                     # the adaptation loop with its data, ours vs the authors' data path, on a
-                                            #   synthetic set at 480x320; projected hours for real CLEVR-Change
-    python bench.py matmul                  # this CPU's fp32 GFLOP/s (2048^3 matmul): quote it beside any timing
+"""Benchmarks for clip4idc, one subcommand each (`python bench.py SUBCOMMAND --help`); BENCHMARKS.md gives the
+figures they printed: adapt (the ViT-B/32 adaptation step, ours eager / compiled / one CUDA graph against the
+authors' pure-fp16 configuration: pairs/s, MFU, peak memory), numerics (bf16 autocast against fp32), casts
+(autocast's weight casts per step), caption (the paper captioner's step), decode (greedy captions/s with and
+without the key/value cache), e2e (the adaptation loop with its data, projected to CLEVR-Change) and matmul (this
+CPU's fp32 GFLOP/s: quote it beside any timing).
 
 Every subcommand runs on the CPU too (--device cpu; slowly, and the authors' step and the loops only on CUDA).
 The authors' configuration needs OpenAI's code: pip install --no-deps openai-clip==1.0.1. Model FLOPs are counted
-by adapt_step_flops (matmuls; backward = 2x forward), checked against torch's FLOP counter in the tests.
-
-Decoding runs all --max-len steps (no caption stops early), so both paths do the same number of steps and the
-figure is the worst case; random weights and memory are enough, since the cost does not depend on the values.
+by adapt_step_flops (matmuls; backward = 2x forward), checked against torch's FLOP counter in the tests. Decoding
+runs all --max-len steps (no caption stops early): the worst case, the same number of steps on both paths.
 """
 import argparse
 import os
@@ -41,17 +32,20 @@ SIZES = {  # captioner sizes and the pair-encoder memory they read, as caption.p
 }
 
 
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed(fn, device, repeats):
     """Median wall time of `repeats` calls after one warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         out = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2], out
 
@@ -153,13 +147,11 @@ def throughput(fn, device, steps=10, warmup=3):
     end, so the CPU queues work while the GPU runs)."""
     for _ in range(warmup):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     return (time.perf_counter() - t0) / steps
 
 
@@ -508,45 +500,26 @@ class _Normalized(torch.utils.data.Dataset):
         return clip_load.normalize(s["before"]), clip_load.normalize(s["after"]), s["ids"], s["index"]
 
 
-class GPUBusy:
-    """Mean GPU utilization (nvidia-smi's figure, through pynvml) sampled every 50 ms while the block runs;
-    None where pynvml is absent."""
-
-    def __init__(self, device):
-        self.device, self.samples, self.mean = device, [], None
-
-    def __enter__(self):
-        import threading
-        self.stop = threading.Event()
-
-        def sample():
-            while not self.stop.wait(0.05):
-                try:
-                    self.samples.append(torch.cuda.utilization(self.device))
-                except Exception:
-                    return
-        self.thread = threading.Thread(target=sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        self.thread.join()
-        self.mean = sum(self.samples) / len(self.samples) if self.samples else None
-
-
 def loop_rate(loader, step, device, batches, warmup=1):
     """pairs/s of `step` fed by `loader` (step=None: the loader alone, batches copied to the device), over
     `batches` batches after `warmup` (worker start-up, compilation, and the batches the workers prefetched
-    meanwhile, which would flatter the loader); and the GPU's mean utilization meanwhile."""
+    meanwhile, which would flatter the loader); and the GPU's mean utilization meanwhile (nvidia-smi's figure,
+    sampled every 50 ms by a thread; None without pynvml)."""
+    import threading
     warmup = max(warmup, 1 + loader.num_workers * (loader.prefetch_factor or 0))
-    it, n = iter(loader), 0
-    busy = GPUBusy(device)
+    it, n, busy, stop = iter(loader), 0, [], threading.Event()
+
+    def sample():
+        while not stop.wait(0.05):
+            try:
+                busy.append(torch.cuda.utilization(device))
+            except Exception:
+                return
+    thread = threading.Thread(target=sample, daemon=True)
     for k in range(warmup + batches):
         if k == warmup:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            busy.__enter__()
+            sync(device)
+            thread.start()
             t0 = time.perf_counter()
         try:
             batch = next(it)
@@ -561,11 +534,11 @@ def loop_rate(loader, step, device, batches, warmup=1):
             step(batch)
         if k >= warmup:
             n += len(fields[0])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     seconds = time.perf_counter() - t0
-    busy.__exit__()
-    return n / seconds, busy.mean
+    stop.set()
+    thread.join()
+    return n / seconds, sum(busy) / len(busy) if busy else None
 
 
 def bench_e2e(args):
@@ -656,7 +629,8 @@ def bench_matmul(args):
 
 
 def common(q, repeats=3, what="timed steps (the mean of back-to-back steps)"):
-    q.add_argument("--repeats", type=at_least(1), default=repeats, help=what)
+    if repeats:
+        q.add_argument("--repeats", type=at_least(1), default=repeats, help=what)
     q.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when available)")
     q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
 
@@ -664,17 +638,15 @@ def common(q, repeats=3, what="timed steps (the mean of back-to-back steps)"):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("decode", help="greedy decoding captions/s, with and without the key/value cache",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = lambda name, help: sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    d = add("decode", "greedy decoding captions/s, with and without the key/value cache")
     d.add_argument("--batch", type=at_least(1), default=64, help="captions decoded together")
     d.add_argument("--max-len", type=at_least(1), default=32, help="tokens per caption (paper: at most 32)")
     d.add_argument("--vocab", type=at_least(1), default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
     d.add_argument("--sizes", nargs="+", default=["mini", "paper"], choices=list(SIZES), help="captioner sizes")
     common(d, what="timed runs per setting (the median is reported)")
-    d.set_defaults(func=bench_decode)
-    q = sub.add_parser("adapt", help="one ViT-B/32 adaptation training step: ours (eager, compiled) and the "
-                       "authors' configuration; pairs/s, MFU, peak memory",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q = add("adapt", "one ViT-B/32 adaptation training step: ours (eager, compiled, one CUDA graph) and the "
+                     "authors' configuration; pairs/s, MFU, peak memory")
     q.add_argument("--batch", type=at_least(1), default=128, help="pairs per step (paper: 128)")
     q.add_argument("--text-len", type=at_least(1), default=32, help="caption tokens (paper: 32)")
     impls = ["ours", "ours+compile", "ours+graphs", "authors"]
@@ -682,27 +654,18 @@ def main(argv=None):
     q.add_argument("--profile", nargs="*", default=[], choices=impls,
                    help="also print a kernel profile of these --impl steps")
     common(q, repeats=20)
-    q.set_defaults(func=bench_adapt)
-    q = sub.add_parser("numerics", help="bf16 autocast vs fp32 on the same weights: features, loss, gradients",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q = add("numerics", "bf16 autocast vs fp32 on the same weights: features, loss, gradients")
     q.add_argument("--batch", type=at_least(1), default=128, help="pairs")
     common(q)
-    q.set_defaults(func=bench_numerics)
-    q = sub.add_parser("casts", help="bf16 autocast's casts of the weights in one adaptation step",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q = add("casts", "bf16 autocast's casts of the weights in one adaptation step")
     q.add_argument("--batch", type=at_least(1), default=4, help="pairs (the count does not depend on it)")
-    q.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when available)")
-    q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
-    q.set_defaults(func=bench_casts)
-    q = sub.add_parser("caption", help="the paper captioner's training step with the encoder fine-tuned",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    common(q, repeats=None)
+    q = add("caption", "the paper captioner's training step with the encoder fine-tuned")
     q.add_argument("--batches", type=at_least(1), nargs="+", default=[16, 64], help="batch sizes (paper: 16)")
     q.add_argument("--vocab", type=at_least(1), default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
     q.add_argument("--caption-len", type=at_least(2), default=14, help="tokens per caption, <bos>/<eos> included")
     common(q, repeats=10)
-    q.set_defaults(func=bench_caption)
-    q = sub.add_parser("e2e", help="the adaptation loop with its data: ours vs the authors' data path; projections",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    q = add("e2e", "the adaptation loop with its data: ours vs the authors' data path; projections")
     q.add_argument("--root", default=None, help="a CLEVR-Change-layout set (default: render --scenes at 480x320)")
     q.add_argument("--workdir", default="data/bench", help="where the rendered set goes")
     q.add_argument("--scenes", type=at_least(1), default=800, help="scenes to render")
@@ -713,16 +676,13 @@ def main(argv=None):
     q.add_argument("--compile", action="store_true", help="our step compiled")
     q.add_argument("--skip-authors", action="store_true", help="time our loop only")
     common(q)
-    q.set_defaults(func=bench_e2e)
-    m = sub.add_parser("matmul", help="this CPU's fp32 GFLOP/s, the figure to quote beside a timing",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = add("matmul", "this CPU's fp32 GFLOP/s, the figure to quote beside a timing")
     m.add_argument("--n", type=at_least(1), default=2048, help="matrix size")
-    m.set_defaults(func=bench_matmul)
     args = p.parse_args(argv)
     if getattr(args, "root", None) and not os.path.isdir(args.root):
         p.error(f"argument --root: no directory at {args.root}: give a CLEVR-Change-layout set, or leave --root out "
                 f"to render one")
-    return args.func(args)
+    return globals()["bench_" + args.command](args)
 
 
 if __name__ == "__main__":
