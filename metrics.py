@@ -10,22 +10,11 @@ METEOR 1.5 (a Java jar), ROUGE-L and CIDEr-D. This file computes the same number
     scores, items = evaluate(refs, cands, per_item=True)    # items["CIDEr-D"][id] -> that item's score
 
 Scores are on coco-caption's scale (fractions; CIDEr-D roughly 0-10); papers print them x100. On real caption sets,
-tokenization, BLEU-1..4, ROUGE-L, CIDEr-D and METEOR equal coco-caption's, per item (to 1e-15). METEOR 1.5 runs
-its four stages (exact, stem, synonym, paraphrase) on Meteor's own data files, which pip's `pycocoevalcap` ships
-(requirements.txt): the synonym files inside meteor-1.5.jar and the paraphrase table, indexed once into
-~/.cache/clip4idc (about 25 s, 88 MB) so that each call costs about a second more. We read those files only and
-never run pycocoevalcap's scorers or Java. Without the package METEOR runs exact and stem only (up to 0.017 low),
-said once in a warning.
-
-Checked against coco-caption's own figures, per item, on two real caption sets (Image-Editing-Request's and
-Spot-the-Diff's validation captions, as coco-caption scored them):
-
-    setup                                                      METEOR gap, IER val   METEOR gap, Spot-the-Diff val
-    pip install -r requirements.txt (Meteor's own data files)  0.000000              0.000000
-    no pycocoevalcap (exact + stem only)                       -0.010                -0.017
-
-Tokenization is identical (766/766 and 1,815/1,815 references), and BLEU-1..4, ROUGE-L and CIDEr-D match to
-0.000000 in every setup.
+tokenization, BLEU-1..4, ROUGE-L, CIDEr-D and METEOR equal coco-caption's, per item (RESULTS.md "Metrics"). METEOR
+1.5 runs its four stages (exact, stem, synonym, paraphrase) on Meteor's own data files, which pip's `pycocoevalcap`
+ships (requirements.txt): the synonym files inside meteor-1.5.jar and the paraphrase table, indexed once into
+~/.cache/clip4idc (about 25 s, 88 MB). We read those files only and never run pycocoevalcap's scorers or Java.
+Without the package METEOR runs exact and stem only (up to 0.017 low), said once in a warning.
 """
 import argparse
 import gzip
@@ -339,26 +328,21 @@ def meteor_data():
     return found
 
 
-def _read_jar_synonyms(jar):
-    """The jar's synonym/english.synsets (line pairs: word / its synset ids) and english.exceptions (base form /
-    its irregular forms) -> (word -> synset ids, irregular form -> base forms)."""
-    with zipfile.ZipFile(jar) as z:
-        lines = z.read("synonym/english.synsets").decode("utf-8").splitlines()
-        synsets = {w: set(ids.split()) for w, ids in zip(lines[::2], lines[1::2])}
-        lines = z.read("synonym/english.exceptions").decode("utf-8").splitlines()
-    bases = defaultdict(list)
-    for base, forms in zip(lines[::2], lines[1::2]):
-        for form in forms.split():
-            bases[form].append(base)
-    return synsets, dict(bases)
-
-
 @lru_cache(maxsize=None)
 def load_synonyms():
-    """The synonym stage's data: Meteor's own synonym files in its jar (pycocoevalcap or $METEOR_DATA) -> (word ->
-    synset ids, irregular form -> base forms, where from), or None after a warning (the stage skipped)."""
+    """The synonym stage's data: Meteor's own synonym files in its jar (pycocoevalcap or $METEOR_DATA): its
+    synonym/english.synsets (line pairs: word / its synset ids) and english.exceptions (base form / its irregular
+    forms) -> (word -> synset ids, irregular form -> base forms, where from), or None after a warning."""
     if (jar := meteor_data()["jar"]) is not None:
-        return (*_read_jar_synonyms(jar), f"Meteor 1.5's synonym files in {jar}")
+        with zipfile.ZipFile(jar) as z:
+            lines = z.read("synonym/english.synsets").decode("utf-8").splitlines()
+            synsets = {w: set(ids.split()) for w, ids in zip(lines[::2], lines[1::2])}
+            lines = z.read("synonym/english.exceptions").decode("utf-8").splitlines()
+        bases = defaultdict(list)
+        for base, forms in zip(lines[::2], lines[1::2]):
+            for form in forms.split():
+                bases[form].append(base)
+        return synsets, dict(bases), f"Meteor 1.5's synonym files in {jar}"
     _warn_once("METEOR: no synonym data (pip install pycocoevalcap: Meteor 1.5's files are in it): synonym stage "
                "skipped; METEOR reads up to 0.007 (0.7 points x100) lower for it")
     return None
@@ -611,19 +595,14 @@ def _perfect(st):
     return sum(st[4:20:2]) == st[0] and sum(st[5:20:2]) == st[1] and st[20] == 1
 
 
-def paraphrase_table():
-    """Meteor 1.5's paraphrase-en.gz: $METEOR_PARAPHRASE, else in $METEOR_DATA or pycocoevalcap; None if absent."""
-    return os.environ.get("METEOR_PARAPHRASE") or meteor_data()["paraphrase"]
-
-
 def meteor(refs_tok, cands_tok, paraphrase=None):
     """-> (corpus score from the summed statistics, {id: score}), as coco-caption's EVAL line. Per item, the
     reference with the best score is kept (the first one on ties). paraphrase: path to paraphrase-en.gz, None for
-    paraphrase_table(), False to skip that stage."""
+    $METEOR_PARAPHRASE, else the one in $METEOR_DATA or pycocoevalcap, False to skip that stage."""
     norm = {s: meteor_normalize(s) for s in {*cands_tok.values(), *(r for i in cands_tok for r in refs_tok[i])}}
     vocab = {w for words in norm.values() for w in words}
     stemmer, synonyms = _stemmer(), load_synonyms()
-    path = paraphrase_table() if paraphrase is None else paraphrase
+    path = os.environ.get("METEOR_PARAPHRASE") or meteor_data()["paraphrase"] if paraphrase is None else paraphrase
     if path is None:
         _warn_once("METEOR: no paraphrase table (pip install pycocoevalcap: Meteor 1.5's paraphrase-en.gz is in it): "
                    "paraphrase stage skipped; METEOR reads up to 0.010 (1 point x100) below coco-caption's")
@@ -667,10 +646,8 @@ def _check(refs, cands):
         if not isinstance(c, str):
             raise TypeError(f"candidate {i!r} must be a string, got {type(c).__name__}: {c!r}")
         r = refs[i]
-        if isinstance(r, str) or not isinstance(r, (list, tuple)) or not r:
+        if isinstance(r, str) or not isinstance(r, (list, tuple)) or not r or not all(isinstance(s, str) for s in r):
             raise TypeError(f"references of {i!r} must be a non-empty list of strings, got {r!r}")
-        if not all(isinstance(s, str) for s in r):
-            raise TypeError(f"references of {i!r} must all be strings, got {r!r}")
         out[i] = c
     return out
 
@@ -688,11 +665,6 @@ def evaluate(refs, cands, per_item=False, paraphrase=None):
     if n_empty_c or n_empty_r:
         warnings.warn(f"{n_empty_c} empty candidates (score 0) and {n_empty_r} empty references after tokenization",
                       stacklevel=2)
-    return evaluate_tokenized(refs_tok, cands_tok, per_item, paraphrase)
-
-
-def evaluate_tokenized(refs_tok, cands_tok, per_item=False, paraphrase=None):
-    """evaluate() on text already tokenized (e.g. coco-caption's own tokenization)."""
     b, b_items = bleu(refs_tok, cands_tok)
     corpus = {f"BLEU-{k + 1}": b[k] for k in range(4)}
     items = {f"BLEU-{k + 1}": {i: s[k] for i, s in b_items.items()} for k in range(4)}
