@@ -14,20 +14,13 @@ as ViT-B-32.pt), trained with CLIP's symmetric contrastive loss on single images
 rendered with another seed than the quickstart's set: none of its scenes are seen here) and descriptions that
 name every object with its size, colour, material and shape.
 
-A random batch of scenes is told apart by its colours alone, and a contrastive model then learns a bag of words
-that does not know which object is red. So each image also meets hard negatives (NegCLIP, Yuksekgonul et al.
-2023): its own description with one attribute of one object changed, or swapped between two objects, worded the
-same (synth.hard_negative). Held-out figures, printed at every evaluation: image -> description R@1 among its
-hard negatives, retrieval among all held-out descriptions, and a linear probe of each object attribute read from
-the patch token under the object (what the pair encoder's inter blocks and the captioner get to see).
-
-CLIP's loss trains the path into [CLS]; the patch tokens learn objects only as far as that path needs them.
-`--object-loss W` adds a per-object term in the manner of FILIP and RegionCLIP: the output token of the patch under
-each object, against the phrases of all 96 objects CLEVR can make ("a big red shiny cube"), must pick its own.
-The image tower's attention starts mimetically (Trockman and Kolter 2023; `--no-mimetic-init` for OpenAI's
-initialization): a token first attends to tokens like itself, which gives better held-out figures for the same
-cost (RESULTS.md "The mini CLIP"). The defaults are the recipe of the shipped `assets/clip_mini12_synth.pt`, and with
-`--world clevr` of `assets/clip_mini12_clevr.pt`, pretrained on scenes rendered as CLEVR renders them.
+Each image also meets hard negatives (NegCLIP, Yuksekgonul et al. 2023: its own description with one attribute of
+one object changed or swapped, synth.hard_negative), else a batch is told apart by its colours alone; `--object-loss`
+adds a per-object term (as FILIP and RegionCLIP: the patch token under each object picks its own phrase); the image
+tower's attention starts mimetically (Trockman and Kolter 2023). Held-out figures at every evaluation: image ->
+description R@1 among its hard negatives, retrieval among all held-out descriptions, and a linear probe of each
+object attribute read from the patch token under the object (RESULTS.md "The mini CLIP"). The defaults are the
+recipe of the shipped `assets/clip_mini12_synth.pt`, and with `--world clevr` of `assets/clip_mini12_clevr.pt`.
 """
 import argparse
 import json
@@ -44,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+import adapt
 import clip_load
 import data
 import model as M
@@ -347,15 +341,6 @@ def fmt(m):
 # the run
 
 
-def new_model(args):
-    return M.CLIP(M.CLIPConfig(embed_dim=args.embed_dim, image_resolution=args.image_size,
-                               vision_layers=args.vision_layers, vision_width=args.vision_width,
-                               vision_patch_size=args.patch_size, context_length=args.context_length,
-                               transformer_width=args.text_width, transformer_heads=max(1, args.text_width // 64),
-                               transformer_layers=args.text_layers,
-                               n_inter=args.vision_layers // 3))  # unused here; adapt.py's mini uses a third
-
-
 def mimetic_init_(visual, a1=0.7, b1=0.7, a2=0.4, b2=0.4):
     """Mimetic initialization of the image tower's attention (Trockman and Kolter, ICML 2023), in place: per head,
     W_q^T W_k is the best rank-(head size) approximation of a1 Z + b1 I, so that a token starts out attending to
@@ -431,7 +416,7 @@ def main(argv=None):
                          f"{100 / 9:.1f}, probe % {chance}")
         return m
 
-    model = new_model(args)
+    model = adapt.new_model(argparse.Namespace(**{**vars(args), "clip": None, "n_inter": args.vision_layers // 3}))
     if args.mimetic_init:
         mimetic_init_(model.visual)
     model = model.to(ctx.device)
