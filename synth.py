@@ -3,15 +3,12 @@
     python synth.py make --out data/clevr_synth --pairs 3000   # render a set in CLEVR-Change's layout
     python synth.py make --world clevr    # CLEVR's sizes, camera, lamps, colours and captions -> data/clevr_synth_clevr
 
-With no CLEVR-Change on disk, `data.resolve_root("clevr")` calls `make_synth` once and the stages train on this
-set. Each scene is a few CLEVR objects (shapes, colours, materials, sizes) on a floor, ray-cast with PIL + numpy;
-one object changes (colour, material, position, added, dropped) in the "semantic" image, and the "non-semantic"
-distractor shows the same scene from a moved camera under a moved light. Captions follow CLEVR-Change's style.
-That is our world; `--world clevr` renders CLEVR's: its geometry, lamps, materials, views and captions (WORLDS).
-The renderer knows every change, so `scenes.json` records the objects before and after, and `judge` parses a
-generated caption back with the same vocabulary and templates: did it say "no change", the right change type,
-the right object? (`caption.py` reports these on a synthetic set, and where the changed object is drawn,
-`changed_region`, to check the attention maps.) Nothing here imports the rest of clip4idc.
+With no CLEVR-Change on disk, `data.resolve_root("clevr")` renders this set once. Each scene is a few CLEVR objects on
+a floor, ray-cast with PIL + numpy; one object changes (colour, material, position, added, dropped) in the
+"semantic" image, and the "non-semantic" distractor shows the same scene from a moved camera. Captions follow
+CLEVR-Change's style; `--world clevr` renders CLEVR's geometry, lamps, materials, views and captions (WORLDS).
+`scenes.json` records the objects before and after, and `judge` parses a generated caption back: "no change", the
+right change type, the right object? Nothing here imports the rest of clip4idc.
 """
 import argparse
 import json
