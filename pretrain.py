@@ -416,6 +416,7 @@ def main(argv=None):
                          f"{100 / 9:.1f}, probe % {chance}")
         return m
 
+    # a CLIP from nothing, as adapt.py's scratch preset builds one (n_inter: unused here; the mini preset's third)
     model = adapt.new_model(argparse.Namespace(**{**vars(args), "clip": None, "n_inter": args.vision_layers // 3}))
     if args.mimetic_init:
         mimetic_init_(model.visual)
