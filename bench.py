@@ -240,14 +240,10 @@ def authors_adapt_step(device, batch=128, text_len=32):
                     context_length=text_len, vocab_size=49408, transformer_width=512, transformer_heads=8,
                     transformer_layers=12)
     vis = clip.visual
-    scale = 768 ** -0.5
-    vis.bef_embedding = nn.Parameter(scale * torch.randn(768))
-    vis.aft_embedding = nn.Parameter(scale * torch.randn(768))
-    vis.joint_positional_embedding = nn.Parameter(scale * torch.randn(2 * 50, 768))
+    for name, shape in (("bef_embedding", [768]), ("aft_embedding", [768]), ("joint_positional_embedding", [100, 768])):
+        setattr(vis, name, nn.Parameter((768 ** -0.5 * torch.randn(shape)).half()))  # fp16, as convert_weights makes
     vis.ln_mid = ref.LayerNorm(768)
     ref.convert_weights(clip)
-    for name in ("bef_embedding", "aft_embedding", "joint_positional_embedding"):
-        getattr(vis, name).data = getattr(vis, name).data.half()
     clip = clip.to(device).train()
 
     def pair(before, after):
@@ -344,20 +340,15 @@ def bench_adapt(args):
             label = f"ours (fp32 weights, bf16 autocast{how})"
         seconds = throughput(step, device, args.repeats, warmup=3 if name != "ours+compile" else 5)
         report_step(label, seconds, args.batch, flops, peaks, device)
-        if args.profile and name in args.profile:
-            profile_step(step, device, name)
+        if args.profile and name in args.profile:  # where its GPU time goes: CUDA time by kernel, largest first
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                sync(device)
+            print(f"--- {name}: CUDA time over 3 steps, by kernel")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
         del model, step
-
-
-def profile_step(step, device, name, rows=12):
-    """Where a step's GPU time goes: torch.profiler's CUDA time by kernel, largest first."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    print(f"--- {name}: CUDA time over 3 steps, by kernel")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60))
 
 
 # ---- casts: how often bf16 autocast casts each fp32 weight in one adaptation step
@@ -433,12 +424,8 @@ def bench_numerics(args):
         print(f"  {label:<32} max |diff| {(x - y).abs().max():.4f} (values up to {x.abs().max():.2f}), cosine "
               f"min {cos.min():.5f} mean {cos.mean():.5f}")
     print(f"  contrastive loss                 fp32 {a['loss']:.5f} bf16 {b['loss']:.5f} (diff "
-          f"{abs(a['loss'] - b['loss']):.5f}); gradient cosine {cosine64(a['grad'], b['grad']):.5f}")
-
-
-def cosine64(x, y):
-    x, y = x.double(), y.double()
-    return (x @ y / (x.norm() * y.norm())).item()
+          f"{abs(a['loss'] - b['loss']):.5f}); gradient cosine "
+          f"{F.cosine_similarity(a['grad'].double(), b['grad'].double(), dim=0):.5f}")
 
 
 # ---- captioning: the paper captioner's training step with the pair encoder fine-tuned
