@@ -1,9 +1,8 @@
 """Benchmarks for clip4idc, one subcommand each (`python bench.py SUBCOMMAND --help`); BENCHMARKS.md gives the
 figures they printed: adapt (the ViT-B/32 adaptation step, ours eager / compiled / one CUDA graph against the
-authors' pure-fp16 configuration: pairs/s, MFU, peak memory), numerics (bf16 autocast against fp32), casts
-(autocast's weight casts per step), caption (the paper captioner's step), decode (greedy captions/s with and
-without the key/value cache), e2e (the adaptation loop with its data, projected to CLEVR-Change) and matmul (this
-CPU's fp32 GFLOP/s: quote it beside any timing).
+authors' pure-fp16 configuration: pairs/s, MFU, peak memory), numerics (bf16 autocast against fp32), caption
+(the paper captioner's step), decode (greedy captions/s with and without the key/value cache), e2e (the adaptation
+loop with its data, projected to CLEVR-Change) and matmul (this CPU's fp32 GFLOP/s: quote it beside any timing).
 
 Every subcommand runs on the CPU too (--device cpu; slowly, and the authors' step and the loops only on CUDA).
 The authors' configuration needs OpenAI's code: pip install --no-deps openai-clip==1.0.1. Model FLOPs are counted
@@ -351,43 +350,6 @@ def bench_adapt(args):
         del model, step
 
 
-# ---- casts: how often bf16 autocast casts each fp32 weight in one adaptation step
-
-
-def bench_casts(args):
-    """Counts the casts (aten::_to_copy) whose input is one of the model's weights, in one training step of
-    adapt.py under bf16 autocast: autocast keeps the bf16 copy of a weight for the rest of its region (the whole
-    forward here), so a weight used several times is cast once; a flat bf16 copy of all weights made once per step
-    would save only the launches, which a CUDA graph (--cuda-graphs) removes too."""
-    from collections import Counter
-    from torch.utils._python_dispatch import TorchDispatchMode
-    device, _, where = device_and_amp(args)
-    model, step = our_adapt_step(device, autocast(device, "bf16"), batch=args.batch)
-    step()  # the optimizer's state exists: the counted step is a steady one
-    weights = {p.data_ptr(): p for p in model.parameters()}  # frozen ones too: autocast keeps no copy of those
-
-    class Casts(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = Counter()
-
-        def __torch_dispatch__(self, func, types, a=(), kw=None):
-            if func is torch.ops.aten._to_copy.default and a[0].data_ptr() in weights:
-                self.count[a[0].data_ptr()] += 1
-            return func(*a, **(kw or {}))
-
-    with Casts() as casts:
-        step()
-    moved = sum(weights[k].numel() * (4 + 2) * n for k, n in casts.count.items()) / 2 ** 30
-    for trained in (True, False):
-        per = Counter(n for k, n in casts.count.items() if weights[k].requires_grad == trained)
-        print(f"adaptation step, batch {args.batch}, bf16 autocast on {where}: "
-              f"{sum(p.requires_grad == trained for p in weights.values())} {'trained' if trained else 'frozen'} "
-              f"tensors, {sum(per.values())} of them cast ({sum(k * n for k, n in per.items())} casts: "
-              + (", ".join(f"{n} tensors {k}x" for k, n in sorted(per.items())) or "none") + ")")
-    print(f"the weights' casts read and write {moved:.2f} GiB a step (their gradients cast back: as much again)")
-
-
 # ---- numerics: bf16 autocast against fp32 on the same weights
 
 
@@ -616,8 +578,7 @@ def bench_matmul(args):
 
 
 def common(q, repeats=3, what="timed steps (the mean of back-to-back steps)"):
-    if repeats:
-        q.add_argument("--repeats", type=at_least(1), default=repeats, help=what)
+    q.add_argument("--repeats", type=at_least(1), default=repeats, help=what)
     q.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when available)")
     q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
 
@@ -644,9 +605,6 @@ def main(argv=None):
     q = add("numerics", "bf16 autocast vs fp32 on the same weights: features, loss, gradients")
     q.add_argument("--batch", type=at_least(1), default=128, help="pairs")
     common(q)
-    q = add("casts", "bf16 autocast's casts of the weights in one adaptation step")
-    q.add_argument("--batch", type=at_least(1), default=4, help="pairs (the count does not depend on it)")
-    common(q, repeats=None)
     q = add("caption", "the paper captioner's training step with the encoder fine-tuned")
     q.add_argument("--batches", type=at_least(1), nargs="+", default=[16, 64], help="batch sizes (paper: 16)")
     q.add_argument("--vocab", type=at_least(1), default=100, help="vocabulary size (CLEVR-Change has ~80 words)")

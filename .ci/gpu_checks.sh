@@ -1,6 +1,6 @@
 #!/bin/bash
 # The GPU checks in one call (a 16-core GPU machine with torch, no package registry), each under a timeout, logs
-# under $OUT (default /tmp/gpu_checks): the cuda group, bench.py adapt / casts / e2e, the quickstart timed, and the
+# under $OUT (default /tmp/gpu_checks): the cuda group, bench.py adapt / e2e, the quickstart timed, and the
 # rest of the suite on CPUs of its own (taskset) beside the cuda group and the step benchmarks. Wheels the machine
 # lacks go in .gpu/ first (ftfy, wcwidth, nltk, defusedxml, openai-clip; meteor-1.5.jar for METEOR's synonyms):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .gpu \
@@ -31,7 +31,6 @@ step() {  # step NAME LIMIT LOG cmd...: the limit shrinks to what is left of the
 SUITE=$!
 step "cuda group" 220 $OUT/cuda.log $A python3 -m pytest test_all.py -rs -m cuda -n 6 --durations=0
 step "bench adapt" 170 $OUT/adapt.log $A python3 bench.py adapt --profile ours+graphs
-step "bench casts" 40 $OUT/adapt.log $A python3 bench.py casts
 wait $SUITE
 step "bench e2e" 100 $OUT/e2e.log python3 bench.py e2e --skip-authors
 step "quickstart" 200 $OUT/quick.log bash -c 'time python3 adapt.py --data clevr && time python3 caption.py --ckpt adapted.pt'
