@@ -576,24 +576,21 @@ def checkpoint(model, vocab, source, args, figures):
             "data": source, "args": vars(args), "metrics": figures, "stage": "caption"}
 
 
-# where a run stands, in its resumable file
-RUN_STATE = ("epoch", "step", "best", "best_epoch", "epochs_without_gain", "history")
-
-
 def resume_from(state, model, optimizer, scheduler, args, ctx):
-    """Where the run starts: (epochs done, the epoch to stop at, steps done, best val CIDEr-D, its epoch, epochs
-    without gain, history); from --out's resumable file with --resume (model, optimizer, schedule, RNG put back)."""
+    """Where the run stands (epochs done, steps done, best val CIDEr-D, its epoch, epochs without gain, history),
+    and the epoch to stop at; with --resume from --out's resumable file (model, optimizer, schedule, RNG put back).
+    A run that had stopped early stays stopped."""
+    run = dict(epoch=0, step=0, best=-1.0, best_epoch=-1, epochs_without_gain=0, history=[])
     if state is None:
-        return 0, args.epochs, 0, -1.0, -1, 0, []
+        return run, args.epochs
     restore(state, model, optimizer, scheduler, ctx)
-    start, step, best, best_epoch, no_gain, history = (state[k] for k in RUN_STATE)
-    log(ctx, f"resumed from {last_path(args.out)} at epoch {start + 1} (best val CIDEr-D {best:.1f})")
-    if no_gain < args.patience:
-        return start, args.epochs, step, best, best_epoch, no_gain, history
-    if start < args.epochs:  # a run that had stopped early stays stopped
-        log(ctx, f"the run had stopped early after epoch {start} (no val CIDEr-D gain for {no_gain} epochs): no more "
-                 f"training, the test of epoch {best_epoch}'s model")
-    return start, start, step, best, best_epoch, no_gain, history
+    run = {k: state[k] for k in run}
+    log(ctx, f"resumed from {last_path(args.out)} at epoch {run['epoch'] + 1} (best val CIDEr-D {run['best']:.1f})")
+    if run["epochs_without_gain"] < args.patience or run["epoch"] >= args.epochs:
+        return run, args.epochs
+    log(ctx, f"the run had stopped early after epoch {run['epoch']} (no val CIDEr-D gain for "
+             f"{run['epochs_without_gain']} epochs): no more training, the test of epoch {run['best_epoch']}'s model")
+    return run, run["epoch"]
 
 
 def test_best(model, loader, splits, vocab, source, history, args, ctx):
@@ -635,7 +632,7 @@ def train(args, ckpt_info):
     scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
     net = model if ctx.world == 1 else nn.parallel.DistributedDataParallel(
         model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
-    start, stop, step, best, best_epoch, no_gain, history = resume_from(resume, model, optimizer, scheduler, args, ctx)
+    run, stop = resume_from(resume, model, optimizer, scheduler, args, ctx)
 
     def loss_fn(batch):  # word-level cross entropy on each pair's drawn caption (B, T)
         ids = batch["ids"]
@@ -646,41 +643,37 @@ def train(args, ckpt_info):
     # training: select on val CIDEr-D, stop after --patience epochs without gain
     t_start = time.time()
     try:
-        for epoch in range(start, stop):
+        for epoch in range(run["epoch"], stop):
             data.set_epoch(train_loader, epoch)
             t0 = time.time()
-            progress = Progress(epoch, args.epochs, step, total_steps, args.log_every)
+            progress = Progress(epoch, args.epochs, run["step"], total_steps, args.log_every)
             loss = train_epoch(ctx, net, train_loader, loss_fn, optimizer, scheduler, progress, args.grad_clip)
-            step = progress.step
             val = validate(model, val_loader, splits["val"], vocab, scenes, ctx)
-            history.append({"epoch": epoch + 1, "loss": loss, **{f"val {k}": v for k, v in val.items()}})
-            if val["CIDEr-D"] > best:
-                best, best_epoch, no_gain = val["CIDEr-D"], epoch + 1, 0
+            run["history"].append({"epoch": epoch + 1, "loss": loss, **{f"val {k}": v for k, v in val.items()}})
+            run.update(epoch=epoch + 1, step=progress.step, epochs_without_gain=run["epochs_without_gain"] + 1)
+            if val["CIDEr-D"] > run["best"]:
+                run.update(best=val["CIDEr-D"], best_epoch=epoch + 1, epochs_without_gain=0)
                 if ctx.main:
                     save_atomic(checkpoint(model, vocab, source, args, {"val": val, "epoch": epoch + 1}), args.out)
-            else:
-                no_gain += 1
             right = "".join(f", {k} {val[k]:.0f}%" for k in ("right type", "right object") if k in val)
             log(ctx, f"epoch {epoch + 1}/{args.epochs} | loss {loss:.3f} | val {summary(val)}{right} | best CIDEr-D "
-                     f"{best:.1f} (epoch {best_epoch}) | {time.time() - t0:.0f}s")
+                     f"{run['best']:.1f} (epoch {run['best_epoch']}) | {time.time() - t0:.0f}s")
             rng = rng_state(ctx)  # every process's streams (a collective), saved by rank 0
             if ctx.main:
-                plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, "val CIDEr-D")
+                plots.curves(os.path.splitext(args.out)[0] + ".curves.png", run["history"], "val CIDEr-D")
                 save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "vocab": vocab,
-                             "scheduler": scheduler.state_dict(), "rng": rng,
-                             **dict(zip(RUN_STATE, (epoch + 1, step, best, best_epoch, no_gain, history)))},
-                            last_path(args.out))
-            if no_gain >= args.patience:
-                log(ctx, f"early stop: no val CIDEr-D gain for {no_gain} epochs")
+                             "scheduler": scheduler.state_dict(), "rng": rng, **run}, last_path(args.out))
+            if run["epochs_without_gain"] >= args.patience:
+                log(ctx, f"early stop: no val CIDEr-D gain for {run['epochs_without_gain']} epochs")
                 break
     except KeyboardInterrupt:
         interrupted(ctx, args.out)
-    log(ctx, f"training done in {fmt_time(time.time() - t_start)} ({where(ctx)}): best val CIDEr-D {best:.1f} at "
-             f"epoch {best_epoch}")
+    log(ctx, f"training done in {fmt_time(time.time() - t_start)} ({where(ctx)}): best val CIDEr-D {run['best']:.1f} "
+             f"at epoch {run['best_epoch']}")
     if ctx.world > 1:  # training is over: the other processes leave, rank 0 alone tests
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-    return test_best(model, test_loader, splits, vocab, source, history, args, ctx) if ctx.main else None
+    return test_best(model, test_loader, splits, vocab, source, run["history"], args, ctx) if ctx.main else None
 
 
 def main(argv=None):
