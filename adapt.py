@@ -150,14 +150,12 @@ def get_args(argv=None):
 def new_model(args):
     """CLIP (a file: OpenAI's, the shipped mini one; or a small one from nothing) with fresh pair parameters."""
     if args.clip:
-        clip = clip_load.load_clip(args.clip, n_inter=args.n_inter)
-    else:
-        clip = M.CLIP(M.CLIPConfig(embed_dim=args.embed_dim, image_resolution=args.image_size,
-                                   vision_layers=args.vision_layers, vision_width=args.vision_width,
-                                   vision_patch_size=args.patch_size, context_length=args.context_length,
-                                   transformer_width=args.text_width, transformer_heads=max(1, args.text_width // 64),
-                                   transformer_layers=args.text_layers, n_inter=args.n_inter))
-    return clip
+        return clip_load.load_clip(args.clip, n_inter=args.n_inter)
+    return M.CLIP(M.CLIPConfig(embed_dim=args.embed_dim, image_resolution=args.image_size,
+                               vision_layers=args.vision_layers, vision_width=args.vision_width,
+                               vision_patch_size=args.patch_size, context_length=args.context_length,
+                               transformer_width=args.text_width, transformer_heads=max(1, args.text_width // 64),
+                               transformer_layers=args.text_layers, n_inter=args.n_inter))
 
 
 def lr_rule(args):
@@ -167,7 +165,6 @@ def lr_rule(args):
     def lr(name):
         if name.startswith(M.PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # 12/0: e1, e2, p, ln_mid are never used
-
         return None if args.clip and name.startswith(FROZEN) else args.lr_clip
     return lr
 
@@ -401,10 +398,10 @@ def main(argv=None):
         net = torch.compile(net)
 
     def loss_fn(batch):  # eq. (6)-(8) on a batch of pairs and a caption of each
-        before, after, ids = batch["before"], batch["after"], batch["ids"]
-        ids = clip_load.trim(ids, static=args.compile or args.cuda_graphs)  # reading the length makes a GPU wait
-        before, after, ids = (t.to(ctx.device, non_blocking=True) for t in (before, after, ids))
-        before, after = clip_load.normalize(before), clip_load.normalize(after)  # uint8 -> CLIP's input, on device
+        static = args.compile or args.cuda_graphs  # reading the length makes a GPU wait
+        ids = clip_load.trim(batch["ids"], static=static).to(ctx.device, non_blocking=True)
+        # uint8 -> CLIP's input, on the device
+        before, after = (clip_load.normalize(batch[k].to(ctx.device, non_blocking=True)) for k in ("before", "after"))
         return contrastive_loss(*net(before, after, ids)), len(ids)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     graphed = GraphedStep(ctx, loss_fn, optimizer, scheduler, params, args.grad_clip) if args.cuda_graphs else None

@@ -34,19 +34,15 @@ import synth
 from model import PAIR_KEYS, Captioner, CaptionerConfig
 from train_utils import (Progress, at_least, device_arg, flag_error, fmt_time, freeze, interrupted, last_path,
                          load_resume, local_batch, log, make_optimizer, no_state, param_groups, policy_table,
-                         rank0_first, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, unwrap,
-                         warmup_cosine, where)
+                         rank0_first, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, warmup_cosine,
+                         where)
 
 PRESETS = {
     # CPU, adapt.py's small encoders (mini, scratch), frozen: its tokens are computed once per pair. A decoder
     # reads the memory directly, with no captioner encoder layers (the pair encoder's inter blocks already mix
-    # the two images). Three more departures from the paper (README "Where the quickstart differs from the
-    # paper"; a fourth, model.Captioner's which-image vectors, is in every preset): each memory token also gets
-    # after minus before at its position (--mem-diff: cross-attention cannot subtract); on a patch grid of 12x12
-    # or more the captioner reads each image's patches averaged over 2x2 cells (mem_pool=None: 2 there, else 1;
-    # 74 memory tokens instead of 290); on a synthetic set every training pair is also shown the other way round
-    # (--reverse; reverse=None: where the scene records allow it), so that the order of the images tells an
-    # addition from a removal
+    # the two images). Three more departures from the paper, each explained at its flag: --mem-diff, --mem-pool,
+    # --reverse (README "Where the quickstart differs from the paper"; a fourth, model.Captioner's which-image
+    # vectors, is in every preset)
     "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                   freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=15, reverse=None, mem_diff=True,
                   mem_pool=None),
@@ -98,7 +94,6 @@ def caption_loss(logits, targets, world=1):
     total = F.cross_entropy(logits.float().flatten(0, 1), targets, ignore_index=PAD, reduction="sum")
     n = (targets != PAD).sum()
     if world > 1:
-        n = n.clone()
         torch.distributed.all_reduce(n)  # stays on the device: no wait for the GPU
         n = n / world
     return total / n
@@ -201,7 +196,7 @@ def lr_rule(args, n_inter):
 @torch.no_grad()
 def predict(model, loader, items, vocab, ctx, beam=1):
     """Captions of every item the loader yields -> {item id: caption}."""
-    model, frozen = unwrap(model).eval(), loader.dataset.features is not None
+    model, frozen = model.eval(), loader.dataset.features is not None
     out = {}
     for batch in loader:
         with ctx.amp:
@@ -422,8 +417,7 @@ def apply_preset(args, ckpt_info):
 # main: caption two images, evaluate a captioner, or train one
 
 
-def caption_images(args):
-    ckpt_info = read_ckpt_info(args.ckpt)
+def caption_images(args, ckpt_info):
     if ckpt_info.get("stage") != "caption":
         raise SystemExit(f"--before/--after need a trained captioner: {args.ckpt} is not one (train it with "
                          f"`python caption.py --ckpt adapted.pt`, then pass --ckpt captioner.pt)")
@@ -502,8 +496,7 @@ def new_model(args, ckpt_info, vocab, ctx, clip):
     n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // resolve_mem_pool(args, clip)) ** 2  # pooled
     cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
-                          max_len=MAX_LEN, dropout=args.dropout, mem_diff=args.mem_diff,
-                          mem_pool=args.mem_pool)
+                          max_len=MAX_LEN, dropout=args.dropout, mem_diff=args.mem_diff, mem_pool=args.mem_pool)
     return PairCaptioner(clip, Captioner(cfg)).to(ctx.device)  # every process builds the same (setup seeds them alike)
 
 
@@ -678,9 +671,9 @@ def train(args, ckpt_info):
 
 def main(argv=None):
     args = get_args(argv)
-    if args.before:
-        return caption_images(args)
     ckpt_info = read_ckpt_info(args.ckpt)
+    if args.before:
+        return caption_images(args, ckpt_info)
     if ckpt_info.get("stage") == "caption":
         return evaluate_captioner(args, ckpt_info)
     return train(args, ckpt_info)

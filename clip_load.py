@@ -147,12 +147,9 @@ def read_state_dict(path):
 
 
 def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
-    """Load CLIP (+ the CLIP4IDC pair parameters when the file has them) in fp32, eval mode.
-
-    Sizes come from the tensors' shapes (`model.build_model`), so ViT-B/32 and any smaller ViT load alike.
-    n_inter: how many of the last vision blocks run on the joint pair sequence (None: the file's own value
-    when it stores one, else 3). Missing pair parameters (OpenAI's release) are freshly initialized.
-    """
+    """Load CLIP (+ the CLIP4IDC pair parameters when the file has them; `model.build_model` sizes it from the
+    tensors) in fp32, eval mode. n_inter: how many of the last vision blocks run on the joint pair sequence (None:
+    the file's own value when it stores one, else 3)."""
     path = resolve(path_or_name)
     sd, extra = read_state_dict(path)
     if n_inter is None:
@@ -228,18 +225,13 @@ def bpe(word):
     return parts
 
 
-def clean(text):
-    text = ftfy.fix_text(text)
-    text = html.unescape(html.unescape(text)).strip()
-    return re.sub(r"\s+", " ", text).strip().lower()
-
-
 def encode(text):
-    """A string -> BPE ids without start/end tokens."""
+    """A string -> BPE ids without start/end tokens, the text cleaned as OpenAI's tokenizer cleans it."""
     encoder = vocab()[0]
     byte_encoder = bytes_to_unicode()
+    text = re.sub(r"\s+", " ", html.unescape(html.unescape(ftfy.fix_text(text))).strip()).strip().lower()
     ids = []
-    for word in re.findall(PAT, clean(text)):
+    for word in re.findall(PAT, text):
         if word in ("<|startoftext|>", "<|endoftext|>"):  # special tokens written in the text stay whole
             ids.append(encoder[word])
             continue

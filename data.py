@@ -1,12 +1,7 @@
-"""How data gets into the model: CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders, the torch
-datasets.
-
-One item = (before image, after image, its captions, change type or None, id). Training samples of both stages
-come from `CaptionDataset`: one sample per caption (the authors' adaptation), or with draw=True one per pair with
-one of its captions drawn per epoch (captioning, and the mini preset's adaptation). `ImageDataset` gives images
-only, for evaluation and for a frozen encoder's tokens, computed once. Both read a decoded-image cache
-(`ImageCache`: every image decoded once into a uint8 file on disk) or stream the files. Where to get the data and
-the layouts we read: README "Real data and OpenAI's weights". With no CLEVR-Change at data/clevr_change,
+"""How data gets into the model: CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders (one item =
+before image, after image, its captions, change type or None, id), the training samples (`CaptionDataset`), images
+for evaluation (`ImageDataset`), both read from a decoded-image cache (`ImageCache`) or streamed. Where to get the
+data and the layouts we read: README "Real data and OpenAI's weights". With no CLEVR-Change at data/clevr_change,
 `resolve_root("clevr")` renders the synthetic CLEVR-Change-style set of `synth.py` once and uses that.
 """
 import hashlib
@@ -81,9 +76,6 @@ def load_items(name, root, split, setting="total", skip_missing=False):
     if not root.is_dir():
         raise SystemExit(f"no {name} dataset at {root} (--data-root; default {ROOTS[name]}): expected its "
                          f"directory there, {SEE}")
-    split = {"valid": "val"}.get(split, split)
-    if split not in ("train", "val", "test"):
-        raise SystemExit(f"unknown split {split!r}: expected train, val or test")
     items = {"clevr": partial(_clevr, setting=setting), "spot": _spot, "ier": _ier, "levir": _levir}[name](root, split)
     return _check_files(_nonempty_captions(items, name, split), name, root, split, skip_missing)
 
@@ -100,12 +92,10 @@ def reversed_pairs(items, root):
     style = json.loads((Path(root) / "synth.json").read_text()).get("caption_style", "ours")
     out = []
     for it in items:
-        if it.change_type == "distractor":
-            out.append(Item(it.id + "_r", it.after, it.before, it.captions, "distractor"))
-        else:
-            back = synth.reverse(scenes[it.id])["type"]
-            out.append(Item(it.id + "_r", it.after, it.before, synth.reversed_captions(scenes[it.id], it.id, style),
-                            back))
+        same = it.change_type == "distractor"
+        out.append(Item(it.id + "_r", it.after, it.before,
+                        it.captions if same else synth.reversed_captions(scenes[it.id], it.id, style),
+                        "distractor" if same else synth.reverse(scenes[it.id])["type"]))
     return out
 
 
@@ -140,8 +130,6 @@ def _captions_ok(caps):
 
 
 def _clevr(root, split, setting):
-    if setting not in ("semantic", "total"):
-        raise SystemExit(f"unknown CLEVR-Change setting {setting!r}: expected 'semantic' or 'total'")
     if missing := [f for f in CLEVR_FILES if not (root / f).exists()]:
         raise SystemExit(f"CLEVR-Change at {root} lacks {', '.join(missing)}: expected {', '.join(CLEVR_FILES)} "
                          f"there, {SEE}")

@@ -26,8 +26,6 @@ import torch.distributed as dist
 def autocast(device, amp="auto"):
     """The one place that decides mixed precision. auto: bf16 autocast on CUDA, fp32 on a CPU; "bf16" forces
     autocast (a CPU runs it too, slowly: the tests check the CUDA numerics path that way); "off": fp32."""
-    if amp not in ("auto", "bf16", "off"):
-        raise SystemExit(f"--amp {amp!r}: expected auto, bf16 or off")
     if amp == "off" or (amp == "auto" and device.type != "cuda"):
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
@@ -116,9 +114,7 @@ def setup(seed=0, device=None, amp="auto"):
     gives each its own stream."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    if device is None:
-        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:  # --device cuda: this process's GPU
         device = torch.device("cuda", local)
     if device.type == "cuda":
@@ -218,10 +214,6 @@ def gather(x):
         return x
     import torch.distributed.nn  # differentiable collectives
     return torch.cat(torch.distributed.nn.all_gather(x), dim=0)
-
-
-def unwrap(model):
-    return model.module if hasattr(model, "module") else model
 
 
 def where(ctx):
@@ -388,10 +380,9 @@ class Progress:
 
 
 def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, grad_clip=1.0, step=None):
-    """One pass over `loader` (see train_step) -> mean loss. Both stages share it rather than each writing the loop
-    out: what they share is the bookkeeping, the same in both (the progress line: step, loss, lr, throughput,
-    ETA; the NaN check), while what differs (the loss) comes in as `loss_fn(batch) -> (loss, n_samples)`. The
-    loss is summed on the device and checked at each progress line only, so the CPU queues the next steps while
+    """One pass over `loader` (see train_step) -> mean loss. Both stages share its bookkeeping (the progress line:
+    step, loss, lr, throughput, ETA; the NaN check); their loss comes in as `loss_fn(batch) -> (loss, n_samples)`.
+    The loss is summed on the device and checked at each progress line only, so the CPU queues the next steps while
     the GPU runs; a NaN/inf loss stops the run, naming the steps. `step(batch) -> (loss, n)` replaces train_step
     (a GraphedStep)."""
     model.train()
@@ -466,9 +457,7 @@ def no_state(out):
 
 
 def load_resume(out, device="cpu"):
-    path = last_path(out)
-    if missing := no_state(out):  # the stages check this at parsing already (argparse's error); here for callers
-        raise SystemExit(f"--resume: {missing}")
+    path = last_path(out)  # the stages checked at parsing that it exists (no_state)
     try:
         return torch.load(path, map_location=device, weights_only=False)
     except Exception as e:
