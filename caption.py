@@ -180,7 +180,7 @@ def lr_rule(args, n_inter):
         if not name.startswith("clip.visual."):
             return None  # the text tower and the logit scale take no part in captioning
         if args.freeze_encoder:
-            return None  # the mini preset: the pair encoder's tokens are computed once, before training
+            return None  # --freeze-encoder (the mini preset): its tokens are computed once, before training
         if name[len("clip."):] in unused:
             return None  # 12/0: e1, e2, p, ln_mid are never used (and DDP wants every trained parameter used)
         # the whole pair encoder fine-tuned end to end (authors: 1e-7), CLIP's input embeddings included: the
@@ -488,8 +488,8 @@ def resolve_mem_pool(args, clip):
 
 
 def new_model(args, ckpt_info, vocab, ctx, clip):
-    """The pair encoder from --ckpt (load_clip, read before the data: a bad --n-inter says so at once) and a fresh
-    captioner over its 2(n+1) tokens, in one module."""
+    """The pair encoder `clip` (train() loads it from --ckpt before the data: a bad --n-inter says so at once) and
+    a fresh captioner over its 2(n+1) tokens, in one module."""
     if ckpt_info.get("stage") != "adapt":
         log(ctx, f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
                  f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")

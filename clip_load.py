@@ -34,6 +34,7 @@ MODELS = {  # the sha256 is the URL's path component, as OpenAI publishes it
                 "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
 }
 CACHE = Path(os.environ.get("CLIP_CACHE", Path.home() / ".cache" / "clip"))
+WEIGHTS = "README 'Real data and OpenAI's weights'"  # where to get OpenAI's weights
 # weights that ship with clip4idc: the small CLIPs that pretrain.py pretrained on synthetic scenes (RESULTS.md "The
 # mini CLIP" gives the command that made the quickstart's). Loaded by name through the same code as OpenAI's file,
 # and checked the same way
@@ -72,7 +73,7 @@ def resolve(name_or_path):
         path = Path(name_or_path).expanduser()
         if not path.is_file():
             raise SystemExit(f"CLIP weights: no file at {path}. Give a path to a checkpoint, one of {list(MODELS)} "
-                             f"(downloaded to {CACHE}) or the shipped {list(SHIPPED)}; see README 'Weights'.")
+                             f"(downloaded to {CACHE}) or the shipped {list(SHIPPED)}; see {WEIGHTS}.")
         return path
     url = MODELS[name_or_path]
     expected = url.split("/")[-2]
@@ -90,7 +91,7 @@ def weights_arg(text):
     if text in MODELS or text in SHIPPED or Path(text).expanduser().is_file():
         return text
     raise argparse.ArgumentTypeError(f"no file at {text}: give a checkpoint's path, one of {list(MODELS)} "
-                                     f"(downloaded) or the shipped {list(SHIPPED)}; see README 'Weights'")
+                                     f"(downloaded) or the shipped {list(SHIPPED)}; see {WEIGHTS}")
 
 
 def download(url, path, expected):
@@ -108,7 +109,7 @@ def download(url, path, expected):
     except OSError as e:  # URLError, timeouts, disk full
         tmp.unlink(missing_ok=True)
         raise SystemExit(f"could not download {url} ({e}). Offline? Download ViT-B-32.pt on a machine with "
-                         f"internet and copy it to {path}, or pass --clip PATH; see README 'Weights'.") from None
+                         f"internet and copy it to {path}, or pass --clip PATH; see {WEIGHTS}.") from None
     if (got := sha256(tmp)) != expected:
         tmp.unlink()
         raise SystemExit(f"downloaded {url} but its SHA256 is {got}, expected {expected}: try again")
@@ -128,7 +129,7 @@ def read_state_dict(path):
     except Exception as e:  # zip/pickle/jit errors all mean the same thing to the user
         raise SystemExit(f"could not read {what}: {type(e).__name__}: {str(e).splitlines()[0][:200]}. "
                          f"The file is truncated, corrupt, or not a PyTorch checkpoint: download it again "
-                         f"(README 'Weights').") from None
+                         f"({WEIGHTS}).") from None
     extra = {}
     if isinstance(sd, dict) and isinstance(sd.get("model"), dict):  # our adapted.pt / captioner.pt
         extra = {k: v for k, v in sd.items() if k != "model"}
@@ -163,7 +164,7 @@ def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
         model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
     except (RuntimeError, KeyError, ValueError, AssertionError) as e:
         raise SystemExit(f"{path} does not fit the CLIP ViT architecture: {str(e).splitlines()[0][:300]} ... "
-                         f"(is it a CLIP ViT checkpoint? see README 'Weights')") from None
+                         f"(is it a CLIP ViT checkpoint? see {WEIGHTS})") from None
     return model.to(device).eval()
 
 

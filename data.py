@@ -1,8 +1,9 @@
-"""How data gets into the model: CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders (one item =
-before image, after image, its captions, change type or None, id), the training samples (`CaptionDataset`), images
-for evaluation (`ImageDataset`), both read from a decoded-image cache (`ImageCache`) or streamed. Where to get the
-data and the layouts we read: README "Real data and OpenAI's weights". With no CLEVR-Change at data/clevr_change,
-`resolve_root("clevr")` renders the synthetic CLEVR-Change-style set of `synth.py` once and uses that.
+"""How data gets into the model: CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders (an `Item`:
+id, before image, after image, its captions, change type or None, on CLEVR the distractor image), the training
+samples (`CaptionDataset`), images for evaluation (`ImageDataset`), both read from a decoded-image cache
+(`ImageCache`) or streamed. Where to get the data and the layouts we read: README "Real data and OpenAI's weights".
+With no CLEVR-Change at data/clevr_change, `resolve_root("clevr")` renders the synthetic CLEVR-Change-style set of
+`synth.py` once and uses that.
 """
 import hashlib
 import json
@@ -29,7 +30,7 @@ from clip_load import open_image, resize_uint8, tokenize
 
 ROOTS = {"clevr": "data/clevr_change", "spot": "data/spot_the_diff", "ier": "data/image_editing_request",
          "levir": "data/levir_cc"}
-SEE = "see README 'Data' for where to get it"
+SEE = "see README 'Real data and OpenAI's weights' for where to get it"
 CLEVR_FILES = ("images", "sc_images", "nsc_images", "change_captions.json", "no_change_captions.json",
                "splits.json", "type_mapping.json")
 
@@ -54,8 +55,8 @@ def resolve_root(name, root=None, synth_pairs=3000, synth_size=synth.IMAGE_SIZE,
     if root is not None or name != "clevr" or Path(ROOTS[name]).exists():
         return Path(root or ROOTS[name])
     print(f"*** no CLEVR-Change at {ROOTS[name]}: using the SYNTHETIC CLEVR-Change-style set at {synth.SYNTH_ROOT} "
-          f"({synth_pairs} pairs; numbers are not comparable to the paper). For the real dataset, put it at "
-          f"{ROOTS[name]} or pass --data-root: README 'Data'. ***")
+          f"({synth_pairs} scenes; numbers are not comparable to the paper). For the real dataset, put it at "
+          f"{ROOTS[name]} or pass --data-root: README 'Real data and OpenAI's weights'. ***")
     return resolve_synth(synth.SYNTH_ROOT, synth_pairs, seed, synth_size, workers)
 
 
@@ -496,10 +497,11 @@ class CaptionDataset(_Pairs):
         super().__init__(items, size, cache, features)
         if ids is None:  # every caption tokenized once (load_items has dropped the empty ones)
             ids = tokenize([c for it in items for c in it.captions], context_length, truncate=True)
-        self.tokens = ids  # a sample = (item index, its token row; None: drawn per epoch)
+        self.tokens = ids  # every caption's token row, in item order
         owners = [i for i, it in enumerate(items) for _ in it.captions]
         counts = [len(it.captions) for it in items]
         self.first = np.cumsum([0] + counts[:-1]).tolist()  # each item's first caption row
+        # a sample = (item index, its token row; None: drawn per epoch)
         self.samples = [(i, None) for i in range(len(items))] if draw else list(zip(owners, range(len(owners))))
         self.counts, self.swap_prob, self.seed, self.epoch = counts, swap_prob, seed, 0
 
@@ -549,7 +551,7 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", sampler=None, drop_last=False, seed=0):
-    """DataLoader with an EpochSampler (unless `sampler` is given, e.g. a DistributedSampler); whole batches from
+    """DataLoader with an EpochSampler (`sampler`, the caller's per-rank one, or one made here); whole batches from
     datasets that read them at once; pinned memory on CUDA. Workers start anew each epoch, so that they see the
     dataset's epoch (its per-sample randomness); with the image cache that costs a fork."""
     return torch.utils.data.DataLoader(

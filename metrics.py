@@ -13,8 +13,8 @@ Scores are on coco-caption's scale (fractions; CIDEr-D roughly 0-10); papers pri
 tokenization, BLEU-1..4, ROUGE-L, CIDEr-D and METEOR equal coco-caption's, per item (RESULTS.md "Metrics"). METEOR
 1.5 runs its four stages (exact, stem, synonym, paraphrase) on Meteor's own data files, which pip's `pycocoevalcap`
 ships (requirements.txt): the synonym files inside meteor-1.5.jar and the paraphrase table, indexed once into
-~/.cache/clip4idc (about 25 s, 88 MB). We read those files only and never run pycocoevalcap's scorers or Java.
-Without the package METEOR runs exact and stem only (up to 0.017 low), said once in a warning.
+~/.cache/clip4idc on first use. We read those files only and never run pycocoevalcap's scorers or Java.
+Without the package METEOR runs exact and stem only (a little low: RESULTS.md "Metrics"), said once in a warning.
 """
 import argparse
 import gzip
@@ -213,7 +213,7 @@ def cider_d(refs_tok, cands_tok, prepared=None):
 def cider_d_constant(prepared, captions, sigma=6.0):
     """Corpus CIDEr-D of each tokenized caption if it were the output for every item: [float] per caption.
     A constant caption has the same tf-idf vector everywhere, so each of its n-grams touches only the references
-    that contain it (numpy over an inverted index): about a millisecond per caption instead of a full pass."""
+    that contain it (numpy over an inverted index), not a full pass per caption."""
     if "index" not in prepared:  # built on first use: n-gram -> (reference rows, weights, the rows' norms)
         index, lengths, items = defaultdict(lambda: ([], [], [])), [], []
         for j, i in enumerate(prepared["ids"]):
@@ -692,7 +692,7 @@ if __name__ == "__main__":
                 parser.error(f"argument {flag}: cannot read {path} as JSON ({type(e).__name__}: {e})")
         try:
             scores = evaluate(loaded["--refs"], loaded["--cands"], paraphrase=args.paraphrase)
-        except (TypeError, ValueError) as e:  # check_inputs: ids that differ, a caption that is not a string
+        except (TypeError, ValueError) as e:  # _check: ids that differ, a caption that is not a string
             parser.error(f"argument --refs/--cands: {e}")
         print(" | ".join(f"{m:>7s}" for m in METRICS))
         print(" | ".join(f"{100 * scores[m]:7.2f}" for m in METRICS))

@@ -2,7 +2,7 @@
 
 Module and parameter names equal the keys of OpenAI's released `ViT-B-32.pt`, so its state dict loads with
 `strict=True` and no remapping; `build_model` reads every size off the tensors' shapes (as openai/CLIP does), so
-ViT-B/32, the shipped mini CLIPs and adapt.py's small from-scratch model are built by the same code.
+ViT-B/32 and the shipped mini CLIPs load through the same code (adapt.py's from-scratch model is a CLIPConfig).
 
 Pair encoder (paper Sec. 3.1, eq. 2-5): the first N_intra vision blocks see each image alone; the two token
 sequences then get a per-image embedding (e1, e2), a joint positional embedding p and a LayerNorm, and the last
@@ -145,8 +145,8 @@ class VisionTransformer(nn.Module):
 
     def patches(self, x):
         """(B, 3, H, W) -> (B, n, width): conv1 (kernel = stride = patch size) computed as one matmul over the
-        flattened patches, in row-major patch order. The same numbers as the convolution, and on a GPU several
-        times faster than its kernels (BENCHMARKS.md)."""
+        flattened patches, in row-major patch order. The same numbers as the convolution, and faster on a GPU
+        (BENCHMARKS.md)."""
         B, C, H, W = x.shape
         P = self.conv1.kernel_size[0]
         x = x[:, :, :H // P * P, :W // P * P].reshape(B, C, H // P, P, W // P, P)  # a remainder is dropped, as conv
@@ -454,7 +454,7 @@ class Captioner(nn.Module):
 
     def decode(self, tokens, memory, kv_caches=None, start=0):
         """Token ids (B, T) at positions start..start+T-1 -> next-token logits (B, T, vocab). Output
-        projection tied to the input embedding (fewer parameters, better with small caption sets)."""
+        projection tied to the input embedding (fewer parameters)."""
         x = self.drop(self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]])
         for i, block in enumerate(self.decoder):
             x = block(x, memory, None if kv_caches is None else kv_caches[i])

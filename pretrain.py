@@ -1,10 +1,10 @@
 """Stage 0 in miniature: pretrain a small CLIP on single synthetic scenes, image <-> description.
 
-    python pretrain.py                                # render data/clevr_pretrain once, train, evaluate (2-3 h)
+    python pretrain.py                                # render data/clevr_pretrain once, train, evaluate
     python pretrain.py --resume                       # continue a killed run exactly (mid-epoch too)
     python pretrain.py --eval-only --ckpt mini12-synth     # held-out figures of a checkpoint (the shipped one)
     python pretrain.py --export clip_mini12_synth.pt  # the run's latest weights as the shipped fp16 file
-    python pretrain.py --world clevr --out clevr.pt   # CLEVR's world: the shipped mini12-clevr (70 min on 1 thread)
+    python pretrain.py --world clevr --out clevr.pt   # CLEVR's world: the shipped mini12-clevr
     python pretrain.py --eval-only --ckpt mini12-clevr --world clevr --clevr-root assets/clevr_renders
 
 CLIP4IDC adapts a CLIP that already sees objects: OpenAI pretrained ViT-B/32 on 400M image-text pairs, and the

@@ -24,7 +24,7 @@ import numpy as np
 from PIL import Image
 
 SYNTH_ROOT = "data/clevr_synth"
-IMAGE_SIZE = (180, 120)  # W, H on disk: the small model squashes it to 96 x 96, and 240 x 160 looked the same there
+IMAGE_SIZE = (180, 120)  # W, H on disk: the small model squashes it to 96 x 96
 VERSION = 2  # in synth.json: bump when the same arguments would render a different set (2: scenes.json)
 
 # -----------------------------------------------------------------------------
@@ -45,8 +45,8 @@ ATTRS = ("size", "color", "material", "shape")
 # too (_scene): "clevr" jitters the camera of each of the three images on its own, under lamps that stay still.
 WORLDS = {
     "ours": {"name": "ours", "sizes": {"small": 0.6, "large": 0.95}, "cube": 0.8, "cylinder": (0.8, 1.6),
-             "bound": {"cube": 1.39, "sphere": 1.0, "cylinder": 1.13},  # bounding sphere radius / r (as rounded
-             # when the default set was made: its scenes and images stay those of the same seed)
+             "bound": {"cube": 1.39, "sphere": 1.0, "cylinder": 1.13},  # bounding sphere radius / r (rounded: a
+             # set's scenes depend on these values, so a seed gives the same set)
              "extent": 2.7,  # objects stand in [-extent, extent]^2 on the ground plane z = 0
              "camera": (-10.5, 7.0, 0.5), "zoom": 2.25, "floor": (0.62, 0.25, 0.95, 0.5, 0.45), "tone": None},
     "clevr": {"name": "clevr", "sizes": {"small": 0.35, "large": 0.7}, "cube": 1.0, "cylinder": (1.0, 2.0),

@@ -1015,7 +1015,7 @@ def test_resolve_root_falls_back_to_synthetic_once(tmp_path, monkeypatch, capsys
     monkeypatch.chdir(tmp_path)
     root = data.resolve_root("clevr", synth_pairs=5, synth_size=(48, 32), workers=1)
     out = capsys.readouterr().out
-    assert root == Path(synth.SYNTH_ROOT) and "SYNTHETIC" in out and "README 'Data'" in out
+    assert root == Path(synth.SYNTH_ROOT) and "SYNTHETIC" in out and "README 'Real data and OpenAI's weights'" in out
     assert len(data.load_items("clevr", root, "train", "semantic")) == 5 - 1 - 1
     stamp = (root / "splits.json").stat().st_mtime_ns
     assert data.resolve_root("clevr", synth_pairs=5, synth_size=(48, 32)) == root
@@ -1035,10 +1035,11 @@ def test_spot_the_diff_real_annotations(tmp_path):
     # 1,270 pairs and 2,107 sentences in the file; 7 sentences are empty, the only ones of their 7 pairs
     assert len(items) == 1270 - 7 and sum(len(it.captions) for it in items) == 2107 - 7
     assert all(it.change_type is None and it.after.endswith(f"{it.id}_2.png") for it in items)
-    with pytest.raises(SystemExit, match=r"image\(s\) of spot val missing, first .*resized_images.*README 'Data'"):
+    with pytest.raises(SystemExit,
+                       match=r"image\(s\) of spot val missing, first .*resized_images.*README 'Real data and OpenAI's"):
         data.load_items("spot", root, "val")  # placeholders only for test
     (root / "annotations" / "val.json").unlink()
-    with pytest.raises(SystemExit, match=r"missing .*val\.json.*README 'Data'"):
+    with pytest.raises(SystemExit, match=r"missing .*val\.json.*README 'Real data and OpenAI's weights'"):
         data.load_items("spot", root, "val")
 
 
@@ -1075,12 +1076,12 @@ def test_clevr_change_real_splits_and_types(tmp_path):
 
 # errors a person can act on
 def test_errors_name_the_path(synth_set, tmp_path):
-    with pytest.raises(SystemExit, match=r"no clevr dataset at .*nowhere.*README 'Data'"):
+    with pytest.raises(SystemExit, match=r"no clevr dataset at .*nowhere.*README 'Real data and OpenAI's weights'"):
         data.load_items("clevr", tmp_path / "nowhere", "train")
     broken = tmp_path / "broken"
     shutil.copytree(synth_set, broken)
     (broken / "type_mapping.json").unlink()
-    with pytest.raises(SystemExit, match=r"lacks type_mapping\.json.*README 'Data'"):
+    with pytest.raises(SystemExit, match=r"lacks type_mapping\.json.*README 'Real data and OpenAI's weights'"):
         data.load_items("clevr", broken, "train")
     shutil.copy(synth_set / "type_mapping.json", broken)
     victim = data.load_items("clevr", broken, "train", "semantic")[0]
@@ -1092,7 +1093,7 @@ def test_errors_name_the_path(synth_set, tmp_path):
     shutil.copy(synth_set / "sc_images" / Path(victim.after).name, victim.after)
     Path(victim.before).write_bytes(b"not a png")  # present but unreadable: fails when decoded, naming it
     items = data.load_items("clevr", broken, "train", "total")
-    with pytest.raises(OSError, match=rf"{re.escape(victim.before)}.*README 'Data'"):
+    with pytest.raises(OSError, match=rf"{re.escape(victim.before)}.*README 'Real data and OpenAI's weights'"):
         data.ImageDataset(items, 32)[0]
     assert len(data.load_items("clevr", broken, "train", "total", skip_missing=True)) == len(items) - 2
     with pytest.raises(SystemExit, match="unknown dataset"):
@@ -2179,6 +2180,12 @@ def test_retrieval_metrics_by_hand():
     assert const["text->pair R@1"] == 0 and const["pair->text R@1"] == 0
     chance = adapt.chance_metrics(owner, 2)
     assert chance["text->pair R@1"] == 50 and chance["pair->text R@1"] == pytest.approx(100 * (2 / 3 + 1 / 3) / 2)
+    # the median ranks of a random ranking (every figure of the chance line, none left out), against a simulation
+    owner = torch.arange(300).repeat_interleave(6)
+    chance, g = adapt.chance_metrics(owner, 300), torch.Generator().manual_seed(0)
+    sims = [adapt.retrieval_metrics(torch.rand(300, 1800, generator=g), owner) for _ in range(8)]
+    for d in ("pair->text", "text->pair"):
+        assert chance[f"{d} MdR"] == pytest.approx(sum(m[f"{d} MdR"] for m in sims) / 8, rel=0.1)
 
 
 def test_contrastive_loss_matches_definition():

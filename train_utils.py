@@ -379,17 +379,17 @@ class Progress:
     unit: str = "pairs"
 
 
-def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, grad_clip=1.0, step=None):
+def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, grad_clip=1.0, graphed=None):
     """One pass over `loader` (see train_step) -> mean loss. Both stages share its bookkeeping (the progress line:
     step, loss, lr, throughput, ETA; the NaN check); their loss comes in as `loss_fn(batch) -> (loss, n_samples)`.
     The loss is summed on the device and checked at each progress line only, so the CPU queues the next steps while
-    the GPU runs; a NaN/inf loss stops the run, naming the steps. `step(batch) -> (loss, n)` replaces train_step
-    (a GraphedStep)."""
+    the GPU runs; a NaN/inf loss stops the run, naming the steps. `graphed` (a GraphedStep: batch -> (loss, n))
+    replaces train_step."""
     model.train()
     t0, seen, count, checked = time.time(), 0, 0, progress.step
     total = torch.zeros((), device=ctx.device)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    step = step or (lambda batch: train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip))
+    step = graphed or (lambda batch: train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip))
     for batch in loader:
         loss, n = step(batch)
         total += loss.float()
