@@ -19,7 +19,6 @@ import json
 import os
 import time
 import warnings
-from collections import Counter
 from dataclasses import asdict
 
 import torch
@@ -221,25 +220,6 @@ def score(items, preds, by_type=False):
     return scores, {t: cider(subset, preds) for t, subset in subsets.items() if subset}
 
 
-def constant_baseline(train_items, items):
-    """The single training caption scoring highest on CIDEr-D when given for every pair of `items`: what a model
-    that ignores the images can reach, so a reader sees what the captioner adds. Candidates: the 5,000 most
-    frequent distinct training captions; with no training captions (an evaluation-only set), the fixed
-    "no change" sentences of CLEVR-Change's style (synth.NO_CHANGE)."""
-    counts = Counter(metrics.tokenize(c) for it in train_items for c in it.captions)
-    candidates = [c for c, _ in counts.most_common(5000)]
-    source = "training captions"
-    if not candidates:
-        candidates = [metrics.tokenize(c) for c in synth.NO_CHANGE]
-        source = "fixed no-change sentences (no train split)"
-    refs = {it.id: it.captions for it in items}
-    prepared = metrics.cider_d_prepare({i: [metrics.tokenize(c) for c in r] for i, r in refs.items()})
-    per_candidate = metrics.cider_d_constant(prepared, candidates)
-    best = max(range(len(candidates)), key=lambda i: per_candidate[i])
-    scores = {k: 100 * v for k, v in metrics.evaluate(refs, {i: candidates[best] for i in refs}).items()}
-    return {"caption": candidates[best], "scores": scores, "candidates": source}
-
-
 def summary(scores):
     return " ".join(f"{k} {scores[k]:.1f}" for k in metrics.METRICS if k in scores)
 
@@ -261,7 +241,8 @@ def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
     # the attention figure needs the changed object's place (a synthetic set); 12/0 has no inter block to look at
     explained = bool(scenes) and synth.is_synthetic(root) and model.clip.cfg.n_inter > 0 and ctx.main
     results = {"scores": scores, "scores_by_type": by_type,
-               "baseline": constant_baseline(train_items, items),
+               "baseline": metrics.constant_baseline([c for it in train_items for c in it.captions],
+                                                     {it.id: it.captions for it in items}, synth.NO_CHANGE),
                "read_back": synth.report(preds, scenes) if scenes else None,
                "attention": plots.attention_on_change(model, items, root, ctx.device) if explained else None,
                "predictions": [{"id": it.id, "before": it.before, "after": it.after, "caption": preds[it.id],
