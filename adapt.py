@@ -309,9 +309,8 @@ def load_data(args, root, ctx):
                                   None, ctx.world, ctx.rank, log=lambda m: log(ctx, m))
     train = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
                                 cache=cache, seed=args.seed, draw=args.draw_captions)
-    sampler = data.EpochSampler(len(train), shuffle=True, seed=args.seed, rank=ctx.rank, world=ctx.world)
-    loader = data.make_loader(train, local_batch(ctx, args.batch_size), workers=args.workers, device=ctx.device,
-                              sampler=sampler, drop_last=True)
+    loader = data.make_loader(train, local_batch(ctx, args.batch_size), True, args.workers, ctx.device, drop_last=True,
+                              seed=args.seed, rank=ctx.rank, world=ctx.world)
     log(ctx, f"   {args.data} at {root}: train {len(splits['train'])} pairs / "
              f"{'one caption each, drawn per epoch' if args.draw_captions else f'{len(train)} captions'}, "
              f"val {len(splits['val'])} pairs, test {len(splits['test'])} pairs" +

@@ -497,10 +497,9 @@ def loader_for(dataset, args, ctx, shuffle=False, batch=None):
     each process its share under torchrun, so that a resumed run sees the same batches (call data.set_epoch(loader,
     e) before each epoch). Image-loading processes only when there are images to load."""
     share = dict(rank=ctx.rank, world=ctx.world) if shuffle else {}  # evaluation: every process sees everything
-    sampler = data.EpochSampler(len(dataset), shuffle, args.seed, **share)
     workers = 0 if dataset.features is not None else args.workers
-    return data.make_loader(dataset, batch or args.eval_batch_size, shuffle, workers, ctx.device, sampler=sampler,
-                            drop_last=shuffle and len(dataset) > (batch or 1))
+    return data.make_loader(dataset, batch or args.eval_batch_size, shuffle, workers, ctx.device,
+                            drop_last=shuffle and len(dataset) > (batch or 1), seed=args.seed, **share)
 
 
 def loaders(model, splits, captions, args, ctx):

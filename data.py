@@ -550,12 +550,12 @@ class EpochSampler(torch.utils.data.Sampler):
         return self.n // self.world
 
 
-def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", sampler=None, drop_last=False, seed=0):
-    """DataLoader with an EpochSampler (`sampler`, the caller's per-rank one, or one made here); whole batches from
-    datasets that read them at once; pinned memory on CUDA. Workers start anew each epoch, so that they see the
-    dataset's epoch (its per-sample randomness); with the image cache that costs a fork."""
+def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0, rank=0, world=1):
+    """DataLoader with an EpochSampler (this process's share under torchrun); whole batches from datasets that read
+    them at once; pinned memory on CUDA. Workers start anew each epoch, so that they see the dataset's epoch (its
+    per-sample randomness); with the image cache that costs a fork."""
     return torch.utils.data.DataLoader(
-        dataset, batch_size, sampler=sampler or EpochSampler(len(dataset), shuffle, seed), num_workers=workers,
+        dataset, batch_size, sampler=EpochSampler(len(dataset), shuffle, seed, rank, world), num_workers=workers,
         pin_memory=str(device).startswith("cuda"), drop_last=drop_last,
         collate_fn=_whole if hasattr(dataset, "__getitems__") else None)
 
