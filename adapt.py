@@ -286,16 +286,14 @@ def banner(ctx, args):
         log(ctx, f"   no OpenAI weights given or found: adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that "
                  f"ships in assets/ ({clip_load.SHIPPED[args.clip][0]}, made by pretrain.py; the paper in miniature, "
                  f"a CPU demo; --preset scratch trains a small model from nothing instead). For the paper's results "
-                 f"put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip (README"
-                 f" 'Real data and OpenAI's weights').")
+                 f"put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip ({clip_load.WEIGHTS}).")
     elif args.preset == "mini":
         log(ctx, f"   adapting the CLIP in {args.clip} with the settings made for the small CLIPs pretrained on "
                  f"synthetic scenes (--preset mini; for OpenAI's ViT-B-32.pt use --preset paper)")
     if args.preset == "scratch":
         log(ctx, "   training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo, the from-scratch ablation; the "
                  "default adapts the small CLIP pretrained on synthetic scenes). For the paper's results put "
-                 "OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip (README"
-                 f" 'Real data and OpenAI's weights').")
+                 f"OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip ({clip_load.WEIGHTS}).")
     log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
 
 

@@ -26,11 +26,11 @@ import torch
 from PIL import Image
 
 import synth
-from clip_load import open_image, resize_uint8, tokenize
+from clip_load import WEIGHTS, open_image, resize_uint8, tokenize
 
 ROOTS = {"clevr": "data/clevr_change", "spot": "data/spot_the_diff", "ier": "data/image_editing_request",
          "levir": "data/levir_cc"}
-SEE = "see README 'Real data and OpenAI's weights' for where to get it"
+SEE = f"see {WEIGHTS} for where to get it"
 CLEVR_FILES = ("images", "sc_images", "nsc_images", "change_captions.json", "no_change_captions.json",
                "splits.json", "type_mapping.json")
 
@@ -56,7 +56,7 @@ def resolve_root(name, root=None, synth_pairs=3000, synth_size=synth.IMAGE_SIZE,
         return Path(root or ROOTS[name])
     print(f"*** no CLEVR-Change at {ROOTS[name]}: using the SYNTHETIC CLEVR-Change-style set at {synth.SYNTH_ROOT} "
           f"({synth_pairs} scenes; numbers are not comparable to the paper). For the real dataset, put it at "
-          f"{ROOTS[name]} or pass --data-root: README 'Real data and OpenAI's weights'. ***")
+          f"{ROOTS[name]} or pass --data-root: {WEIGHTS}. ***")
     return resolve_synth(synth.SYNTH_ROOT, synth_pairs, seed, synth_size, workers)
 
 
