@@ -1,10 +1,10 @@
 """Benchmarks for clip4idc, one subcommand each (`python bench.py SUBCOMMAND --help`); BENCHMARKS.md gives the
 figures they printed: adapt (the ViT-B/32 adaptation step, ours eager / compiled / one CUDA graph against the
-authors' pure-fp16 configuration: pairs/s, MFU, peak memory), numerics (bf16 autocast against fp32), caption
-(the paper captioner's step), decode (greedy captions/s with and without the key/value cache), e2e (the adaptation
-loop with its data, projected to CLEVR-Change) and matmul (this CPU's fp32 GFLOP/s: quote it beside any timing).
+authors' pure-fp16 configuration: pairs/s, MFU, peak memory), decode (greedy captions/s with and without the
+key/value cache), e2e (the adaptation loop with its data, projected to CLEVR-Change) and matmul (this CPU's fp32
+GFLOP/s: quote it beside any timing).
 
-Every subcommand runs on the CPU too (--device cpu; slowly, and the authors' step and the loops only on CUDA).
+Every subcommand runs on the CPU too (--device cpu; slowly, and the authors' step and the loop only on CUDA).
 The authors' configuration needs OpenAI's code: pip install --no-deps openai-clip==1.0.1. Model FLOPs are counted
 by adapt_step_flops (matmuls; backward = 2x forward), checked against torch's FLOP counter in the tests. Decoding
 runs all --max-len steps (no caption stops early): the worst case, the same number of steps on both paths.
@@ -13,7 +13,6 @@ import argparse
 import os
 import tempfile
 import time
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -350,103 +349,7 @@ def bench_adapt(args):
         del model, step
 
 
-# ---- numerics: bf16 autocast against fp32 on the same weights
-
-
-def bench_numerics(args):
-    """Pair vectors, text features and the contrastive loss of one batch, fp32 (TF32 off) against bf16 autocast,
-    on the same random-weight ViT-B/32."""
-    from adapt import contrastive_loss
-    import clip_load
-    import torch.nn.functional as F
-    device, amp, where = device_and_amp(args)
-    if device.type != "cuda":
-        amp = torch.autocast("cpu", dtype=torch.bfloat16)  # the same comparison, slower
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # a true fp32 reference
-    model = vit_b32(device).train()
-    g = torch.Generator().manual_seed(1)
-    images = clip_load.normalize(torch.randint(0, 256, (2, args.batch, 3, 224, 224), dtype=torch.uint8,
-                                               generator=g).to(device))
-    ids = random_ids(args.batch, 32, device)
-    out = {}
-    for name, ctx in (("fp32", nullcontext()), ("bf16", amp)):
-        model.zero_grad(set_to_none=True)
-        with ctx:
-            tokens, v = model.encode_pair(images[0], images[1])
-            text = model.encode_text(ids)
-            loss = contrastive_loss(v, text, model.logit_scale)
-        loss.backward()
-        grad = torch.cat([p.grad.flatten().float() for p in model.parameters() if p.grad is not None])
-        out[name] = dict(tokens=tokens.float(), v=v.float(), g=text.float(), loss=loss.item(), grad=grad)
-    a, b = out["fp32"], out["bf16"]
-    print(f"bf16 autocast vs fp32, ViT-B/32 random weights, {args.batch} pairs x 32 tokens, {where}:")
-    for key, label in (("v", "pair vectors"), ("g", "text features"), ("tokens", "pair tokens (captioner memory)")):
-        x, y = a[key].flatten(0, -2), b[key].flatten(0, -2)
-        cos = F.cosine_similarity(x, y, dim=-1)
-        print(f"  {label:<32} max |diff| {(x - y).abs().max():.4f} (values up to {x.abs().max():.2f}), cosine "
-              f"min {cos.min():.5f} mean {cos.mean():.5f}")
-    print(f"  contrastive loss                 fp32 {a['loss']:.5f} bf16 {b['loss']:.5f} (diff "
-          f"{abs(a['loss'] - b['loss']):.5f}); gradient cosine "
-          f"{F.cosine_similarity(a['grad'].double(), b['grad'].double(), dim=0):.5f}")
-
-
-# ---- captioning: the paper captioner's training step with the pair encoder fine-tuned
-
-
-def bench_caption(args):
-    """caption.py's paper preset step: ViT-B/32 9/3 fine-tuned at 1e-7, a 3+3-layer 512-wide captioner at 1e-4,
-    word-level cross entropy, images arriving as uint8."""
-    import clip_load
-    from caption import PairCaptioner, PRESETS, caption_loss, lr_rule
-    device, amp, where = device_and_amp(args)
-    p = PRESETS["paper"]
-    cfg = CaptionerConfig(vocab_size=args.vocab, memory_dim=512, memory_len=100, width=p["width"],
-                          heads=p["heads"], enc_layers=p["enc_layers"], dec_layers=p["dec_layers"], max_len=32)
-    print(f"captioning step, ViT-B/32 9/3 fine-tuned + {cfg.enc_layers}+{cfg.dec_layers}-layer {cfg.width}-wide "
-          f"captioner, captions of {args.caption_len} tokens, {where}, torch {torch.__version__}")
-    for batch in args.batches:
-        model = PairCaptioner(vit_b32(device), Captioner(cfg)).to(device).train()
-        rule = lr_rule(SimpleNamespace(lr=p["lr"], encoder_lr=p["encoder_lr"], freeze_encoder=False), 3)
-        freeze(model.named_parameters(), rule)
-        groups = param_groups(model.named_parameters(), rule, p["weight_decay"])
-        optimizer = make_optimizer(groups, device)
-        scheduler = warmup_cosine(optimizer, 1000, p["warmup"])
-        params = [q for g in groups for q in g["params"]]
-        g = torch.Generator().manual_seed(0)
-        images = torch.randint(0, 256, (2, batch, 3, 224, 224), dtype=torch.uint8, generator=g).to(device)
-        tokens = torch.randint(4, args.vocab, (batch, args.caption_len), generator=g).to(device)
-        ctx = SimpleNamespace(amp=amp, device=device)
-
-        def loss_fn(_):
-            logits = model(tokens[:, :-1], before=clip_load.normalize(images[0]), after=clip_load.normalize(images[1]))
-            return caption_loss(logits, tokens[:, 1:]), batch
-        step = lambda: train_step(ctx, model, None, loss_fn, optimizer, scheduler, params, 1.0)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        seconds = throughput(step, device, args.repeats, 2)
-        peak = f", peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" \
-            if device.type == "cuda" else ""
-        print(f"  batch {batch:>3}: {1000 * seconds:7.1f} ms/step, {batch / seconds:7.0f} pairs/s{peak}", flush=True)
-
-
-
 # ---- end to end: the training loop with its data, ours against the authors' data path
-
-
-class _Normalized(torch.utils.data.Dataset):
-    """The authors' data path: every sample decoded from PNG and normalized to fp32 inside a loader worker."""
-
-    def __init__(self, ds):
-        self.ds = ds
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __getitem__(self, key):
-        import clip_load
-        s = self.ds[key]
-        return clip_load.normalize(s["before"]), clip_load.normalize(s["after"]), s["ids"], s["index"]
 
 
 def loop_rate(loader, step, device, batches, warmup=1):
@@ -475,14 +378,13 @@ def loop_rate(loader, step, device, batches, warmup=1):
         except StopIteration:
             it = iter(loader)
             batch = next(it)
-        fields = list(batch.values()) if isinstance(batch, dict) else batch  # ours, or the authors' tuples
         if step is None:
-            for t in fields[:3]:
-                t.to(device, non_blocking=True)
+            for key in ("before", "after", "ids"):
+                batch[key].to(device, non_blocking=True)
         else:
             step(batch)
         if k >= warmup:
-            n += len(fields[0])
+            n += len(batch["ids"])
     sync(device)
     seconds = time.perf_counter() - t0
     stop.set()
@@ -491,10 +393,10 @@ def loop_rate(loader, step, device, batches, warmup=1):
 
 
 def bench_e2e(args):
-    """Pairs/s of the whole adaptation loop, data included, on a synthetic set at CLEVR-Change's 480x320: ours
-    (images decoded once over all cores into the disk cache, uint8 batches, normalized on the GPU, bf16 autocast)
-    and the authors' (PNG streamed through 4 workers, normalized there, pure fp16), with the model step of each; the
-    loaders alone; and the projected wall time of the paper's two stages on the real CLEVR-Change."""
+    """Pairs/s of adapt.py's whole loop, data included, on a synthetic set at CLEVR-Change's 480x320: images decoded
+    once over all cores into the disk cache, uint8 batches normalized on the GPU, bf16 autocast; the loader alone,
+    the model step alone, the loop, and its projection to 12 adaptation epochs of the real CLEVR-Change. (The
+    authors' data path, PNGs streamed through 4 workers, was timed against it by this command at d9704b0: BENCHMARKS.md.)"""
     import data
     import synth
     from pathlib import Path
@@ -506,63 +408,28 @@ def bench_e2e(args):
         synth.make_synth(root, args.scenes, seed=0, size=(480, 320), workers=cores)
         print(f"rendered {args.scenes} scenes at 480x320 in {time.time() - t0:.0f}s")
     items = data.load_items("clevr", root, "train", "semantic")
-    stream = data.CaptionDataset(items, 224, 32, swap_prob=0.5)
-    print(f"end to end, adaptation at batch {args.batch}, {len(items)} pairs / {len(stream)} captions at 480x320, "
-          f"{where}, {cores} CPU cores, torch {torch.__version__}")
-    # decoding: one core, then all of them
-    paths = data.image_paths(items)[:100]
-    t0 = time.time()
-    for path in paths:
-        data._decode_uint8(path, 224)
-    per_core = len(paths) / (time.time() - t0)
-    # a fresh cache each run, so that its build is measured (a reused one would not be)
-    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    print(f"end to end, adaptation at batch {args.batch}, {len(items)} pairs at 480x320, {where}, {cores} CPU cores, "
+          f"torch {torch.__version__}")
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)  # a fresh cache each run, so that its build is measured
     cache = data.ImageCache(items, 224, workers=cores, directory=tempfile.mkdtemp(dir=args.workdir))
-    print(f"decode 480x320 PNG -> 224 uint8: {per_core:.0f} images/s on one core; {cache.rate:.0f} images/s "
-          f"building the cache on {cores} cores ({len(cache.index)} images)")
-    results = {}
-    loaders = {
-        "authors": lambda: torch.utils.data.DataLoader(_Normalized(stream), args.batch, shuffle=True, num_workers=4,
-                                                       pin_memory=True, drop_last=True, persistent_workers=True),
-        "ours": lambda: data.make_loader(data.CaptionDataset(items, 224, 32, swap_prob=0.5, cache=cache), args.batch,
-                                         shuffle=True, workers=args.workers, device=device, drop_last=True),
-        "ours, streaming": lambda: data.make_loader(stream, args.batch, shuffle=True, workers=cores, device=device,
-                                                    drop_last=True),
-    }
-    if args.skip_authors:
-        del loaders["authors"], loaders["ours, streaming"]
-    for name, make in loaders.items():
-        batches = args.stream_batches if name != "ours" else args.batches
-        rate, _ = loop_rate(make(), None, device, batches)
-        results[name] = {"loader": rate}
-        print(f"  {name:<16} loader alone: {rate:8.0f} pairs/s", flush=True)
-    if device.type == "cuda":
-        for name in [n for n in ("authors", "ours") if n in loaders]:
-            torch.cuda.empty_cache()
-            if name == "authors":
-                model, step, _ = authors_adapt_step(device, args.batch)
-            else:
-                model, step = our_adapt_step(device, amp, args.compile, args.batch)
-            fixed = args.batch / throughput(step, device, 5, 3)
-            batches = args.stream_batches if name == "authors" else args.batches
-            warmup = 3 if name == "ours" and args.compile else 1  # compiling (one graph: static caption length)
-            rate, busy = loop_rate(loaders[name](), step, device, batches, warmup)
-            results[name].update(step=fixed, loop=rate, busy=busy)
-            print(f"  {name:<16} model step alone: {fixed:8.0f} pairs/s | whole loop: {rate:8.0f} pairs/s, GPU "
-                  f"utilization {busy if busy is None else round(busy)}%", flush=True)
-            del model, step
-    # projections for the real CLEVR-Change (33,830 train scenes, ~6 change captions each, 119k images)
-    samples, images = 33_830 * 6, 39_803 * 3
-    if device.type == "cuda" and "authors" in results:
-        ours = results["ours"]["loop"]
-        theirs = results["authors"]["loop"]
-        build = images / cache.rate
-        print(f"projected, 12 adaptation epochs of CLEVR-Change ({samples:,} samples each, one per change caption): "
-              f"ours {fmt_min(build + 12 * samples / ours)} ({fmt_min(build)} decoding {images:,} images once, then "
-              f"{ours:.0f} pairs/s); authors' {fmt_min(12 * samples / theirs)} ({theirs:.0f} pairs/s); ratio "
-              f"{(12 * samples / theirs) / (build + 12 * samples / ours):.1f}x")
-        print(f"  decoding alone would need {2 * results['ours']['step'] / per_core:.0f} cores to stream at our model "
-              f"step's rate ({results['ours']['step']:.0f} pairs/s, 2 images per pair)")
+    print(f"decode 480x320 PNG -> 224 uint8: {cache.rate:.0f} images/s building the cache on {cores} cores "
+          f"({len(cache.index)} images)")
+    loader = lambda: data.make_loader(data.CaptionDataset(items, 224, 32, swap_prob=0.5, cache=cache), args.batch,
+                                      shuffle=True, workers=args.workers, device=device, drop_last=True)
+    rate, _ = loop_rate(loader(), None, device, args.batches)
+    print(f"  loader alone: {rate:8.0f} pairs/s", flush=True)
+    if device.type != "cuda":
+        return
+    model, step = our_adapt_step(device, amp, args.compile, args.batch)
+    fixed = args.batch / throughput(step, device, 5, 3)
+    rate, busy = loop_rate(loader(), step, device, args.batches, 3 if args.compile else 1)  # compiling: one graph
+    print(f"  model step alone: {fixed:8.0f} pairs/s | whole loop: {rate:8.0f} pairs/s, GPU utilization "
+          f"{busy if busy is None else round(busy)}%", flush=True)
+    samples, images = 33_830 * 6, 39_803 * 3  # CLEVR-Change: 33,830 train scenes, ~6 change captions each
+    build = images / cache.rate
+    print(f"projected, 12 adaptation epochs of CLEVR-Change ({samples:,} samples each, one per change caption): "
+          f"{fmt_min(build + 12 * samples / rate)} ({fmt_min(build)} decoding {images:,} images once, then "
+          f"{rate:.0f} pairs/s)")
 
 
 def fmt_min(seconds):
@@ -602,24 +469,14 @@ def main(argv=None):
     q.add_argument("--profile", nargs="*", default=[], choices=impls,
                    help="also print a kernel profile of these --impl steps")
     common(q, repeats=20)
-    q = add("numerics", "bf16 autocast vs fp32 on the same weights: features, loss, gradients")
-    q.add_argument("--batch", type=at_least(1), default=128, help="pairs")
-    common(q)
-    q = add("caption", "the paper captioner's training step with the encoder fine-tuned")
-    q.add_argument("--batches", type=at_least(1), nargs="+", default=[16, 64], help="batch sizes (paper: 16)")
-    q.add_argument("--vocab", type=at_least(1), default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
-    q.add_argument("--caption-len", type=at_least(2), default=14, help="tokens per caption, <bos>/<eos> included")
-    common(q, repeats=10)
-    q = add("e2e", "the adaptation loop with its data: ours vs the authors' data path; projections")
+    q = add("e2e", "adapt.py's loop with its data: the loader, the step, the loop; projected to CLEVR-Change")
     q.add_argument("--root", default=None, help="a CLEVR-Change-layout set (default: render --scenes at 480x320)")
     q.add_argument("--workdir", default="data/bench", help="where the rendered set goes")
     q.add_argument("--scenes", type=at_least(1), default=800, help="scenes to render")
     q.add_argument("--batch", type=at_least(1), default=128, help="pairs per step")
     q.add_argument("--workers", type=at_least(0), default=8, help="our loader's workers (adapt.py's paper preset: 8)")
-    q.add_argument("--batches", type=at_least(1), default=30, help="batches timed, ours")
-    q.add_argument("--stream-batches", type=at_least(1), default=24, help="batches timed, streaming loaders")
-    q.add_argument("--compile", action="store_true", help="our step compiled")
-    q.add_argument("--skip-authors", action="store_true", help="time our loop only")
+    q.add_argument("--batches", type=at_least(1), default=30, help="batches timed")
+    q.add_argument("--compile", action="store_true", help="the step compiled")
     common(q)
     m = add("matmul", "this CPU's fp32 GFLOP/s, the figure to quote beside a timing")
     m.add_argument("--n", type=at_least(1), default=2048, help="matrix size")

@@ -2887,7 +2887,6 @@ BAD_FLAGS = {
                  "adapt --device gpu", "decode --batch 0", "decode --max-len 0",
                  "decode --vocab 0", "decode --repeats 0", "decode --threads -1",
                  "adapt --batch 0", "adapt --text-len 0", "adapt --impl foo", "adapt --profile foo",
-                 "numerics --batch 0", "caption --batches 0", "caption --vocab 0", "caption --caption-len 1",
                  "e2e --root nowhere", "e2e --scenes 0", "e2e --batch 0", "e2e --workers -1", "e2e --batches 0",
                  "matmul --n 0"],
     "synth.py": ["make --pairs 0", "make --size 0 0", "make --workers 0", "make --world foo"],

@@ -32,7 +32,7 @@ SUITE=$!
 step "cuda group" 220 $OUT/cuda.log $A python3 -m pytest test_all.py -rs -m cuda -n 6 --durations=0
 step "bench adapt" 170 $OUT/adapt.log $A python3 bench.py adapt --profile ours+graphs
 wait $SUITE
-step "bench e2e" 100 $OUT/e2e.log python3 bench.py e2e --skip-authors
+step "bench e2e" 100 $OUT/e2e.log python3 bench.py e2e
 step "quickstart" 200 $OUT/quick.log bash -c 'time python3 adapt.py --data clevr && time python3 caption.py --ckpt adapted.pt'
 echo "== total $((SECONDS - T0)) s" | tee -a $S
 for f in cuda adapt e2e quick; do echo "---- $f"; grep -E "passed|failed|error|ms/step|pairs/s|MFU|steps in|vs eager|real|CIDEr|done in|Error|==" $OUT/$f.log | tail -40; done
