@@ -56,15 +56,6 @@ def attention(q, k, v, causal=False):
     return att.softmax(dim=-1) @ v
 
 
-def attention_weights(attn, x):
-    """The weights softmax(Q K^T / sqrt(head size)) that `attn` (a MultiheadAttention, no causal mask) applies to
-    x (B, T, width): (B, heads, T, T), each row summing to 1. For pictures; training never calls it."""
-    B, T, C = x.shape
-    q, k, _ = F.linear(x, attn.in_proj_weight, attn.in_proj_bias).split(C, dim=2)
-    q, k = (t.view(B, T, attn.heads, C // attn.heads).transpose(1, 2) for t in (q, k))
-    return ((q @ k.transpose(-2, -1)) / math.sqrt(C // attn.heads)).float().softmax(dim=-1)
-
-
 class MultiheadAttention(nn.Module):
     """Batch-first self-attention with nn.MultiheadAttention's parameter names, so OpenAI's weights load."""
 
@@ -196,20 +187,6 @@ class VisionTransformer(nn.Module):
         tokens = self.ln_post(x) @ self.proj  # all 2(n+1) tokens go to the captioner: (B, 2(n+1), output_dim)
         v = (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2  # eq. (5): mean of the two [CLS] tokens
         return PairEncoding(tokens, v)
-
-    def inter_attention(self, before, after):
-        """The last inter block's attention weights on these pairs (B, heads, 2(n+1), 2(n+1)), for the pictures: a
-        hook reads the block's input during forward_pair and takes the plain softmax (attention_weights) of it; the
-        forward itself keeps scaled_dot_product_attention."""
-        assert self.n_inter > 0, "the attention maps are the inter blocks': a 12/0 encoder has none"
-        weights = []
-        keep = lambda attn, inputs: weights.append(attention_weights(attn, inputs[0]))  # inputs[0]: ln_1(x)
-        hook = self.transformer.resblocks[-1].attn.register_forward_pre_hook(keep)
-        try:
-            self.forward_pair(before, after)
-        finally:
-            hook.remove()
-        return weights[0]
 
 
 # -----------------------------------------------------------------------------

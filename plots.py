@@ -8,10 +8,12 @@ The stages write their training curves (`<checkpoint>.curves.png`) after every e
 numbers and text; the last section runs a captioner's encoder to get its maps, and measures on a synthetic set how
 often they fall on the changed object.
 """
+import math
 import textwrap
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
 import clip_load
@@ -156,16 +158,39 @@ def curves(path, history, metric, size=(640, 240)):
 # where the encoder looks: the last inter block's attention (pair_maps says which map is which)
 
 
+def attention_weights(attn, x):
+    """The weights softmax(Q K^T / sqrt(head size)) that `attn` (a model.MultiheadAttention, no causal mask)
+    applies to x (B, T, width): (B, heads, T, T), each row summing to 1, by the plain path (training runs SDPA)."""
+    B, T, C = x.shape
+    q, k, _ = F.linear(x, attn.in_proj_weight, attn.in_proj_bias).split(C, dim=2)
+    q, k = (t.view(B, T, attn.heads, C // attn.heads).transpose(1, 2) for t in (q, k))
+    return ((q @ k.transpose(-2, -1)) / math.sqrt(C // attn.heads)).float().softmax(dim=-1)
+
+
+def inter_attention(visual, before, after):
+    """The last inter block's attention weights on these pairs (B, heads, 2(n+1), 2(n+1)): a hook reads the
+    block's input during visual.forward_pair and takes attention_weights of it."""
+    assert visual.n_inter > 0, "the attention maps are the inter blocks': a 12/0 encoder has none"
+    weights = []
+    keep = lambda attn, inputs: weights.append(attention_weights(attn, inputs[0]))  # inputs[0]: ln_1(x)
+    hook = visual.transformer.resblocks[-1].attn.register_forward_pre_hook(keep)
+    try:
+        visual.forward_pair(before, after)
+    finally:
+        hook.remove()
+    return weights[0]
+
+
 @torch.no_grad()
 def encoder_maps(model, pairs, size, device, batch=64):
     """[(before path, after path)] -> their attention maps {"before": (g, g), "after": (g, g)}, through the
-    plain-softmax path (model.VisionTransformer.inter_attention), `batch` pairs at a time."""
+    plain-softmax path (inter_attention), `batch` pairs at a time."""
     grid = size // model.clip.cfg.vision_patch_size
     out = []
     for i in range(0, len(pairs), batch):
         b, a = (torch.stack([clip_load.load_image(p, size) for p in paths]).to(device)
                 for paths in zip(*pairs[i:i + batch]))
-        weights = model.clip.visual.inter_attention(b, a).float().cpu()
+        weights = inter_attention(model.clip.visual, b, a).float().cpu()
         out += [pair_maps(w, grid) for w in weights]
     return out
 

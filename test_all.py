@@ -528,7 +528,7 @@ def test_attention_weights_are_the_sdpa_paths():
     torch.manual_seed(0)
     attn = model.MultiheadAttention(96, 3)
     x = torch.randn(2, 20, 96)
-    w = model.attention_weights(attn, x)
+    w = plots.attention_weights(attn, x)
     assert w.shape == (2, 3, 20, 20) and torch.allclose(w.sum(-1), torch.ones(2, 3, 20))
     q, k, v = (t.view(2, 20, 3, 32).transpose(1, 2) for t in F.linear(x, attn.in_proj_weight,
                                                                         attn.in_proj_bias).split(96, dim=2))
@@ -539,13 +539,13 @@ def test_attention_weights_are_the_sdpa_paths():
     b, a = torch.randn(2, 3, 48, 48), torch.randn(2, 3, 48, 48)
     blocks, vis = clip.visual.transformer.resblocks, clip.visual
     with torch.no_grad():
-        weights = vis.inter_attention(b, a)
+        weights = plots.inter_attention(vis, b, a)
         x = blocks[0](vis.stem(torch.cat([b, a])))  # eq. (2)-(4) written out: 1 intra block, then the joint sequence
         x = torch.cat([x[:2], x[2:]], dim=1)
         x = vis.ln_mid(x + torch.cat([vis.bef_embedding.expand(10, -1), vis.aft_embedding.expand(10, -1)])
                        + vis.joint_positional_embedding)
-        first = model.attention_weights(blocks[1].attn, blocks[1].ln_1(x))
-        last = model.attention_weights(blocks[2].attn, blocks[2].ln_1(blocks[1](x)))
+        first = plots.attention_weights(blocks[1].attn, blocks[1].ln_1(x))
+        last = plots.attention_weights(blocks[2].attn, blocks[2].ln_1(blocks[1](x)))
     assert weights.shape == (2, 2, 20, 20)
     torch.testing.assert_close(weights, last)  # the last inter block's, not the first's
     assert (weights - first).abs().max() > 1e-3
@@ -2515,7 +2515,7 @@ def test_mimetic_init_attends_to_itself_and_subtracts(tmp_path, monkeypatch):
         if mimetic:
             pretrain.mimetic_init_(m.visual)
         for block in m.visual.transformer.resblocks:
-            own = M.attention_weights(block.attn, x).diagonal(dim1=-2, dim2=-1).mean((0, 2)) * 30  # per head
+            own = plots.attention_weights(block.attn, x).diagonal(dim1=-2, dim2=-1).mean((0, 2)) * 30  # per head
             value = block.attn.out_proj.weight @ block.attn.in_proj_weight[256:]  # W_o W_v
             if mimetic:
                 assert own.shape == (2,) and (own > 10).all() and abs(value.diagonal().mean() + 0.4) < 0.05
