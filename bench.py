@@ -396,7 +396,8 @@ def bench_e2e(args):
     """Pairs/s of adapt.py's whole loop, data included, on a synthetic set at CLEVR-Change's 480x320: images decoded
     once over all cores into the disk cache, uint8 batches normalized on the GPU, bf16 autocast; the loader alone,
     the model step alone, the loop, and its projection to 12 adaptation epochs of the real CLEVR-Change. (The
-    authors' data path, PNGs streamed through 4 workers, was timed against it by this command at d9704b0: BENCHMARKS.md.)"""
+    authors' data path, PNGs streamed through 4 workers, was timed against it by this command at d9704b0:
+    BENCHMARKS.md.)"""
     import data
     import synth
     from pathlib import Path
