@@ -349,7 +349,7 @@ def bench_adapt(args):
         del model, step
 
 
-# ---- end to end: the training loop with its data, ours against the authors' data path
+# ---- end to end: adapt.py's loop with its data
 
 
 def loop_rate(loader, step, device, batches, warmup=1):

@@ -2700,6 +2700,18 @@ def test_step_flops_match_torch_counter():
     assert abs(counter.get_total_flops() - want) / want < 1e-4, (counter.get_total_flops(), want)
 
 
+@pytest.mark.slow
+def test_bench_e2e_runs_on_cpu(tmp_path, capsys):
+    """`bench.py e2e` on the CPU (what .ci/gpu_checks.sh runs on a GPU): it renders its set, builds a fresh image
+    cache in its workdir, and the loader alone delivers every timed batch's pairs (a rate, not a timing)."""
+    bench.main(["e2e", "--device", "cpu", "--scenes", "8", "--batch", "4", "--batches", "2", "--workers", "0",
+                "--workdir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "rendered 8 scenes" in out and "building the cache" in out
+    assert float(re.search(r"loader alone: +([\d.]+) pairs/s", out).group(1)) > 0
+    assert len(list(tmp_path.glob("tmp*/*/images.npy"))) == 1  # the cache went into the workdir, not the user's
+
+
 def test_warmup_cosine_is_the_authors_schedule():
     """train_utils.warmup_cosine, step by step against its formula: the rate climbs linearly from lr / warmup at
     step 0 to the full lr at the last warmup step, then falls along a half cosine to 0 at the last step; each
