@@ -1,8 +1,7 @@
 """Stage 1 of CLIP4IDC: adapt CLIP to image *pairs* by contrastive pair <-> text retrieval (paper Sec. 3.2).
 
-    python adapt.py --data clevr                         # writes adapted.pt
-    torchrun --nproc_per_node=4 adapt.py --data clevr    # same run on 4 GPUs (global batch = --batch-size)
-    python adapt.py --data clevr --n-inter 0             # all blocks intra, none inter (paper Table 7's 12/0)
+    python adapt.py --data clevr                 # writes adapted.pt
+    python adapt.py --data clevr --n-inter 0     # all blocks intra, none inter (paper Table 7's 12/0)
 
 The pair encoder (model.py) turns (before, after) into a vector v; CLIP's text tower turns the caption into g;
 the symmetric InfoNCE loss over the batch (eq. 6-8) pulls each pair to its own caption. Retrieval (R@1/5/10,
@@ -29,10 +28,9 @@ import clip_load
 import data
 import model as M
 import plots
-from train_utils import (GraphedStep, Progress, at_least, check_sizes, device_arg, freeze, gather, interrupted,
-                         last_path, load_resume, local_batch, log, make_optimizer, no_state, param_groups,
-                         policy_table, rank0_first, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch,
-                         warmup_cosine, where)
+from train_utils import (GraphedStep, Progress, at_least, check_sizes, device_arg, freeze, interrupted, last_path,
+                         load_resume, log, make_optimizer, no_state, param_groups, policy_table, restore, rng_state,
+                         save_atomic, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
@@ -96,8 +94,7 @@ def get_args(argv=None):
         p.add_argument(f"--{name}", type=at_least(1), default=None, help=f"scratch preset model size: {name}")
     # optimization
     p.add_argument("--epochs", type=at_least(1), default=None, help="training epochs (preset)")
-    p.add_argument("--batch-size", type=at_least(1), default=None,
-                   help="global batch: pairs per step over all processes")
+    p.add_argument("--batch-size", type=at_least(1), default=None, help="pairs per step (preset)")
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None,
                    help="lr of the new pair parameters e1, e2, p, ln_mid")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help="lr of the CLIP weights")
@@ -114,8 +111,8 @@ def get_args(argv=None):
                                                           "shapes: captions padded to --context-length")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the whole training step (forward, backward, clip, AdamW) as one CUDA graph, replayed "
-                        "each step (train_utils.GraphedStep): static shapes, one process; on a CPU nothing is captured "
-                        "(default: on for the paper preset on one GPU without --compile)")
+                        "each step (train_utils.GraphedStep): static shapes; on a CPU nothing is captured (default: on "
+                        "for the paper preset on a GPU without --compile)")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
                    help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
     p.add_argument("--eval-batch-size", type=at_least(1), default=None, help="pairs per batch when encoding for eval")
@@ -132,9 +129,6 @@ def get_args(argv=None):
     # sizes are checked against --n-inter when it is read: clip_load.load_clip)
     if args.resume and (missing := no_state(args.out)):
         p.error(f"argument --resume: {missing}")
-    if args.cuda_graphs and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        p.error("argument --cuda-graphs: one process only (DDP's gradient all-reduce is not captured); drop it or "
-                "start one process")
     if not args.clip:
         check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                            "--text-width": args.text_width})
@@ -160,7 +154,7 @@ def new_model(args):
 
 
 class PairText(torch.nn.Module):
-    """One training forward (what DDP wraps, so it can sync gradients): pair vectors, caption features, scale."""
+    """One training forward (what --compile compiles): pair vectors, caption features, scale."""
 
     def __init__(self, clip):
         super().__init__()
@@ -171,13 +165,13 @@ class PairText(torch.nn.Module):
 
 
 def contrastive_loss(v, g, logit_scale):
-    """eq. (6)-(8): InfoNCE over the (global) batch, pair -> text and text -> pair, averaged.
+    """eq. (6)-(8): InfoNCE over the batch, pair -> text and text -> pair, averaged.
     v: pair vectors (B, D), g: caption features (B, D); row i of each belongs together. Computed in fp32 with
     autocast off: at logit scale 100, bf16's 8-bit mantissa would shift the logits (BENCHMARKS.md)."""
     with torch.autocast(v.device.type, enabled=False):
-        v, g = gather(F.normalize(v.float(), dim=-1)), gather(F.normalize(g.float(), dim=-1))  # (N, D), N = global B
+        v, g = F.normalize(v.float(), dim=-1), F.normalize(g.float(), dim=-1)
         scale = logit_scale.float().clamp(max=math.log(100)).exp()  # temperature >= 0.01, as the authors clamp it
-        logits = scale * v @ g.t()  # (N, N) cosine similarities
+        logits = scale * v @ g.t()  # (B, B) cosine similarities
         labels = torch.arange(len(logits), device=logits.device)
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
 
@@ -281,38 +275,36 @@ def fmt(m):
 
 def banner(ctx, args):
     """What is being adapted, said plainly, and every setting."""
-    log(ctx, f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
+    log(f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
     if args.preset == "mini" and args.clip in clip_load.SHIPPED:
-        log(ctx, f"   no OpenAI weights given or found: adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that "
-                 f"ships in assets/ ({clip_load.SHIPPED[args.clip][0]}, made by pretrain.py; the paper in miniature, "
-                 f"a CPU demo; --preset scratch trains a small model from nothing instead). For the paper's results "
-                 f"put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip ({clip_load.WEIGHTS}).")
+        log(f"   no OpenAI weights given or found: adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that "
+            f"ships in assets/ ({clip_load.SHIPPED[args.clip][0]}, made by pretrain.py; the paper in miniature, "
+            f"a CPU demo; --preset scratch trains a small model from nothing instead). For the paper's results "
+            f"put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip ({clip_load.WEIGHTS}).")
     elif args.preset == "mini":
-        log(ctx, f"   adapting the CLIP in {args.clip} with the settings made for the small CLIPs pretrained on "
-                 f"synthetic scenes (--preset mini; for OpenAI's ViT-B-32.pt use --preset paper)")
+        log(f"   adapting the CLIP in {args.clip} with the settings made for the small CLIPs pretrained on "
+            f"synthetic scenes (--preset mini; for OpenAI's ViT-B-32.pt use --preset paper)")
     if args.preset == "scratch":
-        log(ctx, "   training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo, the from-scratch ablation; the "
-                 "default adapts the small CLIP pretrained on synthetic scenes). For the paper's results put "
-                 f"OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip ({clip_load.WEIGHTS}).")
-    log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
+        log("   training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo, the from-scratch ablation; the "
+            "default adapts the small CLIP pretrained on synthetic scenes). For the paper's results put "
+            f"OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip ({clip_load.WEIGHTS}).")
+    log("   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
 
 
 def load_data(args, root, ctx):
     """The splits (pairs with all their captions), the image cache and the training loader: one sample per
-    caption (data.CaptionDataset), CLEVR's distractor swap, each process its share of a (seed, epoch) order."""
+    caption (data.CaptionDataset), CLEVR's distractor swap, in an order of (seed, epoch)."""
     split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
     splits = {s: split(s) for s in ("train", "val", "test")}
     # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
-    cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache,
-                                  None, ctx.world, ctx.rank, log=lambda m: log(ctx, m))
+    cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache)
     train = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
                                 cache=cache, seed=args.seed, draw=args.draw_captions)
-    loader = data.make_loader(train, local_batch(ctx, args.batch_size), True, args.workers, ctx.device, drop_last=True,
-                              seed=args.seed, rank=ctx.rank, world=ctx.world)
-    log(ctx, f"   {args.data} at {root}: train {len(splits['train'])} pairs / "
-             f"{'one caption each, drawn per epoch' if args.draw_captions else f'{len(train)} captions'}, "
-             f"val {len(splits['val'])} pairs, test {len(splits['test'])} pairs" +
-             (f" | distractor swap p={args.swap_prob:g}" if args.data == "clevr" else ""))
+    loader = data.make_loader(train, args.batch_size, True, args.workers, ctx.device, drop_last=True, seed=args.seed)
+    log(f"   {args.data} at {root}: train {len(splits['train'])} pairs / "
+        f"{'one caption each, drawn per epoch' if args.draw_captions else f'{len(train)} captions'}, "
+        f"val {len(splits['val'])} pairs, test {len(splits['test'])} pairs" +
+        (f" | distractor swap p={args.swap_prob:g}" if args.data == "clevr" else ""))
     return splits, cache, loader
 
 
@@ -324,14 +316,14 @@ def checkpoint(model, args, root, metrics):
             "metrics": metrics, "args": vars(args)}
 
 
-def save_epoch(model, optimizer, scheduler, rng, args, root, val, epoch, step, best, history):
-    """After an epoch (rank 0): the model when val improved (--out), and always the resumable state (*.last.pt)."""
+def save_epoch(model, optimizer, scheduler, args, root, val, epoch, step, best, history):
+    """After an epoch: the model when val improved (--out), and always the resumable state (*.last.pt)."""
     if val["R@mean"] > best:
         best = val["R@mean"]
         save_atomic(checkpoint(model, args, root, {"val": val, "epoch": epoch}), args.out)
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "rng": rng, "epoch": epoch, "step": step, "best": best, "history": history, "args": vars(args)},
-                last_path(args.out))
+                 "rng": rng_state(), "epoch": epoch, "step": step, "best": best, "history": history,
+                 "args": vars(args)}, last_path(args.out))
     plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, "R@mean")  # val, which selects
     return best
 
@@ -346,21 +338,21 @@ def test_best(model, test_items, args, ctx, cache, history, t_start):
     chance = chance_metrics(torch.tensor([i for i, it in enumerate(test_items) for _ in it.captions]), len(test_items))
     ckpt["metrics"].update(test=test, chance=chance, history=history)
     save_atomic(ckpt, args.out)
-    log(ctx, f"test (best val epoch {ckpt['metrics']['epoch']}): {fmt(test)}")
-    log(ctx, f"chance:   {fmt(chance)}")
+    log(f"test (best val epoch {ckpt['metrics']['epoch']}): {fmt(test)}")
+    log(f"chance:   {fmt(chance)}")
     r1 = {d: f"{test[d + ' R@1']:.1f} ({test[d + ' R@1'] / chance[d + ' R@1']:.0f}x chance)"
           for d in ("text->pair", "pair->text")}
-    log(ctx, f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx)}): test text->pair R@1 "
-             f"{r1['text->pair']}, pair->text R@1 {r1['pair->text']} -> {args.out}")
+    log(f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx)}): test text->pair R@1 "
+        f"{r1['text->pair']}, pair->text R@1 {r1['pair->text']} -> {args.out}")
 
 
 def main(argv=None):
     args = get_args(argv)
     ctx = setup(args.seed, args.device, args.amp)
     if args.cuda_graphs is None:  # where the step can be captured, the paper's (BENCHMARKS.md)
-        args.cuda_graphs = args.preset == "paper" and ctx.device.type == "cuda" and ctx.world == 1 and not args.compile
+        args.cuda_graphs = args.preset == "paper" and ctx.device.type == "cuda" and not args.compile
     model = new_model(args).to(ctx.device)  # the model first: a CLIP file decides the input size (and --n-inter fits)
-    root = rank0_first(ctx, lambda: data.resolve_root(args.data, args.data_root))
+    root = data.resolve_root(args.data, args.data_root)
     # the authors' 0.5; off on the synthetic set, where a distractor's camera moves further than a change's, so a
     # swapped pair teaches the encoder to disregard the view (RESULTS.md "Tried, did not help")
     if args.swap_prob is None:
@@ -369,35 +361,29 @@ def main(argv=None):
         args.swap_prob = 0.0  # only CLEVR-Change has distractor images to swap in
     banner(ctx, args)
     if args.clip and args.image_size != model.cfg.image_resolution:
-        log(ctx, f"   {args.clip} takes {model.cfg.image_resolution}px images: --image-size {args.image_size} -> "
-                 f"{model.cfg.image_resolution}")
+        log(f"   {args.clip} takes {model.cfg.image_resolution}px images: --image-size {args.image_size} -> "
+            f"{model.cfg.image_resolution}")
         args.image_size = model.cfg.image_resolution
-    seed_ranks(ctx, args.seed)
     splits, cache, loader = load_data(args, root, ctx)
 
     # what trains at which rate (lr_rule, above), the optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
     rule = lr_rule(args)
     freeze(model.named_parameters(), rule)
-    log(ctx, "   what trains:\n" + policy_table(model.named_parameters(), rule))
+    log("   what trains:\n" + policy_table(model.named_parameters(), rule))
     groups = param_groups(model.named_parameters(), rule, args.weight_decay)
     optimizer = make_optimizer(groups, ctx.device, capturable=args.cuda_graphs)
     total_steps = args.epochs * len(loader)
     scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
     n_train = sum(p.numel() for g in groups for p in g["params"])
-    log(ctx, f"   model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({n_train / 1e6:.1f}M "
-             f"trained), vision {model.cfg.vision_layers - model.cfg.n_inter} intra + {model.cfg.n_inter} inter "
-             f"blocks, {model.cfg.image_resolution}px; {total_steps} steps of {args.batch_size} pairs")
+    log(f"   model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({n_train / 1e6:.1f}M "
+        f"trained), vision {model.cfg.vision_layers - model.cfg.n_inter} intra + {model.cfg.n_inter} inter "
+        f"blocks, {model.cfg.image_resolution}px; {total_steps} steps of {args.batch_size} pairs")
     start, step, best, history = 0, 0, -1.0, []
     if args.resume:
-        state = restore(load_resume(args.out), model, optimizer, scheduler, ctx)
+        state = restore(load_resume(args.out), model, optimizer, scheduler)
         start, step, best, history = state["epoch"], state["step"], state["best"], state["history"]
-        log(ctx, f"   resumed from {last_path(args.out)} after epoch {start} (best val R@mean {best:.2f})")
-    net = PairText(model)
-    if ctx.world > 1:
-        net = torch.nn.parallel.DistributedDataParallel(
-            net, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
-    if args.compile:
-        net = torch.compile(net)
+        log(f"   resumed from {last_path(args.out)} after epoch {start} (best val R@mean {best:.2f})")
+    net = torch.compile(PairText(model)) if args.compile else PairText(model)
 
     def loss_fn(batch):  # eq. (6)-(8) on a batch of pairs and a caption of each
         static = args.compile or args.cuda_graphs  # reading the length makes a GPU wait
@@ -417,25 +403,16 @@ def main(argv=None):
             progress = Progress(epoch, args.epochs, step, total_steps, args.log_every)
             loss = train_epoch(ctx, net, loader, loss_fn, optimizer, scheduler, progress, args.grad_clip, graphed)
             step = progress.step
-            val = evaluate(model, splits["val"], args, ctx, cache) if ctx.main else None
-            stop = [diverged(epoch + 1) if ctx.main and val is None else None]
-            if ctx.world > 1:  # rank 0's verdict, shared: every process stops, or none (also the epoch's barrier)
-                torch.distributed.broadcast_object_list(stop, src=0)
-            if stop[0]:
-                raise SystemExit(stop[0])
-            rng = rng_state(ctx)  # every process's streams (a collective), saved by rank 0
-            if ctx.main:
-                history.append({"epoch": epoch + 1, "loss": loss, **val})
-                log(ctx, f"epoch {epoch + 1}/{args.epochs} done in {time.time() - t0:.0f}s | loss {loss:.4f} | "
-                         f"val {fmt(val)}{' | best so far: saved' if val['R@mean'] > best else ''}")
-                best = save_epoch(model, optimizer, scheduler, rng, args, root, val, epoch + 1, step, best, history)
+            val = evaluate(model, splits["val"], args, ctx, cache)
+            if val is None:
+                raise SystemExit(diverged(epoch + 1))
+            history.append({"epoch": epoch + 1, "loss": loss, **val})
+            log(f"epoch {epoch + 1}/{args.epochs} done in {time.time() - t0:.0f}s | loss {loss:.4f} | "
+                f"val {fmt(val)}{' | best so far: saved' if val['R@mean'] > best else ''}")
+            best = save_epoch(model, optimizer, scheduler, args, root, val, epoch + 1, step, best, history)
     except KeyboardInterrupt:
-        interrupted(ctx, args.out)
-    if ctx.world > 1:  # training is over: the other processes leave, rank 0 alone tests
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    if ctx.main:
-        test_best(model, splits["test"], args, ctx, cache, history, t_start)
+        interrupted(args.out)
+    test_best(model, splits["test"], args, ctx, cache, history, t_start)
 
 
 if __name__ == "__main__":

@@ -178,7 +178,7 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
     optimizer = make_optimizer(groups, device, capturable=graphs)
     scheduler = warmup_cosine(optimizer, 1000, args.warmup)
     params = [p for g in groups for p in g["params"]]
-    ctx = SimpleNamespace(amp=amp, device=device, main=True)
+    ctx = SimpleNamespace(amp=amp, device=device)
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (2, batch, 3, 224, 224), dtype=torch.uint8, generator=g).to(device)
     ids = random_ids(batch, text_len, device)

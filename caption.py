@@ -3,7 +3,6 @@
     python caption.py --ckpt adapted.pt      # train; select on val CIDEr-D; test -> captioner.pt, captions.json
     python caption.py --ckpt captioner.pt    # evaluate a trained captioner on test (--beam 3, --gallery out.png)
     python caption.py --ckpt captioner.pt --before a.png --after b.png   # caption your own two images
-    torchrun --nproc_per_node 4 caption.py --ckpt adapted.pt             # several GPUs (or CPU processes)
 
 The pair encoder's 2(n+1) output tokens are the memory of an encoder-decoder Transformer trained with word-level
 cross entropy. The pair encoder is fine-tuned at its own tiny learning rate (authors: 1e-7) or kept frozen
@@ -18,7 +17,6 @@ import argparse
 import json
 import os
 import time
-import warnings
 from dataclasses import asdict
 
 import torch
@@ -32,9 +30,8 @@ import plots
 import synth
 from model import PAIR_KEYS, Captioner, CaptionerConfig
 from train_utils import (Progress, at_least, device_arg, flag_error, fmt_time, freeze, interrupted, last_path,
-                         load_resume, local_batch, log, make_optimizer, no_state, param_groups, policy_table,
-                         rank0_first, restore, rng_state, save_atomic, seed_ranks, setup, train_epoch, warmup_cosine,
-                         where)
+                         load_resume, log, make_optimizer, no_state, param_groups, policy_table, restore, rng_state,
+                         save_atomic, setup, train_epoch, warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoders (mini, scratch), frozen: its tokens are computed once per pair. A decoder
@@ -84,22 +81,14 @@ def to_text(ids, vocab):
     return " ".join(vocab[i] for i in ids if i not in (PAD, BOS))
 
 
-def caption_loss(logits, targets, world=1):
+def caption_loss(logits, targets):
     """Word-level cross entropy (paper Sec. 3.3): -(1/N) sum_t log p(w_t | w_<t, pair), over the N words
-    (<eos> included, padding not) of the global batch. logits (B, T, vocab), targets (B, T). Under torchrun each
-    process holds a part of the batch and DDP averages the gradients, so each divides its sum by N / world: the
-    same loss and gradients as one process on the whole batch."""
-    targets = targets.flatten()
-    total = F.cross_entropy(logits.float().flatten(0, 1), targets, ignore_index=PAD, reduction="sum")
-    n = (targets != PAD).sum()
-    if world > 1:
-        torch.distributed.all_reduce(n)  # stays on the device: no wait for the GPU
-        n = n / world
-    return total / n
+    (<eos> included, padding not) of the batch. logits (B, T, vocab), targets (B, T)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD)
 
 
 # -----------------------------------------------------------------------------
-# the model: pair encoder + captioner in one module (one optimizer, one DDP wrapper, one state dict)
+# the model: pair encoder + captioner in one module (one optimizer, one state dict)
 
 
 class PairCaptioner(nn.Module):
@@ -181,7 +170,7 @@ def lr_rule(args, n_inter):
         if args.freeze_encoder:
             return None  # --freeze-encoder (the mini preset): its tokens are computed once, before training
         if name[len("clip."):] in unused:
-            return None  # 12/0: e1, e2, p, ln_mid are never used (and DDP wants every trained parameter used)
+            return None  # 12/0: e1, e2, p, ln_mid are never used
         # the whole pair encoder fine-tuned end to end (authors: 1e-7), CLIP's input embeddings included: the
         # authors froze those in adaptation only
         return args.encoder_lr
@@ -239,7 +228,7 @@ def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
     seconds = time.time() - t0
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the renderer's record: what really changed
     # the attention figure needs the changed object's place (a synthetic set); 12/0 has no inter block to look at
-    explained = bool(scenes) and synth.is_synthetic(root) and model.clip.cfg.n_inter > 0 and ctx.main
+    explained = bool(scenes) and synth.is_synthetic(root) and model.clip.cfg.n_inter > 0
     results = {"scores": scores, "scores_by_type": by_type,
                "baseline": metrics.constant_baseline([c for it in train_items for c in it.captions],
                                                      {it.id: it.captions for it in items}, synth.NO_CHANGE),
@@ -247,39 +236,38 @@ def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
                "attention": plots.attention_on_change(model, items, root, ctx.device) if explained else None,
                "predictions": [{"id": it.id, "before": it.before, "after": it.after, "caption": preds[it.id],
                                 "references": it.captions} for it in items]}
-    if ctx.main:
-        with open(args.results + ".tmp", "w") as f:
-            json.dump(results, f, indent=1)
-        os.replace(args.results + ".tmp", args.results)
-        report(ctx, results, args, len(items), seconds)
-        if args.gallery:
-            plots.draw_gallery(args.gallery, items, preds, model, model.clip.cfg.image_resolution, ctx.device)
+    with open(args.results + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(args.results + ".tmp", args.results)
+    report(results, args, len(items), seconds)
+    if args.gallery:
+        plots.draw_gallery(args.gallery, items, preds, model, model.clip.cfg.image_resolution, ctx.device)
     return results
 
 
-def report(ctx, results, args, n, seconds):
+def report(results, args, n, seconds):
     """The test results in a few lines: scores, the baseline, and where there are scene records the read-back
     (by change type too) and the attention figure."""
     scores, baseline, judged, attention = (results[k] for k in ("scores", "baseline", "read_back", "attention"))
     types = " ".join(f"{t} {v:.1f}" for t, v in results["scores_by_type"].items())
-    log(ctx, f"test ({n} pairs, {'beam ' + str(args.beam) if args.beam > 1 else 'greedy'}, {seconds:.0f}s): "
-             f"{summary(scores)}" + (f" | CIDEr-D by type: {types}" if types else ""))
+    log(f"test ({n} pairs, {'beam ' + str(args.beam) if args.beam > 1 else 'greedy'}, {seconds:.0f}s): "
+        f"{summary(scores)}" + (f" | CIDEr-D by type: {types}" if types else ""))
     fixed = "" if baseline["candidates"] == "training captions" else f" (best of the {baseline['candidates']})"
-    log(ctx, f"constant-caption baseline {baseline['caption']!r}{fixed}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} "
-             f"(model / baseline = {scores['CIDEr-D'] / max(baseline['scores']['CIDEr-D'], 1e-9):.1f}x) "
-             f"-> {args.results}")
+    log(f"constant-caption baseline {baseline['caption']!r}{fixed}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} "
+        f"(model / baseline = {scores['CIDEr-D'] / max(baseline['scores']['CIDEr-D'], 1e-9):.1f}x) "
+        f"-> {args.results}")
     if judged:
-        log(ctx, f"read back against the scenes: {judged['change caption %']:.0f}% of {judged['change pairs']} "
-                 f"change pairs get a change caption, {judged['right type %']:.0f}% the right change type, "
-                 f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}% "
-                 f"of {judged['distractor pairs']} distractors get \"no change\"")
+        log(f"read back against the scenes: {judged['change caption %']:.0f}% of {judged['change pairs']} "
+            f"change pairs get a change caption, {judged['right type %']:.0f}% the right change type, "
+            f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}% "
+            f"of {judged['distractor pairs']} distractors get \"no change\"")
         types = ", ".join(f"{t} {judged[t]['right type %']:.0f}/{judged[t]['right object %']:.0f}%"
                           for t in synth.CHANGES if t in judged)
-        log(ctx, f"   by change type, right type/object: {types}")
+        log(f"   by change type, right type/object: {types}")
     if attention:
-        log(ctx, f"attention: the strongest patch of the last inter block's [CLS] map falls on the changed object "
-                 f"in {attention['map on the change %']:.0f}% of change pairs (a random patch: "
-                 f"{attention['random patch %']:.0f}%)")
+        log(f"attention: the strongest patch of the last inter block's [CLS] map falls on the changed object "
+            f"in {attention['map on the change %']:.0f}% of change pairs (a random patch: "
+            f"{attention['random patch %']:.0f}%)")
 
 
 # -----------------------------------------------------------------------------
@@ -421,7 +409,7 @@ def evaluate_captioner(args, ckpt_info):
     """--ckpt captioner.pt without --before: test scores, baseline, predictions (and --gallery) of that model."""
     ctx = setup(args.seed, args.device, args.amp)
     model, vocab = build(args.ckpt, ctx.device, ckpt_info=ckpt_info)
-    name, root = data_source(args, ckpt_info, ctx)
+    name, root = data_source(args, ckpt_info)
     train_items, test_items = (data.load_items(name, root, s, "total", args.skip_missing) for s in ("train", "test"))
     loader = loader_for(data.ImageDataset(test_items, model.clip.cfg.image_resolution), args, ctx)
     return final_test(model, loader, train_items, test_items, vocab, args, ctx, name, root)
@@ -431,19 +419,18 @@ def evaluate_captioner(args, ckpt_info):
 # training: the pieces of train(), in the order it uses them
 
 
-def data_source(args, ckpt_info, ctx):
-    """Dataset name and directory: the flags, else what the encoder was adapted on (rank 0 first: it may be
-    rendering the synthetic set)."""
+def data_source(args, ckpt_info):
+    """Dataset name and directory: the flags, else what the encoder was adapted on."""
     info = ckpt_info.get("data") or {}
     name = args.data or info.get("name", "clevr")
     root = args.data_root or (info.get("root") if info.get("name") == name else None)
-    return name, rank0_first(ctx, lambda: data.resolve_root(name, root))
+    return name, data.resolve_root(name, root)
 
 
 def load_data(args, ckpt_info, resume, ctx):
     """The dataset in the "total" setting (CLEVR-Change: change pairs + distractor pairs) -> (name, root, splits,
     vocabulary (a resumed run's own), every training caption's word ids)."""
-    name, root = data_source(args, ckpt_info, ctx)
+    name, root = data_source(args, ckpt_info)
     splits = {s: data.load_items(name, root, s, "total", args.skip_missing) for s in ("train", "val", "test")}
     if args.reverse is None:  # the mini preset: on where the renderer's scene records allow it
         args.reverse = synth.is_synthetic(root)
@@ -451,9 +438,9 @@ def load_data(args, ckpt_info, resume, ctx):
         splits["train"] = splits["train"] + data.reversed_pairs(splits["train"], root)
     vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions])
     captions = encode_captions(splits["train"], vocab, MAX_LEN)
-    log(ctx, f"data: {name} at {root} | pairs train {len(splits['train'])}"
-             f"{' (half of them reversed, --reverse)' if args.reverse else ''} val {len(splits['val'])} test "
-             f"{len(splits['test'])} | vocabulary {len(vocab)} words | {len(captions)} training captions")
+    log(f"data: {name} at {root} | pairs train {len(splits['train'])}"
+        f"{' (half of them reversed, --reverse)' if args.reverse else ''} val {len(splits['val'])} test "
+        f"{len(splits['test'])} | vocabulary {len(vocab)} words | {len(captions)} training captions")
     return name, root, splits, vocab, captions
 
 
@@ -472,34 +459,33 @@ def new_model(args, ckpt_info, vocab, ctx, clip):
     """The pair encoder `clip` (train() loads it from --ckpt before the data: a bad --n-inter says so at once) and
     a fresh captioner over its 2(n+1) tokens, in one module."""
     if ckpt_info.get("stage") != "adapt":
-        log(ctx, f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
-                 f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")
+        log(f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
+            f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")
     n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // resolve_mem_pool(args, clip)) ** 2  # pooled
     cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
                           max_len=MAX_LEN, dropout=args.dropout, mem_diff=args.mem_diff, mem_pool=args.mem_pool)
-    return PairCaptioner(clip, Captioner(cfg)).to(ctx.device)  # every process builds the same (setup seeds them alike)
+    return PairCaptioner(clip, Captioner(cfg)).to(ctx.device)
 
 
 def describe(ctx, model, rule, optimizer, args):
     """What trains at which rate (the rule, as a table) and the model in one line."""
     clip, cfg = model.clip.cfg, model.captioner.cfg
-    log(ctx, "what trains:\n" + policy_table(model.named_parameters(), rule))
+    log("what trains:\n" + policy_table(model.named_parameters(), rule))
     n_train = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
-    log(ctx, f"model: pair encoder {clip.vision_layers - clip.n_inter}/{clip.n_inter} "
-             f"({'frozen' if args.freeze_encoder else f'lr {args.encoder_lr:g}'}), memory {cfg.memory_len} tokens "
-             f"x {cfg.memory_dim} | captioner {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
-             f"{n_train / 1e6:.2f}M trainable parameters")
+    log(f"model: pair encoder {clip.vision_layers - clip.n_inter}/{clip.n_inter} "
+        f"({'frozen' if args.freeze_encoder else f'lr {args.encoder_lr:g}'}), memory {cfg.memory_len} tokens "
+        f"x {cfg.memory_dim} | captioner {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
+        f"{n_train / 1e6:.2f}M trainable parameters")
 
 
 def loader_for(dataset, args, ctx, shuffle=False, batch=None):
     """Batches of `dataset` in order, or (for training) shuffled as a function of (seed, epoch) by an EpochSampler,
-    each process its share under torchrun, so that a resumed run sees the same batches (call data.set_epoch(loader,
-    e) before each epoch). Image-loading processes only when there are images to load."""
-    share = dict(rank=ctx.rank, world=ctx.world) if shuffle else {}  # evaluation: every process sees everything
+    so that a resumed run sees the same batches (call data.set_epoch(loader, e) before each epoch). Image-loading
+    processes only when there are images to load."""
     workers = 0 if dataset.features is not None else args.workers
     return data.make_loader(dataset, batch or args.eval_batch_size, shuffle, workers, ctx.device,
-                            drop_last=shuffle and len(dataset) > (batch or 1), seed=args.seed, **share)
+                            drop_last=shuffle and len(dataset) > (batch or 1), seed=args.seed)
 
 
 def loaders(model, splits, captions, args, ctx):
@@ -507,8 +493,7 @@ def loaders(model, splits, captions, args, ctx):
     are decoded once (the cache adapt.py built, when it used the same images and size); a frozen encoder then runs
     once per pair, here, and the loaders give its tokens; a fine-tuned one reads the images at every step."""
     size = model.clip.cfg.image_resolution
-    cache = data.open_image_cache([it for v in splits.values() for it in v], size, args.image_cache, None,
-                                  ctx.world, ctx.rank, log=lambda m: log(ctx, m))
+    cache = data.open_image_cache([it for v in splits.values() for it in v], size, args.image_cache)
     feats = {}
     if args.freeze_encoder:
         t0 = time.time()
@@ -519,26 +504,21 @@ def loaders(model, splits, captions, args, ctx):
                 assert all(b.id == a.id + "_r" for a, b in zip(items[:n], items[n:])), "reversed pairs out of order"
             loader = loader_for(data.ImageDataset(items[:n], size, cache), args, ctx)
             feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
-        log(ctx, f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
+        log(f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
     train = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=captions, draw=True,
                                 features=feats.get("train"))
-    return (loader_for(train, args, ctx, shuffle=True, batch=local_batch(ctx, args.batch_size)),
+    return (loader_for(train, args, ctx, shuffle=True, batch=args.batch_size),
             *(loader_for(data.ImageDataset(splits[s], size, cache, feats.get(s)), args, ctx) for s in ("val", "test")))
 
 
 def validate(model, loader, items, vocab, scenes, ctx):
     """Val CIDEr-D, which selects the model; on the synthetic set also what the captions get right, read back
-    against the scenes. Under torchrun rank 0's CIDEr-D decides for all: a split decision would hang the next
-    collective."""
+    against the scenes."""
     preds = predict(model, loader, items, vocab, ctx)
     val = {"CIDEr-D": cider(items, preds)}
     if scenes:
         judged = synth.report(preds, scenes)
         val.update({k: judged[k + " %"] for k in ("right type", "right object")})
-    if ctx.world > 1:
-        shared = torch.tensor([val["CIDEr-D"]], dtype=torch.float64, device=ctx.device)
-        torch.distributed.broadcast(shared, 0)
-        val["CIDEr-D"] = shared.item()
     return val
 
 
@@ -549,20 +529,20 @@ def checkpoint(model, vocab, source, args, figures):
             "data": source, "args": vars(args), "metrics": figures, "stage": "caption"}
 
 
-def resume_from(state, model, optimizer, scheduler, args, ctx):
+def resume_from(state, model, optimizer, scheduler, args):
     """Where the run stands (epochs done, steps done, best val CIDEr-D, its epoch, epochs without gain, history),
     and the epoch to stop at; with --resume from --out's resumable file (model, optimizer, schedule, RNG put back).
     A run that had stopped early stays stopped."""
     run = dict(epoch=0, step=0, best=-1.0, best_epoch=-1, epochs_without_gain=0, history=[])
     if state is None:
         return run, args.epochs
-    restore(state, model, optimizer, scheduler, ctx)
+    restore(state, model, optimizer, scheduler)
     run = {k: state[k] for k in run}
-    log(ctx, f"resumed from {last_path(args.out)} at epoch {run['epoch'] + 1} (best val CIDEr-D {run['best']:.1f})")
+    log(f"resumed from {last_path(args.out)} at epoch {run['epoch'] + 1} (best val CIDEr-D {run['best']:.1f})")
     if run["epochs_without_gain"] < args.patience or run["epoch"] >= args.epochs:
         return run, args.epochs
-    log(ctx, f"the run had stopped early after epoch {run['epoch']} (no val CIDEr-D gain for "
-             f"{run['epochs_without_gain']} epochs): no more training, the test of epoch {run['best_epoch']}'s model")
+    log(f"the run had stopped early after epoch {run['epoch']} (no val CIDEr-D gain for "
+        f"{run['epochs_without_gain']} epochs): no more training, the test of epoch {run['best_epoch']}'s model")
     return run, run["epoch"]
 
 
@@ -582,20 +562,17 @@ def test_best(model, loader, splits, vocab, source, history, args, ctx):
 def train(args, ckpt_info):
     """Train a captioner on the pair encoder of --ckpt, select it on val CIDEr-D, test it once."""
     ctx = setup(args.seed, args.device, args.amp)
-    if not ctx.main:  # one copy of each warning, not one per process
-        warnings.filterwarnings("ignore")
     preset = apply_preset(args, ckpt_info)
     resume = load_resume(args.out, "cpu") if args.resume else None
     clip = clip_load.load_clip(args.ckpt, ctx.device, args.n_inter)
     resolve_mem_pool(args, clip)  # a bad --mem-pool stops here, before any data is made
-    log(ctx, f"caption.py: preset {preset} on {where(ctx)} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
+    log(f"caption.py: preset {preset} on {where(ctx)} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
     name, root, splits, vocab, captions = load_data(args, ckpt_info, resume, ctx)
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the synthetic set's record of each change
 
     # model, what trains at which rate (lr_rule, above), optimizer, loaders, schedule
     model = new_model(args, ckpt_info, vocab, ctx, clip)
     source = {"name": name, "root": str(root), "image_size": model.clip.cfg.image_resolution}  # saved with it
-    seed_ranks(ctx, args.seed)
     rule = lr_rule(args, model.clip.cfg.n_inter)
     freeze(model.named_parameters(), rule)
     optimizer = make_optimizer(param_groups(model.named_parameters(), rule, args.weight_decay), ctx.device)
@@ -603,15 +580,13 @@ def train(args, ckpt_info):
     train_loader, val_loader, test_loader = loaders(model, splits, captions, args, ctx)
     total_steps = args.epochs * len(train_loader)
     scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
-    net = model if ctx.world == 1 else nn.parallel.DistributedDataParallel(
-        model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
-    run, stop = resume_from(resume, model, optimizer, scheduler, args, ctx)
+    run, stop = resume_from(resume, model, optimizer, scheduler, args)
 
     def loss_fn(batch):  # word-level cross entropy on each pair's drawn caption (B, T)
         ids = batch["ids"]
         ids = ids[:, :int((ids != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
-        logits = net(ids[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))
-        return caption_loss(logits, ids[:, 1:], ctx.world), len(ids)  # pairs, for the pairs/s
+        logits = model(ids[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))
+        return caption_loss(logits, ids[:, 1:]), len(ids)  # pairs, for the pairs/s
 
     # training: select on val CIDEr-D, stop after --patience epochs without gain
     t_start = time.time()
@@ -620,33 +595,27 @@ def train(args, ckpt_info):
             data.set_epoch(train_loader, epoch)
             t0 = time.time()
             progress = Progress(epoch, args.epochs, run["step"], total_steps, args.log_every)
-            loss = train_epoch(ctx, net, train_loader, loss_fn, optimizer, scheduler, progress, args.grad_clip)
+            loss = train_epoch(ctx, model, train_loader, loss_fn, optimizer, scheduler, progress, args.grad_clip)
             val = validate(model, val_loader, splits["val"], vocab, scenes, ctx)
             run["history"].append({"epoch": epoch + 1, "loss": loss, **{f"val {k}": v for k, v in val.items()}})
             run.update(epoch=epoch + 1, step=progress.step, epochs_without_gain=run["epochs_without_gain"] + 1)
             if val["CIDEr-D"] > run["best"]:
                 run.update(best=val["CIDEr-D"], best_epoch=epoch + 1, epochs_without_gain=0)
-                if ctx.main:
-                    save_atomic(checkpoint(model, vocab, source, args, {"val": val, "epoch": epoch + 1}), args.out)
+                save_atomic(checkpoint(model, vocab, source, args, {"val": val, "epoch": epoch + 1}), args.out)
             right = "".join(f", {k} {val[k]:.0f}%" for k in ("right type", "right object") if k in val)
-            log(ctx, f"epoch {epoch + 1}/{args.epochs} | loss {loss:.3f} | val {summary(val)}{right} | best CIDEr-D "
-                     f"{run['best']:.1f} (epoch {run['best_epoch']}) | {time.time() - t0:.0f}s")
-            rng = rng_state(ctx)  # every process's streams (a collective), saved by rank 0
-            if ctx.main:
-                plots.curves(os.path.splitext(args.out)[0] + ".curves.png", run["history"], "val CIDEr-D")
-                save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "vocab": vocab,
-                             "scheduler": scheduler.state_dict(), "rng": rng, **run}, last_path(args.out))
+            log(f"epoch {epoch + 1}/{args.epochs} | loss {loss:.3f} | val {summary(val)}{right} | best CIDEr-D "
+                f"{run['best']:.1f} (epoch {run['best_epoch']}) | {time.time() - t0:.0f}s")
+            plots.curves(os.path.splitext(args.out)[0] + ".curves.png", run["history"], "val CIDEr-D")
+            save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "vocab": vocab,
+                         "scheduler": scheduler.state_dict(), "rng": rng_state(), **run}, last_path(args.out))
             if run["epochs_without_gain"] >= args.patience:
-                log(ctx, f"early stop: no val CIDEr-D gain for {run['epochs_without_gain']} epochs")
+                log(f"early stop: no val CIDEr-D gain for {run['epochs_without_gain']} epochs")
                 break
     except KeyboardInterrupt:
-        interrupted(ctx, args.out)
-    log(ctx, f"training done in {fmt_time(time.time() - t_start)} ({where(ctx)}): best val CIDEr-D {run['best']:.1f} "
-             f"at epoch {run['best_epoch']}")
-    if ctx.world > 1:  # training is over: the other processes leave, rank 0 alone tests
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    return test_best(model, test_loader, splits, vocab, source, run["history"], args, ctx) if ctx.main else None
+        interrupted(args.out)
+    log(f"training done in {fmt_time(time.time() - t_start)} ({where(ctx)}): best val CIDEr-D {run['best']:.1f} at "
+        f"epoch {run['best_epoch']}")
+    return test_best(model, test_loader, splits, vocab, source, run["history"], args, ctx)
 
 
 def main(argv=None):

@@ -9,17 +9,12 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
+import socket
 import time
 from functools import partial
 from multiprocessing import Pool
 from pathlib import Path
 from typing import NamedTuple
-
-try:
-    import fcntl  # the image cache's build lock (Linux, macOS)
-except ImportError:
-    fcntl = None
 
 import numpy as np
 import torch
@@ -333,7 +328,7 @@ class ImageCache:
 
 def _build_cache(folder, paths, size, workers, log_every):
     """Decode every image into folder/images.npy (written in a temporary folder, renamed into place) -> images/s."""
-    tmp, lock = _start_build(folder)
+    tmp = _start_build(folder)
     t0 = time.time()
     try:
         array = np.lib.format.open_memmap(tmp / "images.npy", mode="w+", dtype=np.uint8,
@@ -352,78 +347,48 @@ def _build_cache(folder, paths, size, workers, log_every):
         array.flush()
         del array
         (tmp / "paths.json").write_text(json.dumps(paths))
-        (tmp / LOCK).unlink()
         try:
             os.rename(tmp, folder)
-        except OSError:  # another process (a second run, a rank on another node) finished the same cache first
+        except OSError:  # another run finished the same cache first
             if not (folder / "images.npy").is_file():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)  # same name, same images: theirs is ours
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        lock.close()
     return len(paths) / max(time.time() - t0, 1e-9)
 
 
-LOCK = "building"  # inside a build's temporary folder, locked (flock) while the building process lives
-
-
 def _start_build(folder):
-    """A temporary folder next to `folder` for a new build, readable by whoever may read `folder` (the umask, not
-    mkdtemp's 0700: a shared $CLIP4IDC_IMAGE_CACHE), and its lock, held until the returned file is closed or the process
-    dies. Leftovers of builds whose process died (killed, crashed) are removed first; a live build, however long
-    it has run, is not: its lock says so (writes through a memmap never touch the folder's time)."""
+    """A temporary folder next to `folder` for this process's build, named after it (host and pid), made as the
+    umask says (readable by whoever may read a shared $CLIP4IDC_IMAGE_CACHE). Leftovers of this host's builds whose
+    process died (killed, crashed) are removed first; a live build, however long it has run, is left alone."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    for old in folder.parent.glob(folder.name + ".tmp*"):
-        if not _alive(old):
+    host = socket.gethostname()
+    for old in folder.parent.glob(f"{folder.name}.tmp-{host}-*"):
+        if not _alive(int(old.name.rsplit("-", 1)[1])):
             shutil.rmtree(old, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp", dir=folder.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
-    lock = open(tmp / (LOCK + ".new"), "w")
-    if fcntl:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-    os.rename(tmp / (LOCK + ".new"), tmp / LOCK)  # visible only once locked: never seen unlocked while alive
-    return tmp, lock
+    tmp = folder.parent / f"{folder.name}.tmp-{host}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from a build it abandoned
+    tmp.mkdir()
+    return tmp
 
 
-def _alive(tmp, grace=600):
-    """Is a build still writing into `tmp`? Its lock is held (no fcntl, as on Windows: it is younger than `grace`
-    seconds). A folder without a lock file is a build's first instant, or one that finished: it is left alone
-    for `grace` seconds."""
+def _alive(pid):
     try:
-        with open(tmp / LOCK) as f:
-            if not fcntl:
-                return time.time() - os.stat(tmp).st_mtime < grace
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return True
-            return False
-    except FileNotFoundError:
-        try:
-            return time.time() - os.stat(tmp).st_mtime < grace
-        except FileNotFoundError:
-            return True  # gone meanwhile: nothing to remove
+        os.kill(pid, 0)  # no signal sent: does the process exist?
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's
+    return True
 
 
-def open_image_cache(items, size, flag=None, directory=None, world=1, rank=0, log=print):
-    """The ImageCache of these items (None when not used): under torchrun, rank 0 decides whether to use it (one
-    decision: near the disk-space threshold, ranks deciding alone could disagree and no longer meet at the
-    barrier), builds it while the others wait, then each opens it."""
-    use = [use_image_cache(items, size, flag, directory) if rank == 0 else None]
-    if world > 1:
-        torch.distributed.broadcast_object_list(use, src=0)
-    if not use[0]:
+def open_image_cache(items, size, flag=None, directory=None, log=print):
+    """The ImageCache of these items, built if need be (None when not used: use_image_cache)."""
+    if not use_image_cache(items, size, flag, directory):
         return None
-    if world > 1 and rank != 0:
-        torch.distributed.barrier()
-    cache = ImageCache(items, size, os.cpu_count(), log_every=20_000 if rank == 0 else 0, directory=directory)
-    if world > 1 and rank == 0:
-        torch.distributed.barrier()
+    cache = ImageCache(items, size, os.cpu_count(), log_every=20_000, directory=directory)
     what = f"{len(cache.index)} images at {size} px ({cache.data.numel() / 2**30:.2f} GiB)"
     log(f"   image cache: decoded {what} at {cache.rate:.0f} images/s into {cache.folder}" if cache.built else
         f"   image cache: {what} from {cache.folder}")
@@ -530,32 +495,28 @@ class ImageDataset(_Pairs):
 
 class EpochSampler(torch.utils.data.Sampler):
     """Sample indices in an order that is a function of (seed, epoch) only: call set_epoch(e) before each epoch
-    (as with DistributedSampler; `set_epoch(loader, e)` does it) and a resumed run sees the same batches. Under
-    torchrun each of `world` processes takes every world-th sample of the same order (rank's share)."""
+    (`set_epoch(loader, e)` does it) and a resumed run sees the same batches."""
 
-    def __init__(self, n, shuffle, seed=0, rank=0, world=1):
+    def __init__(self, n, shuffle, seed=0):
         self.n, self.shuffle, self.seed, self.epoch = n, shuffle, seed, 0
-        self.rank, self.world = rank, world
 
     def set_epoch(self, epoch):
         self.epoch = epoch
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.n, generator=g) if self.shuffle else torch.arange(self.n)
-        n = len(self) * self.world  # drop the tail that does not split evenly over the processes
-        return iter(order.tolist()[self.rank:n:self.world])
+        return iter((torch.randperm(self.n, generator=g) if self.shuffle else torch.arange(self.n)).tolist())
 
     def __len__(self):
-        return self.n // self.world
+        return self.n
 
 
-def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0, rank=0, world=1):
-    """DataLoader with an EpochSampler (this process's share under torchrun); whole batches from datasets that read
-    them at once; pinned memory on CUDA. Workers start anew each epoch, so that they see the dataset's epoch (its
-    per-sample randomness); with the image cache that costs a fork."""
+def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0):
+    """DataLoader with an EpochSampler; whole batches from datasets that read them at once; pinned memory on CUDA.
+    Workers start anew each epoch, so that they see the dataset's epoch (its per-sample randomness); with the image
+    cache that costs a fork."""
     return torch.utils.data.DataLoader(
-        dataset, batch_size, sampler=EpochSampler(len(dataset), shuffle, seed, rank, world), num_workers=workers,
+        dataset, batch_size, sampler=EpochSampler(len(dataset), shuffle, seed), num_workers=workers,
         pin_memory=str(device).startswith("cuda"), drop_last=drop_last,
         collate_fn=_whole if hasattr(dataset, "__getitems__") else None)
 

@@ -395,16 +395,16 @@ def main(argv=None):
     if args.root == ROOT and args.world != "ours":  # one set per world
         args.root = f"{ROOT}_{args.world}"
     root = data.resolve_synth(args.root, args.scenes, args.render_seed, workers=args.workers, world=args.world)
-    log(ctx, f"== pretrain.py: a small CLIP pretrained on single synthetic scenes, on {where(ctx)} ==")
-    log(ctx, "   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
+    log(f"== pretrain.py: a small CLIP pretrained on single synthetic scenes, on {where(ctx)} ==")
+    log("   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
     train = scene_images(root, "train", args.workers)
     held_out = scene_images(root, "val", args.workers) + scene_images(root, "test", args.workers)
     held_out = held_out[:args.eval_images]
     probe_train = train[:2 * args.eval_images]
     clevr = clevr_images(args.clevr_root) if args.eval_only and args.clevr_root else []
     items = [data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(train + held_out + clevr)]
-    cache = data.open_image_cache(items, args.image_size, True, log=lambda m: log(ctx, m))
-    log(ctx, f"   {root}: {len(train)} training images, {len(held_out)} held out (other scenes)")
+    cache = data.open_image_cache(items, args.image_size, True, log=log)
+    log(f"   {root}: {len(train)} training images, {len(held_out)} held out (other scenes)")
 
     if args.eval_only:
         path = args.ckpt or args.out
@@ -412,8 +412,8 @@ def main(argv=None):
             if images:
                 m = evaluate(model, images, probe_train, cache, args, ctx)
                 chance = " ".join(f"{a[:3]} {m[f'chance {a}']:.0f}" for a in PROBE_ATTRS)
-                log(ctx, f"{path} on {name} ({len(images)} images): {fmt(m)} | chance: hard-neg R@1 "
-                         f"{100 / 9:.1f}, probe % {chance}")
+                log(f"{path} on {name} ({len(images)} images): {fmt(m)} | chance: hard-neg R@1 "
+                    f"{100 / 9:.1f}, probe % {chance}")
         return m
 
     # a CLIP from nothing, as adapt.py's scratch preset builds one (n_inter: unused here; the mini preset's third)
@@ -430,15 +430,15 @@ def main(argv=None):
     ds = Descriptions(train, cache, args.negatives, args.context_length, args.patch_size, args.seed,
                       objects=bool(args.object_loss))
     n_params = sum(p.numel() for g in groups for p in g["params"])
-    log(ctx, f"   model: {n_params / 1e6:.2f}M parameters trained (vision {args.vision_layers}x{args.vision_width}, "
-             f"text {args.text_layers}x{args.text_width}); {total} steps of {args.batch_size} images, each with "
-             f"{args.negatives} hard negative(s): {total * args.batch_size / len(train):.1f} epochs")
+    log(f"   model: {n_params / 1e6:.2f}M parameters trained (vision {args.vision_layers}x{args.vision_width}, "
+        f"text {args.text_layers}x{args.text_width}); {total} steps of {args.batch_size} images, each with "
+        f"{args.negatives} hard negative(s): {total * args.batch_size / len(train):.1f} epochs")
 
     step, history = 0, []
     if args.resume:
         state = restore(load_resume(args.out), model, optimizer, scheduler)
         step, history = state["step"], state["history"]
-        log(ctx, f"   resumed from {last_path(args.out)} at step {step}")
+        log(f"   resumed from {last_path(args.out)} at step {step}")
 
     def loss_fn(batch):
         images, ids = batch["images"], batch["ids"]
@@ -463,19 +463,19 @@ def main(argv=None):
         step = progress.step
         m = evaluate(model, held_out, probe_train, cache, args, ctx)
         history.append({"step": step, "samples": step * args.batch_size, "loss": loss, **m})
-        log(ctx, f"step {step}/{total} ({step * args.batch_size:,} images, {fmt_time(time.time() - t_start)}) | "
-                 f"loss {loss:.4f} | held-out {fmt(m)}")
+        log(f"step {step}/{total} ({step * args.batch_size:,} images, {fmt_time(time.time() - t_start)}) | "
+            f"loss {loss:.4f} | held-out {fmt(m)}")
         save_atomic({"model": model.state_dict(), "config": asdict(model.cfg), "args": vars(args),
                      "history": history}, args.out)
         save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": step, "history": history},
                     last_path(args.out))
         if args.time_limit is not None and time.time() - t_start > 60 * args.time_limit and step < total:
-            log(ctx, f"--time-limit {args.time_limit:g} min reached at step {step}/{total}: the state is in "
-                     f"{last_path(args.out)}; continue with --resume")
+            log(f"--time-limit {args.time_limit:g} min reached at step {step}/{total}: the state is in "
+                f"{last_path(args.out)}; continue with --resume")
             return history
-    log(ctx, f"done: {step * args.batch_size:,} images in {fmt_time(time.time() - t_start)} ({where(ctx)}): "
-             f"held-out {fmt(history[-1])} -> {args.out}")
+    log(f"done: {step * args.batch_size:,} images in {fmt_time(time.time() - t_start)} ({where(ctx)}): "
+        f"held-out {fmt(history[-1])} -> {args.out}")
     return history
 
 

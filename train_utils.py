@@ -1,5 +1,5 @@
-"""What the training stages share: device/distributed setup, the lr schedule, the training epoch with its
-progress line, atomic resumable checkpoints, and adapt.py's cross-process gather for the contrastive loss.
+"""What the training stages share: device setup, the lr schedule, the training epoch with its progress line,
+atomic resumable checkpoints.
 """
 import argparse
 import ctypes
@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 # -----------------------------------------------------------------------------
 # device, numerics, processes
@@ -107,55 +106,19 @@ def keep_freed_memory():
 
 
 def setup(seed=0, device=None, amp="auto"):
-    """One process's view of the run. Under `torchrun` (RANK/WORLD_SIZE set) it joins the process group:
-    NCCL on CUDA, gloo on CPU (a single process forms no group). fp32 master weights everywhere; autocast as
-    `autocast(device, amp)` says. On a CPU freed memory is kept for reuse (keep_freed_memory).
-    Every process is seeded alike, so that models built next are identical on all of them; `seed_ranks` then
-    gives each its own stream."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", 0))
+    """The run's device (default: CUDA when there is one), its numerics and its seed. fp32 master weights
+    everywhere; autocast as `autocast(device, amp)` says. On a CPU freed memory is kept for reuse
+    (keep_freed_memory)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and device.index is None:  # --device cuda: this process's GPU
-        device = torch.device("cuda", local)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)  # CUDA graphs' streams and kernels go to the current device
         # TF32 matmuls beside bf16 autocast; --amp off is plain fp32 throughout
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = amp != "off"
     if device.type == "cpu":
         keep_freed_memory()
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     seed_everything(seed)
-    return SimpleNamespace(device=device, rank=rank, world=world, main=rank == 0, amp=autocast(device, amp))
-
-
-def local_batch(ctx, batch_size):
-    """--batch-size is the global batch: each of the ctx.world processes takes batch_size // world of it."""
-    if batch_size < ctx.world:
-        raise SystemExit(f"--batch-size {batch_size} is the global batch, shared by {ctx.world} processes: give at "
-                         f"least {ctx.world} (one sample each), or start fewer processes")
-    if batch_size % ctx.world:
-        log(ctx, f"   --batch-size {batch_size} does not divide among {ctx.world} processes: the global batch is "
-                 f"{batch_size // ctx.world * ctx.world}")
-    return batch_size // ctx.world
-
-
-def seed_ranks(ctx, seed):
-    """After the model is built (the same on every process): a random stream of each process's own (dropout).
-    A single process keeps the stream it has."""
-    if ctx.world > 1:
-        seed_everything(seed + 1000 * ctx.rank)
-
-
-def rank0_first(ctx, fn):
-    """fn() on rank 0 first, then on the other processes, which wait for it at a barrier: rank 0 may be writing
-    what they read (the synthetic set, rendered on first use). One process: just fn()."""
-    if ctx.world > 1 and not ctx.main:
-        dist.barrier()
-    out = fn()
-    if ctx.world > 1 and ctx.main:
-        dist.barrier()
-    return out
+    return SimpleNamespace(device=device, amp=autocast(device, amp))
 
 
 @functools.lru_cache
@@ -179,53 +142,33 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-def rng_state(ctx=None):
-    """This process's random streams. Under torchrun (ctx.world > 1; a collective, every process calls it): every
-    process's, [rank 0's, rank 1's, ...], which rank 0 saves, so that each resumed process gets its own back."""
+def rng_state():
+    """This process's random streams, saved with each resumable state."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    if ctx is None or ctx.world == 1:
-        return state
-    states = [None] * ctx.world
-    dist.all_gather_object(states, state)
-    return states
+    return state
 
 
-def set_rng_state(state, ctx=None):
-    """Put back what rng_state saved: this process's own streams. Saved by another number of processes, rank 0's
-    streams, then one of each process's own drawn from them (as seed_ranks, different on every process)."""
-    rank, world = (ctx.rank, ctx.world) if ctx else (0, 1)
-    states = state if isinstance(state, list) else [state]
-    own = states[rank] if len(states) == world else states[0]
-    random.setstate(own["python"])
-    np.random.set_state(own["numpy"])
-    torch.set_rng_state(own["torch"])
-    if "cuda" in own and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(own["cuda"])
-    if len(states) != world and world > 1:
-        seed_everything(int(torch.randint(2 ** 31, ())) + 1000 * rank)
-
-
-def gather(x):
-    """All-gather (B, D) features from every process, keeping the gradient of this process's own rows, so the
-    contrastive loss sees the global batch (as the authors do). Identity in a single process."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return x
-    import torch.distributed.nn  # differentiable collectives
-    return torch.cat(torch.distributed.nn.all_gather(x), dim=0)
+def set_rng_state(state):
+    """Put back what rng_state saved."""
+    state = state[0] if isinstance(state, list) else state  # a list of each process's: an older multi-process run's
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def where(ctx):
     """The machine in a few words, for banners and timings: a CPU's speed is its fp32 GFLOP/s."""
     if ctx.device.type == "cuda":
-        return f"{torch.cuda.get_device_name(ctx.device)} x{ctx.world}"
-    return f"CPU x{ctx.world}, {torch.get_num_threads()} threads, {matmul_gflops():.0f} GFLOP/s fp32"
+        return torch.cuda.get_device_name(ctx.device)
+    return f"CPU, {torch.get_num_threads()} threads, {matmul_gflops():.0f} GFLOP/s fp32"
 
 
-def log(ctx, *args):
-    if ctx.main:
-        print(*args, flush=True)
+def log(*args):
+    print(*args, flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -360,7 +303,7 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.out = self.body(self.static)
-        log(self.ctx, f"   the training step captured as one CUDA graph, batch {shapes(batch)}")
+        log(f"   the training step captured as one CUDA graph, batch {shapes(batch)}")
 
 
 def shapes(batch):
@@ -394,7 +337,7 @@ def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, gra
         loss, n = step(batch)
         total += loss.float()
         progress.step += 1
-        seen += n * ctx.world
+        seen += n
         count += 1
         if progress.step % progress.log_every == 0 or count == len(loader):
             if not torch.isfinite(total):  # the one host sync per log line
@@ -405,8 +348,8 @@ def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, gra
             rate = seen / (time.time() - t0)
             eta = (progress.total_steps - progress.step) * (time.time() - t0) / count
             lrs = "/".join(f"{lr:.2e}" for lr in sorted({float(g["lr"]) for g in optimizer.param_groups}, reverse=True))
-            log(ctx, f"epoch {progress.epoch + 1}/{progress.epochs} step {progress.step}/{progress.total_steps} | "
-                     f"loss {loss.item():.4f} | lr {lrs} | {rate:.1f} {progress.unit}/s | ETA {fmt_time(eta)}")
+            log(f"epoch {progress.epoch + 1}/{progress.epochs} step {progress.step}/{progress.total_steps} | "
+                f"loss {loss.item():.4f} | lr {lrs} | {rate:.1f} {progress.unit}/s | ETA {fmt_time(eta)}")
     return total.item() / max(1, count)
 
 
@@ -464,16 +407,16 @@ def load_resume(out, device="cpu"):
         raise SystemExit(f"--resume: cannot read {path} ({type(e).__name__}: {e}); start without --resume") from None
 
 
-def restore(state, model, optimizer, scheduler, ctx=None):
+def restore(state, model, optimizer, scheduler):
     """--resume: a resumable state (load_resume) put back into the model, optimizer, scheduler and this process's
     random streams -> that state (the stage reads its own counters from it)."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    set_rng_state(state["rng"], ctx)
+    set_rng_state(state["rng"])
     return state
 
 
-def interrupted(ctx, out):
-    log(ctx, f"\ninterrupted: the last finished epoch is saved in {last_path(out)}; continue with --resume")
+def interrupted(out):
+    log(f"\ninterrupted: the last finished epoch is saved in {last_path(out)}; continue with --resume")
     sys.exit(130)
