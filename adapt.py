@@ -36,23 +36,20 @@ from train_utils import (GraphedStep, Progress, at_least, check_sizes, device_ar
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
 
 PRESETS = {
-    "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, context_length=32, batch_size=128, epochs=12,
-                  lr_new=1e-4, lr_clip=1e-7, weight_decay=0.2, warmup=0.1, grad_clip=1.0, workers=8,
-                  eval_batch_size=256, draw_captions=False),
+    "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, batch_size=128, epochs=12, lr_new=1e-4, lr_clip=1e-7,
+                  weight_decay=0.2, workers=8, draw_captions=False),
     # mini (the default without OpenAI's weights): the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px,
     # a 12x12 grid of 8-px patches, so that an object spans several), 4 intra + 2 inter blocks (the paper's last
     # quarter of 12 is 3; of 6, 1.5 rounded up). The authors' policy scaled down: CLIP's input embeddings frozen,
     # the new pair parameters at a high rate, CLIP's weights at the authors' 1e-7 (so the captions keep what
     # pretraining saw), the authors' random p; one epoch of one caption drawn per pair (RESULTS.md "The
     # quickstart's default").
-    "mini": dict(clip="mini12-synth", n_inter=2, image_size=96, context_length=32, batch_size=32, epochs=1,
-                 lr_new=1e-3, lr_clip=1e-7, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
-                 eval_batch_size=256, draw_captions=True),
+    "mini": dict(clip="mini12-synth", n_inter=2, image_size=96, batch_size=32, epochs=1, lr_new=1e-3, lr_clip=1e-7,
+                 weight_decay=0.05, workers=0, draw_captions=True),
     # scratch (the from-scratch ablation): ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6
     # patch grid (ViT-B/32: 7x7); nothing is pretrained, so nothing is frozen and everything trains at one rate
-    "scratch": dict(clip=None, n_inter=3, image_size=96, context_length=32, batch_size=32, epochs=3,
-                    lr_new=3e-4, lr_clip=3e-4, weight_decay=0.05, warmup=0.1, grad_clip=1.0, workers=0,
-                    eval_batch_size=256, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
+    "scratch": dict(clip=None, n_inter=3, image_size=96, batch_size=32, epochs=3, lr_new=3e-4, lr_clip=3e-4,
+                    weight_decay=0.05, workers=0, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
                     text_layers=3, embed_dim=128, draw_captions=False),
 }
 # the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
@@ -64,8 +61,8 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # data
     p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier", "levir"], help="dataset")
-    p.add_argument("--data-root", default=None, help="dataset directory (default data/<name>; clevr falls back "
-                                                     "to a generated synthetic set when absent)")
+    p.add_argument("--data-root", default=None,
+                   help="dataset directory (default data/<name>; clevr falls back to a synthetic set when absent)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing (counted)")
     p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None,
                    help="CLEVR: probability of replacing the before image by its non-semantic version (default: "
@@ -80,42 +77,36 @@ def get_args(argv=None):
     # model
     p.add_argument("--preset", default="auto", choices=["auto", "paper", "mini", "scratch"],
                    help="auto: paper when OpenAI's weights are found (or --clip names a file), else mini (the "
-                        "small CLIP pretrained on synthetic scenes that ships in assets/); scratch: a small model "
-                        "from nothing")
+                        "small CLIP pretrained on synthetic scenes, in assets/); scratch: a small model from nothing")
     p.add_argument("--clip", type=clip_load.weights_arg, default=None,
-                   help="CLIP weights: a path, ViT-B/32 (downloaded) or a shipped mini CLIP: "
-                        f"{', '.join(clip_load.SHIPPED)} (preset)")
-    p.add_argument("--n-inter", type=at_least(0), default=None,
-                   help="inter blocks; N_intra = layers - n_inter (preset)")
-    p.add_argument("--image-size", type=at_least(1), default=None,
-                   help="input size, scratch preset (a CLIP file sets its own)")
-    p.add_argument("--context-length", type=at_least(2), default=None, help="caption tokens incl. start/end (preset)")
+                   help=f"CLIP weights: a path, ViT-B/32 (downloaded) or a shipped {' or '.join(clip_load.SHIPPED)}")
+    p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks; N_intra = layers - n_inter")
+    p.add_argument("--image-size", type=at_least(1), default=None, help="input size (a CLIP file has its own)")
+    p.add_argument("--context-length", type=at_least(2), default=32, help="caption tokens incl. start/end")
     for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
         p.add_argument(f"--{name}", type=at_least(1), default=None, help=f"scratch preset model size: {name}")
     # optimization
     p.add_argument("--epochs", type=at_least(1), default=None, help="training epochs (preset)")
     p.add_argument("--batch-size", type=at_least(1), default=None, help="pairs per step (preset)")
-    p.add_argument("--lr-new", type=at_least(0.0, float), default=None,
-                   help="lr of the new pair parameters e1, e2, p, ln_mid")
+    p.add_argument("--lr-new", type=at_least(0.0, float), default=None, help="lr of the pair parameters")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help="lr of the CLIP weights")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None, help="AdamW weight decay (matrices only)")
-    p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=None,
-                   help="fraction of steps of linear warmup, then cosine")
-    p.add_argument("--grad-clip", type=at_least(0.0, float), default=None, help="max gradient norm (0: off)")
+    p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=0.1,
+                   help="fraction of the steps of linear warmup, then cosine")
+    p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
     # run
     p.add_argument("--out", default="adapted.pt", help="best-on-val checkpoint; resumable state in *.last.pt")
     p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
     p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the training step (CUDA), with static "
-                                                          "shapes: captions padded to --context-length")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the training step (CUDA), static shapes: captions padded to --context-length")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="capture the whole training step (forward, backward, clip, AdamW) as one CUDA graph, replayed "
-                        "each step (train_utils.GraphedStep): static shapes; on a CPU nothing is captured (default: on "
-                        "for the paper preset on a GPU without --compile)")
+                   help="capture the training step (forward, backward, clip, AdamW) as one CUDA graph replayed each "
+                        "step (train_utils.GraphedStep; static shapes; not on a CPU): default on for the paper preset")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
                    help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
-    p.add_argument("--eval-batch-size", type=at_least(1), default=None, help="pairs per batch when encoding for eval")
+    p.add_argument("--eval-batch-size", type=at_least(1), default=256, help="pairs per batch when encoding for eval")
     p.add_argument("--log-every", type=at_least(1), default=20, help="steps between progress lines")
     args = p.parse_args(argv)
     if args.preset == "auto":
@@ -146,11 +137,10 @@ def new_model(args):
     """CLIP (a file: OpenAI's, the shipped mini one; or a small one from nothing) with fresh pair parameters."""
     if args.clip:
         return clip_load.load_clip(args.clip, n_inter=args.n_inter)
-    return M.CLIP(M.CLIPConfig(embed_dim=args.embed_dim, image_resolution=args.image_size,
-                               vision_layers=args.vision_layers, vision_width=args.vision_width,
-                               vision_patch_size=args.patch_size, context_length=args.context_length,
-                               transformer_width=args.text_width, transformer_heads=max(1, args.text_width // 64),
-                               transformer_layers=args.text_layers, n_inter=args.n_inter))
+    return M.CLIP(M.CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width,
+                               args.patch_size, args.context_length, transformer_width=args.text_width,
+                               transformer_heads=max(1, args.text_width // 64), transformer_layers=args.text_layers,
+                               n_inter=args.n_inter))
 
 
 class PairText(torch.nn.Module):
@@ -301,19 +291,17 @@ def load_data(args, root, ctx):
     train = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
                                 cache=cache, seed=args.seed, draw=args.draw_captions)
     loader = data.make_loader(train, args.batch_size, True, args.workers, ctx.device, drop_last=True, seed=args.seed)
-    log(f"   {args.data} at {root}: train {len(splits['train'])} pairs / "
-        f"{'one caption each, drawn per epoch' if args.draw_captions else f'{len(train)} captions'}, "
-        f"val {len(splits['val'])} pairs, test {len(splits['test'])} pairs" +
-        (f" | distractor swap p={args.swap_prob:g}" if args.data == "clevr" else ""))
+    each = "one caption each, drawn per epoch" if args.draw_captions else f"{len(train)} captions"
+    log(f"   {args.data} at {root}: train {len(splits['train'])} pairs / {each}, val {len(splits['val'])} pairs, test "
+        f"{len(splits['test'])} pairs" + (f" | distractor swap p={args.swap_prob:g}" if args.data == "clevr" else ""))
     return splits, cache, loader
 
 
 def checkpoint(model, args, root, metrics):
     """What caption.py and clip_load.load_clip need to rebuild the encoder, plus what produced it."""
-    return {"model": model.state_dict(), "config": asdict(model.cfg), "stage": "adapt",
+    return {"model": model.state_dict(), "config": asdict(model.cfg), "stage": "adapt", "metrics": metrics,
             "tokenizer": {"context_length": args.context_length, "bpe_sha256": clip_load.BPE_SHA256},
-            "data": {"name": args.data, "root": str(root), "image_size": args.image_size},
-            "metrics": metrics, "args": vars(args)}
+            "data": {"name": args.data, "root": str(root), "image_size": args.image_size}, "args": vars(args)}
 
 
 def save_epoch(model, optimizer, scheduler, args, root, val, epoch, step, best, history):

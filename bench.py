@@ -1,11 +1,11 @@
 """Benchmarks for clip4idc, one subcommand each (`python bench.py SUBCOMMAND --help`); BENCHMARKS.md gives the
-figures they printed: adapt (the ViT-B/32 adaptation step, ours eager / compiled / one CUDA graph against the
-authors' pure-fp16 configuration: pairs/s, MFU, peak memory), decode (greedy captions/s with and without the
+figures they printed: adapt (the ViT-B/32 adaptation step, eager / compiled / one CUDA graph: pairs/s, MFU, peak
+memory), decode (greedy captions/s with and without the
 key/value cache), e2e (the adaptation loop with its data, projected to CLEVR-Change) and matmul (this CPU's fp32
 GFLOP/s: quote it beside any timing).
 
-Every subcommand runs on the CPU too (--device cpu; slowly, and the authors' step and the loop only on CUDA).
-The authors' configuration needs OpenAI's code: pip install --no-deps openai-clip==1.0.1. Model FLOPs are counted
+Every subcommand runs on the CPU too (--device cpu; slowly, and the compiled and captured steps only on CUDA).
+BENCHMARKS.md's figures of the authors' pure-fp16 step were measured by this file at b5e0e2a. Model FLOPs are counted
 by adapt_step_flops (matmuls; backward = 2x forward), checked against torch's FLOP counter in the tests. Decoding
 runs all --max-len steps (no caption stops early): the worst case, the same number of steps on both paths.
 """
@@ -153,15 +153,13 @@ def throughput(fn, device, steps=10, warmup=3):
     return (time.perf_counter() - t0) / steps
 
 
-# ---- adapt: one training step, ours (fp32 master weights + bf16 autocast) and the authors' (pure fp16)
+# ---- adapt: one training step (fp32 master weights + bf16 autocast)
 
 
 def paper_adapt_args(n_inter=3):
-    """adapt.py's paper preset, as lr_rule reads it."""
-    from adapt import PRESETS
-    p = PRESETS["paper"]
-    return SimpleNamespace(clip="ViT-B/32", n_inter=n_inter, lr_new=p["lr_new"], lr_clip=p["lr_clip"],
-                           weight_decay=p["weight_decay"], warmup=p["warmup"], grad_clip=p["grad_clip"])
+    """adapt.py's arguments under its paper preset."""
+    from adapt import get_args
+    return get_args(["--preset", "paper", "--n-inter", str(n_inter)])
 
 
 def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=False):
@@ -205,96 +203,6 @@ def random_ids(batch, text_len, device, seed=0):
     return ids.to(device)
 
 
-def openai_code(name="model"):
-    """OpenAI's own clip/model.py or clip/simple_tokenizer.py (the openai-clip package, installed with --no-deps),
-    loaded by path so that clip/__init__.py (which imports torchvision) never runs; None when it is absent. The
-    authors' configuration here and the parity tests both use it."""
-    import importlib.util
-    spec = importlib.util.find_spec("clip")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(list(spec.submodule_search_locations)[0], f"{name}.py")
-    if not os.path.isfile(path):
-        return None
-    mod_spec = importlib.util.spec_from_file_location(f"openai_clip_{name}", path)
-    mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
-    return mod
-
-
-def authors_adapt_step(device, batch=128, text_len=32):
-    """The authors' configuration: OpenAI's clip/model.py (nn.MultiheadAttention, sequence-first) with its weights
-    in fp16 (convert_weights) and trained in fp16 with no master copy, extended with the same pair step (9 intra
-    blocks per image, e1/e2 + joint positional embedding + ln_mid, 3 inter blocks, mean of the two [CLS]), the
-    same frozen set, learning rates, AdamW, clipping and loss."""
-    import torch.nn as nn
-    from adapt import contrastive_loss, lr_rule
-    ref = openai_code("model")
-    if ref is None:
-        raise SystemExit("the authors' configuration needs OpenAI's clip/model.py: pip install --no-deps "
-                         "openai-clip==1.0.1")
-    torch.manual_seed(0)
-    clip = ref.CLIP(embed_dim=512, image_resolution=224, vision_layers=12, vision_width=768, vision_patch_size=32,
-                    context_length=text_len, vocab_size=49408, transformer_width=512, transformer_heads=8,
-                    transformer_layers=12)
-    vis = clip.visual
-    for name, shape in (("bef_embedding", [768]), ("aft_embedding", [768]), ("joint_positional_embedding", [100, 768])):
-        setattr(vis, name, nn.Parameter((768 ** -0.5 * torch.randn(shape)).half()))  # fp16, as convert_weights makes
-    vis.ln_mid = ref.LayerNorm(768)
-    ref.convert_weights(clip)
-    clip = clip.to(device).train()
-
-    def pair(before, after):
-        B = before.shape[0]
-        x = vis.conv1(torch.cat([before, after]).half()).flatten(2).permute(0, 2, 1)  # (2B, 49, 768)
-        cls = vis.class_embedding.to(x.dtype) + torch.zeros(x.shape[0], 1, x.shape[-1], dtype=x.dtype,
-                                                            device=x.device)
-        x = vis.ln_pre(torch.cat([cls, x], dim=1) + vis.positional_embedding.to(x.dtype)).permute(1, 0, 2)
-        blocks = vis.transformer.resblocks
-        for block in blocks[:9]:
-            x = block(x)
-        x = torch.cat([x[:, :B], x[:, B:]], dim=0)  # (100, B, 768), sequence first
-        e = torch.cat([vis.bef_embedding.expand(50, -1), vis.aft_embedding.expand(50, -1)])
-        x = vis.ln_mid(x + (e + vis.joint_positional_embedding)[:, None])
-        for block in blocks[9:]:
-            x = block(x)
-        tokens = vis.ln_post(x.permute(1, 0, 2)) @ vis.proj
-        return (tokens[:, 0] + tokens[:, 50]) / 2
-
-    args = paper_adapt_args()
-    lr = lr_rule(args)
-    freeze(clip.named_parameters(), lr)
-    groups = param_groups(clip.named_parameters(), lr, args.weight_decay)
-    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6)  # on the fp16 weights themselves
-    params = [p for g in groups for p in g["params"]]
-    g = torch.Generator().manual_seed(0)
-    images = torch.randn(2, batch, 3, 224, 224, generator=g).to(device)  # normalized fp32, as their loader gives
-    ids = random_ids(batch, text_len, device)
-
-    def step(b=None):  # b: their loader's (before fp32, after fp32, ids, index), or None for the fixed batch
-        before, after, text = (images[0], images[1], ids) if b is None else \
-            (t.to(device, non_blocking=True) for t in b[:3])
-        loss = contrastive_loss(pair(before, after), clip.encode_text(text), clip.logit_scale)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
-        optimizer.step()
-        return loss.detach()
-    return clip, step, pair
-
-
-def same_function(their_clip, their_pair, device, batch=4):
-    """Mean cosine between the authors' pair vectors (fp16) and ours (fp32) with their weights loaded into our
-    model: OpenAI's key names are ours, pair parameters included, so the state dict loads as it is."""
-    import torch.nn.functional as F
-    ours = CLIP(CLIPConfig(context_length=their_clip.positional_embedding.shape[0])).to(device).eval()
-    ours.load_state_dict({k: v.float() for k, v in their_clip.state_dict().items()})
-    x = torch.randn(2, batch, 3, 224, 224, device=device)
-    with torch.no_grad():
-        theirs, mine = their_pair(x[0], x[1]).float(), ours.encode_pair(x[0], x[1]).vector
-    return F.cosine_similarity(theirs, mine, dim=-1).mean().item()
-
-
 def report_step(label, seconds, batch, flops, peaks, device):
     sheet, measured = peaks
     tflops = flops / seconds / 1e12
@@ -306,7 +214,7 @@ def report_step(label, seconds, batch, flops, peaks, device):
 
 
 def bench_adapt(args):
-    """One training step as adapt.py's paper preset runs it, and the authors' configuration on the same GPU."""
+    """One training step as adapt.py's paper preset runs it: eager, compiled, captured as one CUDA graph."""
     device, amp, where = device_and_amp(args)
     cfg = CLIPConfig()
     flops = adapt_step_flops(cfg, args.batch, args.text_len)
@@ -322,20 +230,14 @@ def bench_adapt(args):
     peaks = gpu_peak(device)
     print(f"GPU peak: datasheet dense bf16 {peaks[0] / 1e12 if peaks[0] else float('nan'):.0f} TFLOP/s, measured "
           f"8192^3 bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s; MFU = model FLOPs / step time / datasheet peak")
-    runs = {"ours": (False, False), "ours+compile": (True, False), "ours+graphs": (False, True), "authors": None}
+    runs = {"ours": (False, False), "ours+compile": (True, False), "ours+graphs": (False, True)}
     for name in args.impl:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        if name == "authors":
-            model, step, pair = authors_adapt_step(device, args.batch, args.text_len)
-            label = "authors' (OpenAI clip/model.py, pure fp16)"
-            print(f"authors' pair step vs ours on the same weights: cosine of pair vectors "
-                  f"{same_function(model, pair, device):.5f} (1 = the same function)")
-        else:
-            compiled, graphs = runs[name]
-            model, step = our_adapt_step(device, amp, compiled, args.batch, args.text_len, graphs)
-            how = ", compiled" if compiled else ", one CUDA graph" if graphs else ""
-            label = f"ours (fp32 weights, bf16 autocast{how})"
+        compiled, graphs = runs[name]
+        model, step = our_adapt_step(device, amp, compiled, args.batch, args.text_len, graphs)
+        how = ", compiled" if compiled else ", one CUDA graph" if graphs else ""
+        label = f"ours (fp32 weights, bf16 autocast{how})"
         seconds = throughput(step, device, args.repeats, warmup=3 if name != "ours+compile" else 5)
         report_step(label, seconds, args.batch, flops, peaks, device)
         if args.profile and name in args.profile:  # where its GPU time goes: CUDA time by kernel, largest first
@@ -461,11 +363,10 @@ def main(argv=None):
     d.add_argument("--vocab", type=at_least(1), default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
     d.add_argument("--sizes", nargs="+", default=["mini", "paper"], choices=list(SIZES), help="captioner sizes")
     common(d, what="timed runs per setting (the median is reported)")
-    q = add("adapt", "one ViT-B/32 adaptation training step: ours (eager, compiled, one CUDA graph) and the "
-                     "authors' configuration; pairs/s, MFU, peak memory")
+    q = add("adapt", "one ViT-B/32 adaptation training step (eager, compiled, one CUDA graph): pairs/s, MFU, memory")
     q.add_argument("--batch", type=at_least(1), default=128, help="pairs per step (paper: 128)")
     q.add_argument("--text-len", type=at_least(1), default=32, help="caption tokens (paper: 32)")
-    impls = ["ours", "ours+compile", "ours+graphs", "authors"]
+    impls = ["ours", "ours+compile", "ours+graphs"]
     q.add_argument("--impl", nargs="+", default=impls, choices=impls, help="which steps to time (CUDA)")
     q.add_argument("--profile", nargs="*", default=[], choices=impls,
                    help="also print a kernel profile of these --impl steps")

@@ -253,20 +253,19 @@ def report(results, args, n, seconds):
     log(f"test ({n} pairs, {'beam ' + str(args.beam) if args.beam > 1 else 'greedy'}, {seconds:.0f}s): "
         f"{summary(scores)}" + (f" | CIDEr-D by type: {types}" if types else ""))
     fixed = "" if baseline["candidates"] == "training captions" else f" (best of the {baseline['candidates']})"
-    log(f"constant-caption baseline {baseline['caption']!r}{fixed}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} "
-        f"(model / baseline = {scores['CIDEr-D'] / max(baseline['scores']['CIDEr-D'], 1e-9):.1f}x) "
-        f"-> {args.results}")
+    log(f"constant-caption baseline {baseline['caption']!r}{fixed}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} (model "
+        f"/ baseline = {scores['CIDEr-D'] / max(baseline['scores']['CIDEr-D'], 1e-9):.1f}x) -> {args.results}")
     if judged:
-        log(f"read back against the scenes: {judged['change caption %']:.0f}% of {judged['change pairs']} "
-            f"change pairs get a change caption, {judged['right type %']:.0f}% the right change type, "
-            f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}% "
-            f"of {judged['distractor pairs']} distractors get \"no change\"")
+        log(f"read back against the scenes: {judged['change caption %']:.0f}% of {judged['change pairs']} change pairs "
+            f"get a change caption, {judged['right type %']:.0f}% the right change type, "
+            f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}% of "
+            f"{judged['distractor pairs']} distractors get \"no change\"")
         types = ", ".join(f"{t} {judged[t]['right type %']:.0f}/{judged[t]['right object %']:.0f}%"
                           for t in synth.CHANGES if t in judged)
         log(f"   by change type, right type/object: {types}")
     if attention:
-        log(f"attention: the strongest patch of the last inter block's [CLS] map falls on the changed object "
-            f"in {attention['map on the change %']:.0f}% of change pairs (a random patch: "
+        log(f"attention: the strongest patch of the last inter block's [CLS] map falls on the changed object in "
+            f"{attention['map on the change %']:.0f}% of change pairs (a random patch: "
             f"{attention['random patch %']:.0f}%)")
 
 
@@ -299,9 +298,8 @@ def get_args(argv=None):
     p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's, else data/...)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
     p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None,
-                   help="also train on every pair the other way round, (after, before), captioned backwards (an "
-                        "addition becomes a removal): needs the synthetic set's scene records (default: on for a "
-                        "synthetic set in the mini preset, off in the paper preset)")
+                   help="also train on every pair the other way round, captioned backwards (an addition becomes a "
+                        "removal): needs a synthetic set's scene records (default: on for one in the mini preset)")
     p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="decode every image once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/"
@@ -311,21 +309,17 @@ def get_args(argv=None):
                    "checkpoint's, 3 for a raw CLIP)")
     p.add_argument("--width", type=at_least(1), default=None, help=f"captioner width {pre('width')}")
     p.add_argument("--heads", type=at_least(1), default=None, help=f"captioner attention heads {pre('heads')}")
-    p.add_argument("--enc-layers", type=at_least(0), default=None,
-                   help=f"captioner encoder layers {pre('enc_layers')}")
+    p.add_argument("--enc-layers", type=at_least(0), default=None, help=f"captioner encoder layers {pre('enc_layers')}")
     p.add_argument("--dec-layers", type=at_least(1), default=None, help=f"captioner decoder layers {pre('dec_layers')}")
     p.add_argument("--mem-diff", action=argparse.BooleanOptionalAction, default=None,
-                   help="not in the paper: each memory token also gets after minus before at its position "
-                        f"(model.Captioner.encode) {pre('mem_diff')}")
+                   help=f"not in the paper: each memory token also gets after minus before {pre('mem_diff')}")
     p.add_argument("--mem-pool", type=at_least(1), default=None,
                    help="not in the paper: the captioner reads each image's patch tokens averaged over k x k cells "
-                        "(model.Captioner.pool; the grid must divide by k) [mini: 2 on a patch grid of 12x12 or "
-                        "more that 2 divides, else 1; paper: 1]")
+                        "(the grid must divide by k) [mini: 2 on an even grid of 12x12 or more, else 1; paper: 1]")
     p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout (paper 0.1)")
     # optimization
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
-    p.add_argument("--batch-size", type=at_least(1), default=None,
-                   help=f"pairs per step, all processes together {pre('batch_size')}")
+    p.add_argument("--batch-size", type=at_least(1), default=None, help=f"pairs per step {pre('batch_size')}")
     p.add_argument("--lr", type=at_least(0.0, float), default=None, help=f"captioner learning rate {pre('lr')}")
     p.add_argument("--encoder-lr", type=at_least(0.0, float), default=None,
                    help=f"pair-encoder learning rate, 0 = frozen {pre('encoder_lr')}")
@@ -474,8 +468,8 @@ def describe(ctx, model, rule, optimizer, args):
     log("what trains:\n" + policy_table(model.named_parameters(), rule))
     n_train = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     log(f"model: pair encoder {clip.vision_layers - clip.n_inter}/{clip.n_inter} "
-        f"({'frozen' if args.freeze_encoder else f'lr {args.encoder_lr:g}'}), memory {cfg.memory_len} tokens "
-        f"x {cfg.memory_dim} | captioner {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
+        f"({'frozen' if args.freeze_encoder else f'lr {args.encoder_lr:g}'}), memory {cfg.memory_len} tokens x "
+        f"{cfg.memory_dim} | captioner {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
         f"{n_train / 1e6:.2f}M trainable parameters")
 
 
@@ -553,9 +547,9 @@ def test_best(model, loader, splits, vocab, source, history, args, ctx):
     model.captioner.load_state_dict(best["captioner"])
     results = final_test(model, loader, splits["train"], splits["test"], vocab, args, ctx, source["name"],
                          source["root"])
-    save_atomic(checkpoint(model, vocab, source, args, {**best["metrics"], "test": results["scores"],
-                                                        "test_by_type": results["scores_by_type"],
-                                                        "baseline": results["baseline"], "history": history}), args.out)
+    figures = {**best["metrics"], "test": results["scores"], "test_by_type": results["scores_by_type"],
+               "baseline": results["baseline"], "history": history}
+    save_atomic(checkpoint(model, vocab, source, args, figures), args.out)
     return results
 
 

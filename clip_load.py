@@ -127,9 +127,8 @@ def read_state_dict(path):
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # zip/pickle/jit errors all mean the same thing to the user
-        raise SystemExit(f"could not read {what}: {type(e).__name__}: {str(e).splitlines()[0][:200]}. "
-                         f"The file is truncated, corrupt, or not a PyTorch checkpoint: download it again "
-                         f"({WEIGHTS}).") from None
+        raise SystemExit(f"could not read {what}: {type(e).__name__}: {str(e).splitlines()[0][:200]}. The file is "
+                         f"truncated, corrupt, or not a PyTorch checkpoint: download it again ({WEIGHTS}).") from None
     extra = {}
     if isinstance(sd, dict) and isinstance(sd.get("model"), dict):  # our adapted.pt / captioner.pt
         extra = {k: v for k, v in sd.items() if k != "model"}
@@ -141,9 +140,8 @@ def read_state_dict(path):
     sd = {k: v for k, v in sd.items() if k not in NON_PARAMETERS}
     if "visual.conv1.weight" not in sd or "visual.proj" not in sd or "token_embedding.weight" not in sd:
         found = ", ".join(list(sd)[:5])
-        raise SystemExit(f"{what} is not a CLIP ViT checkpoint (found keys {found}, ...; expected "
-                         f"visual.conv1.weight, visual.proj, token_embedding.weight). ResNet CLIPs are not "
-                         f"supported: use ViT-B/32.")
+        raise SystemExit(f"{what} is not a CLIP ViT checkpoint (found keys {found}, ...; expected visual.conv1.weight, "
+                         f"visual.proj, token_embedding.weight). ResNet CLIPs are not supported: use ViT-B/32.")
     return sd, extra
 
 

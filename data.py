@@ -1,9 +1,8 @@
 """How data gets into the model: CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders (an `Item`:
 id, before image, after image, its captions, change type or None, on CLEVR the distractor image), the training
-samples (`CaptionDataset`), images for evaluation (`ImageDataset`), both read from a decoded-image cache
-(`ImageCache`) or streamed. Where to get the data and the layouts we read: README "Real data and OpenAI's weights".
-With no CLEVR-Change at data/clevr_change, `resolve_root("clevr")` renders the synthetic CLEVR-Change-style set of
-`synth.py` once and uses that.
+samples (`CaptionDataset`), images for evaluation (`ImageDataset`), both read from a decoded-image cache (`ImageCache`)
+or streamed. Where to get the data and the layouts we read: README "Real data and OpenAI's weights". With no
+CLEVR-Change at data/clevr_change, `resolve_root("clevr")` renders synth.py's CLEVR-Change-style set once and uses it.
 """
 import hashlib
 import json

@@ -267,13 +267,10 @@ def config_from_state_dict(sd, n_inter=3):
     grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
     patch = sd["visual.conv1.weight"].shape[-1]
     width = sd["ln_final.weight"].shape[0]
-    return CLIPConfig(
-        embed_dim=sd["text_projection"].shape[1], image_resolution=patch * grid, vision_layers=vision_layers,
-        vision_width=vision_width, vision_patch_size=patch, context_length=sd["positional_embedding"].shape[0],
-        vocab_size=sd["token_embedding.weight"].shape[0], transformer_width=width,
-        transformer_heads=max(1, width // 64),
-        transformer_layers=len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")}),
-        n_inter=n_inter)
+    layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
+    return CLIPConfig(sd["text_projection"].shape[1], patch * grid, vision_layers, vision_width, patch,
+                      sd["positional_embedding"].shape[0], sd["token_embedding.weight"].shape[0], width,
+                      max(1, width // 64), layers, n_inter)
 
 
 PAIR_KEYS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding",

@@ -632,10 +632,8 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
     meta = set_meta(pairs, size, seed, world)
     files = {"change_captions.json": {name(i): m[1] for i, m in enumerate(made)},
              "no_change_captions.json": {name(i): m[2] for i, m in enumerate(made)}, "type_mapping.json": types,
-             "splits.json": {"train": order[n_val + n_test:], "val": order[:n_val],
-                             "test": order[n_val:n_val + n_test]},
-             "scenes.json": {f"{i:06d}": m[3] for i, m in enumerate(made)},
-             "synth.json": meta}
+             "splits.json": dict(train=order[n_val + n_test:], val=order[:n_val], test=order[n_val:n_val + n_test]),
+             "scenes.json": {f"{i:06d}": m[3] for i, m in enumerate(made)}, "synth.json": meta}
     for f, obj in files.items():
         (out / f).write_text(json.dumps(obj))
     dt = time.time() - t0
@@ -761,10 +759,9 @@ def report(preds, scenes):
     judged = {i: judge(c, scenes[i]) for i, c in preds.items() if not i.endswith("_n")}
     calm = [read(c)[0] == "no change" for i, c in preds.items() if i.endswith("_n")]
     pct = lambda flags: round(100 * sum(flags) / max(1, len(flags)), 1)
-    out = {"change pairs": len(judged), "change caption %": pct([j["change"] for j in judged.values()]),
-           "right type %": pct([j["type"] for j in judged.values()]),
-           "right object %": pct([j["object"] for j in judged.values()]),
-           "distractor pairs": len(calm), "no change on distractors %": pct(calm)}
+    of = lambda k: pct([j[k] for j in judged.values()])
+    out = {"change pairs": len(judged), "change caption %": of("change"), "right type %": of("type"),
+           "right object %": of("object"), "distractor pairs": len(calm), "no change on distractors %": pct(calm)}
     for t in CHANGES:
         js = [j for i, j in judged.items() if scenes[i]["type"] == t]
         if js:

@@ -32,6 +32,7 @@ Speed and memory: bench.py, BENCHMARKS.md."""
 
 import argparse
 import gzip
+import importlib.util
 import io
 import json
 import math
@@ -219,7 +220,20 @@ def adapt_synth(tmp_path_factory):
     return root
 
 
-openai_module = bench.openai_code  # OpenAI's own code, the reference of the parity tests (None when absent)
+def openai_module(name="model"):
+    """OpenAI's own clip/model.py or clip/simple_tokenizer.py (the openai-clip package, installed with --no-deps),
+    the reference of the parity tests, loaded by path so that clip/__init__.py (which imports torchvision) never
+    runs; None when it is absent."""
+    spec = importlib.util.find_spec("clip")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], f"{name}.py")
+    if not os.path.isfile(path):
+        return None
+    mod_spec = importlib.util.spec_from_file_location(f"openai_clip_{name}", path)
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    return mod
 
 
 def write_archive(module, path, images, text):
@@ -2628,6 +2642,15 @@ def test_bench_e2e_runs_on_cpu(tmp_path, capsys):
     assert "rendered 8 scenes" in out and "building the cache" in out
     assert float(re.search(r"loader alone: +([\d.]+) pairs/s", out).group(1)) > 0
     assert len(list(tmp_path.glob("tmp*/*/images.npy"))) == 1  # the cache went into the workdir, not the user's
+
+
+@pytest.mark.slow
+def test_bench_adapt_runs_on_cpu(capsys):
+    """`bench.py adapt` on the CPU: one ViT-B/32 step under adapt.py's own paper-preset arguments (not a copy)."""
+    args = bench.paper_adapt_args()
+    assert (args.lr_new, args.lr_clip, args.batch_size, args.warmup, args.grad_clip) == (1e-4, 1e-7, 128, 0.1, 1.0)
+    bench.main(["adapt", "--device", "cpu", "--batch", "2", "--repeats", "1"])
+    assert re.search(r"ours, fp32 on the CPU: \d+ ms/step", capsys.readouterr().out)
 
 
 def test_warmup_cosine_is_the_authors_schedule():

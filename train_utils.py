@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 # -----------------------------------------------------------------------------
-# device, numerics, processes
+# device, numerics, arguments
 
 
 def autocast(device, amp="auto"):
@@ -249,8 +249,8 @@ def train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_cl
 class GraphedStep:
     """train_step captured once as a CUDA graph and replayed (adapt.py --cuda-graphs): the forward, backward,
     gradient clip and AdamW step of a batch become one launch, where eager PyTorch launches hundreds of kernels and
-    a GPU step waits for the CPU that launches them. It needs static shapes (captions padded to their full length),
-    one process, and an optimizer made with capturable=True; its learning rates become tensors on the device,
+    a GPU step waits for the CPU that launches them. It needs static shapes (captions padded to their full length)
+    and an optimizer made with capturable=True; its learning rates become tensors on the device,
     which the schedule fills in place between replays. The first batch warms up on a side stream and is captured;
     what the warm-up changed (weights, AdamW's moments and steps) is put back first, so the run trains as eager
     would. A batch of other shapes (a last, smaller one) runs eagerly. On a CPU nothing is captured: the same
