@@ -26,11 +26,11 @@ import torch.nn.functional as F
 
 import clip_load
 import data
-import model as M
 import plots
-from train_utils import (GraphedStep, Progress, at_least, check_sizes, device_arg, freeze, interrupted, last_path,
-                         load_resume, log, make_optimizer, no_state, param_groups, policy_table, restore, rng_state,
-                         save_atomic, setup, train_epoch, warmup_cosine, where)
+from model import CLIP, PAIR_KEYS, CLIPConfig
+from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, check_sizes, device_arg, freeze, interrupted,
+                         last_path, load_resume, log, make_optimizer, no_state, param_groups, policy_table, restore,
+                         rng_state, save_atomic, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
@@ -58,7 +58,8 @@ FROZEN = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.c
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    pre = lambda k: "[" + ", ".join(f"{n}: {v[k]}" for n, v in PRESETS.items() if k in v) + "]"  # presets' values
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     # data
     p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier", "levir"], help="dataset")
     p.add_argument("--data-root", default=None,
@@ -69,8 +70,8 @@ def get_args(argv=None):
                         "0.5, the authors'; 0 on the synthetic set)")
     p.add_argument("--draw-captions", action=argparse.BooleanOptionalAction, default=None,
                    help="one caption per pair and epoch, drawn at random (an epoch is a pass over the pairs), "
-                        "instead of every caption once per epoch, as the authors (preset)")
-    p.add_argument("--workers", type=at_least(0), default=None, help="DataLoader worker processes (preset)")
+                        f"instead of every caption once per epoch, as the authors {pre('draw_captions')}")
+    p.add_argument("--workers", type=at_least(0), default=None, help=f"DataLoader worker processes {pre('workers')}")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="decode every image once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/"
                         "images), reused by later runs, and train from it; default: when the disk has room for it")
@@ -79,18 +80,21 @@ def get_args(argv=None):
                    help="auto: paper when OpenAI's weights are found (or --clip names a file), else mini (the "
                         "small CLIP pretrained on synthetic scenes, in assets/); scratch: a small model from nothing")
     p.add_argument("--clip", type=clip_load.weights_arg, default=None,
-                   help=f"CLIP weights: a path, ViT-B/32 (downloaded) or a shipped {' or '.join(clip_load.SHIPPED)}")
-    p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks; N_intra = layers - n_inter")
-    p.add_argument("--image-size", type=at_least(1), default=None, help="input size (a CLIP file has its own)")
+                   help=f"CLIP weights: a path, ViT-B/32 (downloaded) or a shipped {' or '.join(clip_load.SHIPPED)} "
+                        f"{pre('clip')}")
+    p.add_argument("--n-inter", type=at_least(0), default=None, help=f"inter blocks (the rest intra) {pre('n_inter')}")
+    p.add_argument("--image-size", type=at_least(1), default=None,
+                   help=f"input size (a CLIP file has its own) {pre('image_size')}")
     p.add_argument("--context-length", type=at_least(2), default=32, help="caption tokens incl. start/end")
     for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
-        p.add_argument(f"--{name}", type=at_least(1), default=None, help=f"scratch preset model size: {name}")
+        p.add_argument(f"--{name}", type=at_least(1), default=None, help=f"model size {pre(name.replace('-', '_'))}")
     # optimization
-    p.add_argument("--epochs", type=at_least(1), default=None, help="training epochs (preset)")
-    p.add_argument("--batch-size", type=at_least(1), default=None, help="pairs per step (preset)")
-    p.add_argument("--lr-new", type=at_least(0.0, float), default=None, help="lr of the pair parameters")
-    p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help="lr of the CLIP weights")
-    p.add_argument("--weight-decay", type=at_least(0.0, float), default=None, help="AdamW weight decay (matrices only)")
+    p.add_argument("--epochs", type=at_least(1), default=None, help=f"training epochs {pre('epochs')}")
+    p.add_argument("--batch-size", type=at_least(1), default=None, help=f"pairs per step {pre('batch_size')}")
+    p.add_argument("--lr-new", type=at_least(0.0, float), default=None, help=f"lr of e1, e2, p, ln_mid {pre('lr_new')}")
+    p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help=f"lr of CLIP's weights {pre('lr_clip')}")
+    p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
+                   help=f"AdamW weight decay, matrices only {pre('weight_decay')}")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=0.1,
                    help="fraction of the steps of linear warmup, then cosine")
     p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
@@ -137,7 +141,7 @@ def new_model(args):
     """CLIP (a file: OpenAI's, the shipped mini one; or a small one from nothing) with fresh pair parameters."""
     if args.clip:
         return clip_load.load_clip(args.clip, n_inter=args.n_inter)
-    return M.CLIP(M.CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width,
+    return CLIP(CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width,
                                args.patch_size, args.context_length, transformer_width=args.text_width,
                                transformer_heads=max(1, args.text_width // 64), transformer_layers=args.text_layers,
                                n_inter=args.n_inter))
@@ -171,7 +175,7 @@ def lr_rule(args):
     CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP. Weight decay (--weight-decay) applies to
     the matrices only, never to 1-D tensors (train_utils.param_groups)."""
     def lr(name):
-        if name.startswith(M.PAIR_KEYS):  # e1, e2, p, ln_mid
+        if name.startswith(PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # 12/0: e1, e2, p, ln_mid are never used
         return None if args.clip and name.startswith(FROZEN) else args.lr_clip
     return lr
@@ -282,16 +286,16 @@ def banner(ctx, args):
 
 
 def load_data(args, root, ctx):
-    """The splits (pairs with all their captions), the image cache and the training loader: one sample per
-    caption (data.CaptionDataset), CLEVR's distractor swap, in an order of (seed, epoch)."""
+    """The splits (pairs with all their captions), the image cache and the training loader: one sample per caption,
+    or per pair with --draw-captions (data.CaptionDataset), CLEVR's distractor swap, in an order of (seed, epoch)."""
     split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
     splits = {s: split(s) for s in ("train", "val", "test")}
     # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
     cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache)
-    train = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
+    samples = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
                                 cache=cache, seed=args.seed, draw=args.draw_captions)
-    loader = data.make_loader(train, args.batch_size, True, args.workers, ctx.device, drop_last=True, seed=args.seed)
-    each = "one caption each, drawn per epoch" if args.draw_captions else f"{len(train)} captions"
+    loader = data.make_loader(samples, args.batch_size, True, args.workers, ctx.device, drop_last=True, seed=args.seed)
+    each = "one caption each, drawn per epoch" if args.draw_captions else f"{len(samples)} captions"
     log(f"   {args.data} at {root}: train {len(splits['train'])} pairs / {each}, val {len(splits['val'])} pairs, test "
         f"{len(splits['test'])} pairs" + (f" | distractor swap p={args.swap_prob:g}" if args.data == "clevr" else ""))
     return splits, cache, loader
@@ -382,7 +386,7 @@ def main(argv=None):
     params = [p for g in optimizer.param_groups for p in g["params"]]
     graphed = GraphedStep(ctx, loss_fn, optimizer, scheduler, params, args.grad_clip) if args.cuda_graphs else None
 
-    # training: select on val R@mean (never on test)
+    # training, each step loss_fn then train_utils.update (backward, clip, AdamW): select on val R@mean, not test
     t_start = time.time()
     try:
         for epoch in range(start, args.epochs):

@@ -1,13 +1,12 @@
 """Benchmarks for clip4idc, one subcommand each (`python bench.py SUBCOMMAND --help`); BENCHMARKS.md gives the
 figures they printed: adapt (the ViT-B/32 adaptation step, eager / compiled / one CUDA graph: pairs/s, MFU, peak
-memory), decode (greedy captions/s with and without the
-key/value cache), e2e (the adaptation loop with its data, projected to CLEVR-Change) and matmul (this CPU's fp32
-GFLOP/s: quote it beside any timing).
+memory), decode (greedy captions/s with and without the key/value cache), e2e (the adaptation loop with its data,
+projected to CLEVR-Change) and matmul (this CPU's fp32 GFLOP/s: quote it beside any timing).
 
 Every subcommand runs on the CPU too (--device cpu; slowly, and the compiled and captured steps only on CUDA).
-BENCHMARKS.md's figures of the authors' pure-fp16 step were measured by this file at b5e0e2a. Model FLOPs are counted
-by adapt_step_flops (matmuls; backward = 2x forward), checked against torch's FLOP counter in the tests. Decoding
-runs all --max-len steps (no caption stops early): the worst case, the same number of steps on both paths.
+Model FLOPs are counted by adapt_step_flops (matmuls; backward = 2x forward), checked against torch's FLOP counter
+in the tests. Decoding runs all --max-len steps (no caption stops early): the worst case, the same number of steps
+on both paths.
 """
 import argparse
 import os
@@ -18,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
-from train_utils import (GraphedStep, at_least, autocast, device_arg, freeze, make_optimizer,
+from train_utils import (GraphedStep, HelpFormatter, at_least, autocast, device_arg, freeze, make_optimizer,
                          matmul_gflops, param_groups, train_step, warmup_cosine)
 
 # -----------------------------------------------------------------------------
@@ -192,7 +191,7 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
         graphed = GraphedStep(ctx, loss_fn, optimizer, scheduler, params, args.grad_clip)
         return model, lambda b=None: graphed(b if b is not None else {"before": images[0], "after": images[1],
                                                                       "ids": ids})[0]
-    step = lambda b=None: train_step(ctx, net, b, loss_fn, optimizer, scheduler, params, args.grad_clip)[0]
+    step = lambda b=None: train_step(ctx, b, loss_fn, optimizer, scheduler, params, args.grad_clip)[0]
     return model, step
 
 
@@ -297,9 +296,7 @@ def loop_rate(loader, step, device, batches, warmup=1):
 def bench_e2e(args):
     """Pairs/s of adapt.py's whole loop, data included, on a synthetic set at CLEVR-Change's 480x320: images decoded
     once over all cores into the disk cache, uint8 batches normalized on the GPU, bf16 autocast; the loader alone,
-    the model step alone, the loop, and its projection to 12 adaptation epochs of the real CLEVR-Change. (The
-    authors' data path, PNGs streamed through 4 workers, was timed against it by this command at d9704b0:
-    BENCHMARKS.md.)"""
+    the model step alone, the loop, and its projection to 12 adaptation epochs of the real CLEVR-Change."""
     import data
     import synth
     from pathlib import Path
@@ -354,9 +351,9 @@ def common(q, repeats=3, what="timed steps (the mean of back-to-back steps)"):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    add = lambda name, help: sub.add_parser(name, help=help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = lambda name, help: sub.add_parser(name, help=help, formatter_class=HelpFormatter)
     d = add("decode", "greedy decoding captions/s, with and without the key/value cache")
     d.add_argument("--batch", type=at_least(1), default=64, help="captions decoded together")
     d.add_argument("--max-len", type=at_least(1), default=32, help="tokens per caption (paper: at most 32)")

@@ -29,9 +29,9 @@ import metrics
 import plots
 import synth
 from model import PAIR_KEYS, Captioner, CaptionerConfig
-from train_utils import (Progress, at_least, device_arg, flag_error, fmt_time, freeze, interrupted, last_path,
-                         load_resume, log, make_optimizer, no_state, param_groups, policy_table, restore, rng_state,
-                         save_atomic, setup, train_epoch, warmup_cosine, where)
+from train_utils import (HelpFormatter, Progress, at_least, device_arg, flag_error, fmt_time, freeze, interrupted,
+                         last_path, load_resume, log, make_optimizer, no_state, param_groups, policy_table, restore,
+                         rng_state, save_atomic, setup, train_epoch, warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoders (mini, scratch), frozen: its tokens are computed once per pair. A decoder
@@ -40,12 +40,10 @@ PRESETS = {
     # --reverse (README "Where the quickstart differs from the paper"; a fourth, model.Captioner's which-image
     # vectors, is in every preset)
     "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
-                  freeze_encoder=True, weight_decay=0.01, warmup=0.1, epochs=15, reverse=None, mem_diff=True,
-                  mem_pool=None),
+                 freeze_encoder=True, epochs=15, reverse=None, mem_diff=True, mem_pool=None),
     # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
-                  freeze_encoder=False, weight_decay=0.01, warmup=0.1, epochs=50, reverse=False, mem_diff=False,
-                  mem_pool=1),
+                  freeze_encoder=False, epochs=50, reverse=False, mem_diff=False, mem_pool=1),
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
@@ -96,10 +94,14 @@ class PairCaptioner(nn.Module):
         super().__init__()
         self.clip, self.captioner = clip, captioner
 
-    def memory(self, before=None, after=None, tokens=None):
-        """The captioner's memory (B, 2(n+1), embed_dim): the pair encoder's tokens of the two images, or `tokens`,
-        those tokens computed already (a frozen encoder runs once per pair, before training)."""
-        return tokens if tokens is not None else self.clip.encode_pair(before, after).tokens
+    def memory(self, before=None, after=None, tokens=None, both_ways=False):
+        """What the captioner reads (B, 2(m+1), embed_dim): the pair encoder's tokens of the two images, each image's
+        patch grid pooled (--mem-pool: m = n / k^2), or `tokens`, those computed already (a frozen encoder runs once
+        per pair, before training: encode_all). both_ways: (after, before) too, as rows B..2B-1 (--reverse)."""
+        if tokens is not None:
+            return tokens
+        pair = self.clip.visual.forward_both_ways if both_ways else self.clip.encode_pair
+        return self.captioner.pool(pair(before, after).tokens.float())
 
     def forward(self, ids, **inputs):
         return self.captioner(self.memory(**inputs), ids)  # (B, T, vocab)
@@ -122,17 +124,13 @@ def model_inputs(batch, device, frozen):
 
 @torch.no_grad()
 def encode_all(model, loader, ctx, both_ways=False):
-    """Images -> pair-encoder tokens for every item, pooled as the captioner reads them (--mem-pool: once here,
-    not at every step; a quarter of the memory at 2x2) and stored in fp16 (half the memory, far below the noise).
-    both_ways: then every item the other way round, (after, before), in the same order: --reverse's pairs, at the
-    cost of the inter blocks alone."""
+    """Images -> the captioner's memory for every item (PairCaptioner.memory: pooled once here, not at every step),
+    stored in fp16 (half the memory, far below the noise). both_ways: then every item the other way round, (after,
+    before), in the same order: --reverse's pairs, at the cost of the inter blocks alone."""
     out, back = [], []
     for batch in loader:
         with ctx.amp:
-            inputs = model_inputs(batch, ctx.device, False)
-            pair = model.clip.visual.forward_both_ways if both_ways else model.clip.encode_pair
-            tokens = pair(inputs["before"], inputs["after"]).tokens
-        tokens = model.captioner.pool(tokens.float()).half().cpu()
+            tokens = model.memory(**model_inputs(batch, ctx.device, False), both_ways=both_ways).half().cpu()
         out.append(tokens[:len(batch["index"])])
         back.append(tokens[len(batch["index"]):])  # empty unless both_ways
     return torch.cat(out + back)
@@ -274,12 +272,8 @@ def report(results, args, n, seconds):
 
 
 def get_args(argv=None):
-    class Formatter(argparse.RawDescriptionHelpFormatter):  # shows the defaults that are not None/False
-        def _get_help_string(self, action):
-            shown = action.default not in (None, False, argparse.SUPPRESS)
-            return action.help + (" (default: %(default)s)" if shown else "")
     pre = lambda k: "[" + ", ".join(f"{n}: {v[k]}" for n, v in PRESETS.items()) + "]"  # the presets' values
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     # input, output
     p.add_argument("--ckpt", default="adapted.pt",
                    help="adapted.pt (train a captioner on it); a raw CLIP file or 'ViT-B/32' (the no-adaptation "
@@ -322,13 +316,12 @@ def get_args(argv=None):
     p.add_argument("--batch-size", type=at_least(1), default=None, help=f"pairs per step {pre('batch_size')}")
     p.add_argument("--lr", type=at_least(0.0, float), default=None, help=f"captioner learning rate {pre('lr')}")
     p.add_argument("--encoder-lr", type=at_least(0.0, float), default=None,
-                   help=f"pair-encoder learning rate, 0 = frozen {pre('encoder_lr')}")
+                   help=f"pair-encoder learning rate, with --no-freeze-encoder {pre('encoder_lr')}")
     p.add_argument("--freeze-encoder", action=argparse.BooleanOptionalAction, default=None,
                    help=f"keep the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
-    p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
-                   help=f"AdamW weight decay, matrices only {pre('weight_decay')}")
-    p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=None,
-                   help=f"fraction of the steps of linear warmup, then cosine {pre('warmup')}")
+    p.add_argument("--weight-decay", type=at_least(0.0, float), default=0.01, help="AdamW weight decay, matrices only")
+    p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=0.1,
+                   help="fraction of the steps of linear warmup, then cosine")
     p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="gradient-norm clip (0: off)")
     p.add_argument("--patience", type=at_least(1), default=10,
                    help="stop after this many epochs without val CIDEr-D gain")
@@ -377,7 +370,7 @@ def apply_preset(args, ckpt_info):
 
 
 # -----------------------------------------------------------------------------
-# main: caption two images, evaluate a captioner, or train one
+# without training: caption two images, or evaluate a trained captioner (main, at the end, picks one or train)
 
 
 def caption_images(args, ckpt_info):
@@ -431,11 +424,11 @@ def load_data(args, ckpt_info, resume, ctx):
     if args.reverse:
         splits["train"] = splits["train"] + data.reversed_pairs(splits["train"], root)
     vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions])
-    captions = encode_captions(splits["train"], vocab, MAX_LEN)
+    caption_ids = encode_captions(splits["train"], vocab, MAX_LEN)
     log(f"data: {name} at {root} | pairs train {len(splits['train'])}"
         f"{' (half of them reversed, --reverse)' if args.reverse else ''} val {len(splits['val'])} test "
-        f"{len(splits['test'])} | vocabulary {len(vocab)} words | {len(captions)} training captions")
-    return name, root, splits, vocab, captions
+        f"{len(splits['test'])} | vocabulary {len(vocab)} words | {len(caption_ids)} training captions")
+    return name, root, splits, vocab, caption_ids
 
 
 def resolve_mem_pool(args, clip):
@@ -451,12 +444,12 @@ def resolve_mem_pool(args, clip):
 
 def new_model(args, ckpt_info, vocab, ctx, clip):
     """The pair encoder `clip` (train() loads it from --ckpt before the data: a bad --n-inter says so at once) and
-    a fresh captioner over its 2(n+1) tokens, in one module."""
+    a fresh captioner over its 2(m+1) pooled tokens, in one module."""
     if ckpt_info.get("stage") != "adapt":
         log(f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
             f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")
-    n = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // resolve_mem_pool(args, clip)) ** 2  # pooled
-    cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (n + 1),
+    m = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // resolve_mem_pool(args, clip)) ** 2
+    cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (m + 1),
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
                           max_len=MAX_LEN, dropout=args.dropout, mem_diff=args.mem_diff, mem_pool=args.mem_pool)
     return PairCaptioner(clip, Captioner(cfg)).to(ctx.device)
@@ -482,7 +475,7 @@ def loader_for(dataset, args, ctx, shuffle=False, batch=None):
                             drop_last=shuffle and len(dataset) > (batch or 1), seed=args.seed)
 
 
-def loaders(model, splits, captions, args, ctx):
+def loaders(model, splits, caption_ids, args, ctx):
     """Training (shuffled; each pair with one of its captions, drawn per epoch), val and test loaders. The images
     are decoded once (the cache adapt.py built, when it used the same images and size); a frozen encoder then runs
     once per pair, here, and the loaders give its tokens; a fine-tuned one reads the images at every step."""
@@ -499,9 +492,9 @@ def loaders(model, splits, captions, args, ctx):
             loader = loader_for(data.ImageDataset(items[:n], size, cache), args, ctx)
             feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
         log(f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
-    train = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=captions, draw=True,
+    train_set = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=caption_ids, draw=True,
                                 features=feats.get("train"))
-    return (loader_for(train, args, ctx, shuffle=True, batch=args.batch_size),
+    return (loader_for(train_set, args, ctx, shuffle=True, batch=args.batch_size),
             *(loader_for(data.ImageDataset(splits[s], size, cache, feats.get(s)), args, ctx) for s in ("val", "test")))
 
 
@@ -542,12 +535,12 @@ def resume_from(state, model, optimizer, scheduler, args):
 
 def test_best(model, loader, splits, vocab, source, history, args, ctx):
     """The model chosen on val, from --out, tested once; the test figures are added to --out."""
-    best = torch.load(args.out, map_location=ctx.device, weights_only=True)
-    model.clip.load_state_dict(best["model"])
-    model.captioner.load_state_dict(best["captioner"])
+    chosen = torch.load(args.out, map_location=ctx.device, weights_only=True)
+    model.clip.load_state_dict(chosen["model"])
+    model.captioner.load_state_dict(chosen["captioner"])
     results = final_test(model, loader, splits["train"], splits["test"], vocab, args, ctx, source["name"],
                          source["root"])
-    figures = {**best["metrics"], "test": results["scores"], "test_by_type": results["scores_by_type"],
+    figures = {**chosen["metrics"], "test": results["scores"], "test_by_type": results["scores_by_type"],
                "baseline": results["baseline"], "history": history}
     save_atomic(checkpoint(model, vocab, source, args, figures), args.out)
     return results
@@ -561,7 +554,7 @@ def train(args, ckpt_info):
     clip = clip_load.load_clip(args.ckpt, ctx.device, args.n_inter)
     resolve_mem_pool(args, clip)  # a bad --mem-pool stops here, before any data is made
     log(f"caption.py: preset {preset} on {where(ctx)} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
-    name, root, splits, vocab, captions = load_data(args, ckpt_info, resume, ctx)
+    name, root, splits, vocab, caption_ids = load_data(args, ckpt_info, resume, ctx)
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the synthetic set's record of each change
 
     # model, what trains at which rate (lr_rule, above), optimizer, loaders, schedule
@@ -571,7 +564,7 @@ def train(args, ckpt_info):
     freeze(model.named_parameters(), rule)
     optimizer = make_optimizer(param_groups(model.named_parameters(), rule, args.weight_decay), ctx.device)
     describe(ctx, model, rule, optimizer, args)
-    train_loader, val_loader, test_loader = loaders(model, splits, captions, args, ctx)
+    train_loader, val_loader, test_loader = loaders(model, splits, caption_ids, args, ctx)
     total_steps = args.epochs * len(train_loader)
     scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
     run, stop = resume_from(resume, model, optimizer, scheduler, args)
@@ -582,7 +575,8 @@ def train(args, ckpt_info):
         logits = model(ids[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))
         return caption_loss(logits, ids[:, 1:]), len(ids)  # pairs, for the pairs/s
 
-    # training: select on val CIDEr-D, stop after --patience epochs without gain
+    # training, each step loss_fn then train_utils.update (backward, clip, AdamW): select on val CIDEr-D, stop
+    # after --patience epochs without gain
     t_start = time.time()
     try:
         for epoch in range(run["epoch"], stop):

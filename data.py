@@ -435,7 +435,7 @@ class _Pairs(torch.utils.data.Dataset):
 
 def sample_rng(seed, epoch, index):
     """Every random choice about one sample (which caption a pair is trained on, the distractor swap) comes from
-    (seed, epoch, sample index) alone: the same whatever the batch, the worker or the process, and again on resume."""
+    (seed, epoch, sample index) alone: the same whatever the batch or the worker, and again on resume."""
     return np.random.default_rng([seed, epoch, index])
 
 

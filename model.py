@@ -163,13 +163,6 @@ class VisionTransformer(nn.Module):
         x = self.intra(self.stem(torch.cat([before, after])))  # eq. (2): each image alone, both in one batch
         return self.inter(torch.cat([x[:B], x[B:]], dim=1))  # eq. (3)-(5) on the joint sequence (B, 2(n+1), width)
 
-    def forward_both_ways(self, before, after):
-        """A speed path for caption.py --reverse: forward_pair of (before, after) as rows 0..B-1 and of (after,
-        before) as rows B..2B-1, the intra blocks run once for both orders (they see each image alone)."""
-        B = before.shape[0]
-        x = self.intra(self.stem(torch.cat([before, after])))
-        return self.inter(torch.cat([torch.cat([x[:B], x[B:]], dim=1), torch.cat([x[B:], x[:B]], dim=1)]))
-
     def intra(self, x):
         """eq. (2): the first N_intra blocks, each image's tokens (B, n+1, width) alone."""
         for block in self.transformer.resblocks[:len(self.transformer.resblocks) - self.n_inter]:
@@ -187,6 +180,13 @@ class VisionTransformer(nn.Module):
         tokens = self.ln_post(x) @ self.proj  # all 2(n+1) tokens go to the captioner: (B, 2(n+1), output_dim)
         v = (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2  # eq. (5): mean of the two [CLS] tokens
         return PairEncoding(tokens, v)
+
+    def forward_both_ways(self, before, after):
+        """A speed path for caption.py --reverse: forward_pair of (before, after) as rows 0..B-1 and of (after,
+        before) as rows B..2B-1, the intra blocks run once for both orders (they see each image alone)."""
+        B = before.shape[0]
+        x = self.intra(self.stem(torch.cat([before, after])))
+        return self.inter(torch.cat([torch.cat([x[:B], x[B:]], dim=1), torch.cat([x[B:], x[:B]], dim=1)]))
 
 
 # -----------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def build_model(sd, n_inter=3):
 class CaptionerConfig:
     vocab_size: int = 100
     memory_dim: int = 512  # the pair encoder's embed_dim
-    memory_len: int = 100  # its 2(n+1) tokens
+    memory_len: int = 100  # its 2(m+1) tokens, each image's grid pooled (mem_pool)
     width: int = 512  # paper: 3+3 layers, hidden 512, 8 heads, FFN 2048, dropout 0.1
     heads: int = 8
     enc_layers: int = 3
@@ -399,12 +399,12 @@ class Captioner(nn.Module):
         nn.init.normal_(self.positional_embedding, std=0.01)
 
     def pool(self, memory):
-        """(B, 2(n+1), D) -> (B, 2(m+1), D): each image's g x g patch tokens averaged over k x k cells (k =
-        cfg.mem_pool; m = (g/k)^2), its [CLS] kept. What the captioner reads per step is what it costs: 290
-        memory tokens at a 12x12 grid, 74 pooled 2x2. Tokens already pooled (cfg.memory_len of them: a frozen
-        encoder's, pooled once by caption.encode_all) pass through."""
+        """Not in the paper (caption.py --mem-pool; caption.PairCaptioner.memory calls it): pair-encoder tokens
+        (B, 2(n+1), D) -> (B, 2(m+1), D), each image's g x g patch tokens averaged over k x k cells (k = cfg.mem_pool;
+        m = (g/k)^2), its [CLS] kept. What the captioner reads per step is what it costs: 290 memory tokens at a
+        12x12 grid, 74 pooled 2x2."""
         k = self.cfg.mem_pool
-        if k == 1 or memory.shape[1] == self.cfg.memory_len:  # nothing to pool, or pooled already (encode_all)
+        if k == 1:
             return memory
         B, T, D = memory.shape
         g = math.isqrt(T // 2 - 1)
@@ -413,8 +413,7 @@ class Captioner(nn.Module):
         return torch.cat([x[:, :1], grid.flatten(2).transpose(1, 2)], dim=1).reshape(B, -1, D)
 
     def encode(self, memory):
-        """Pair encoder tokens (B, 2(n+1), memory_dim) -> encoded memory (B, 2(m+1), width) (m = n unpooled)."""
-        memory = self.pool(memory)
+        """Pair-encoder tokens, pooled (B, 2(m+1), memory_dim) -> encoded memory (B, 2(m+1), width)."""
         n1 = memory.shape[1] // 2
         image = self.mem_image.repeat_interleave(n1, dim=0)  # (2(m+1), width): before's, after's
         memory = memory.to(self.mem_proj.weight.dtype)

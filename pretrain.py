@@ -40,11 +40,11 @@ from PIL import Image
 import adapt
 import clip_load
 import data
-import model as M
 import synth
-from train_utils import (Progress, at_least, check_sizes, device_arg, fmt_time, freeze, last_path, load_resume, log,
-                         make_optimizer, no_state, param_groups, restore, rng_state, save_atomic, setup, train_epoch,
-                         warmup_cosine, where)
+from model import PAIR_KEYS
+from train_utils import (HelpFormatter, Progress, at_least, check_sizes, device_arg, fmt_time, freeze, last_path,
+                         load_resume, log, make_optimizer, no_state, param_groups, restore, rng_state, save_atomic,
+                         setup, train_epoch, warmup_cosine, where)
 
 ROOT = "data/clevr_pretrain"
 # the text tower is 64 wide: its token embedding (49,408 BPE ids x width) is most of the file, 6.3 MB in fp16
@@ -57,8 +57,7 @@ PROBE_ATTRS = synth.ATTRS  # size, color, material, shape
 
 
 def get_args(argv=None):
-    fmt = type("Fmt", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     d = DEFAULTS
     p.add_argument("--root", default=ROOT, help=f"the pretraining scenes, rendered there on first use ({ROOT}_clevr "
                    f"for --world clevr when left out)")
@@ -195,7 +194,7 @@ class Descriptions(torch.utils.data.Dataset):
         texts = [self.texts(k, epoch) for k in keys]
         ordered = [t[j] for j in range(1 + self.negatives) for t in texts]
         batch = {"images": images, "ids": clip_load.tokenize(ordered, self.context_length, truncate=True)}
-        if not self.objects:  # 96 phrases to tokenize: about 90 ms a step on a CPU core
+        if not self.objects:  # its 96 phrases are tokenized only where the object loss reads them
             return batch
         grid = self.cache.data.shape[-1] // self.patch_size
         objects = torch.tensor([(b, cell(u, v, grid), OBJECTS.index(tuple(o[a] for a in synth.ATTRS)))
@@ -368,12 +367,12 @@ def mimetic_init_(visual, a1=0.7, b1=0.7, a2=0.4, b2=0.4):
 def lr_rule(args):
     """The learning-rate rule: everything at one rate, but CLIP4IDC's pair parameters are frozen: single images
     never use them, and the shipped file leaves them out (as OpenAI's release has none)."""
-    return lambda name: None if name.startswith(M.PAIR_KEYS) else args.lr
+    return lambda name: None if name.startswith(PAIR_KEYS) else args.lr
 
 
 def shipped(state_dict):
     """A CLIP state dict as the shipped file holds it: fp16 tensors, OpenAI's keys, no pair parameters."""
-    return {k: v.half() for k, v in state_dict.items() if not k.startswith(M.PAIR_KEYS)}
+    return {k: v.half() for k, v in state_dict.items() if not k.startswith(PAIR_KEYS)}
 
 
 def export(args):

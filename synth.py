@@ -824,9 +824,10 @@ def is_synthetic(root):
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from train_utils import HelpFormatter  # here: the renderer's processes import this module without torch
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     cmd = p.add_subparsers(dest="cmd", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     m = cmd.add_parser("make", formatter_class=fmt, help="render a synthetic CLEVR-Change-style set")
     m.add_argument("--out", default=SYNTH_ROOT, help="directory to write (CLEVR-Change's layout)")
     m.add_argument("--pairs", type=int, default=3000, help="number of scenes (default, semantic, non-semantic)")

@@ -31,6 +31,7 @@ greedy decoding in fp32, --compile, the step captured as a CUDA graph (--cuda-gr
 Speed and memory: bench.py, BENCHMARKS.md."""
 
 import argparse
+import contextlib
 import gzip
 import importlib.util
 import io
@@ -717,8 +718,7 @@ def test_mem_diff_tells_each_token_what_changed_at_its_position():
 
 def test_mem_pool_averages_each_images_patch_grid():
     """--mem-pool k: each image's g x g patch tokens are averaged over k x k cells in row-major order (a 4x4 grid
-    pooled 2x2: cell 0 is patches 0, 1, 4, 5), its [CLS] kept, the two images apart; the captioner reads the
-    2((g/k)^2 + 1) pooled tokens, with mem_diff on them."""
+    pooled 2x2: cell 0 is patches 0, 1, 4, 5), its [CLS] kept, the two images apart."""
     torch.manual_seed(0)
     cfg = M.CaptionerConfig(vocab_size=20, memory_dim=24, memory_len=2 * (4 + 1), width=32, heads=4, enc_layers=0,
                             dec_layers=2, mem_diff=True, mem_pool=2)
@@ -732,13 +732,29 @@ def test_mem_pool_averages_each_images_patch_grid():
         assert torch.equal(pooled[:, 5 * image], cls)
         assert_close(pooled[:, 5 * image + 1:5 * (image + 1)], want)
     assert_close(pooled[:, 1], memory[:, [1, 2, 5, 6]].mean(1))
-    words = torch.randint(4, 20, (3, 7))
+    cap.cfg.mem_pool = 1
+    assert torch.equal(cap.pool(memory), memory)  # k = 1: every token as it is
+
+
+def test_frozen_features_are_the_memory_the_images_give():
+    """caption.encode_all (a frozen encoder's tokens, computed once: pooled, fp16, then the same pairs reversed for
+    --reverse) holds what PairCaptioner.memory gives from the two images, and the captioner reads the same from
+    either (4 heads, a 4x4 grid pooled 2x2, one encoder layer and --mem-diff)."""
+    torch.manual_seed(0)
+    clip = M.CLIP(TINY).eval()
+    cfg = M.CaptionerConfig(vocab_size=20, memory_dim=TINY.embed_dim, memory_len=2 * (4 + 1), width=64, heads=4,
+                            enc_layers=1, dec_layers=1, mem_diff=True, mem_pool=2)
+    model = caption.PairCaptioner(clip, M.Captioner(cfg)).eval()
+    images = torch.randint(0, 256, (2, 3, 3, 32, 32), dtype=torch.uint8)
+    batch = {"before": images[0], "after": images[1], "index": torch.arange(3)}
+    ctx = SimpleNamespace(amp=contextlib.nullcontext(), device=torch.device("cpu"))
+    feats = caption.encode_all(model, [batch], ctx, both_ways=True).float()
+    before, after = clip_load.normalize(images[0]), clip_load.normalize(images[1])
+    ids = torch.randint(4, 20, (3, 6))
     with torch.no_grad():
-        logits = cap(memory, words)
-        assert logits.shape == (3, 7, 20)
-        assert_close(cap(pooled, words), logits)  # tokens pooled already (caption.encode_all's) pass through
-        cap.cfg.mem_pool = 1
-        assert_close(cap(pooled, words), logits)  # pooling first is all that mem_pool changes
+        for rows, (a, b) in ((feats[:3], (before, after)), (feats[3:], (after, before))):
+            assert_close(rows, model.captioner.pool(clip.encode_pair(a, b).tokens), atol=1e-2)  # fp16
+            assert_close(model(ids, tokens=rows), model(ids, before=a, after=b), atol=1e-2)
 
 
 def test_the_small_presets_mem_pool_follows_the_patch_grid(capsys):
@@ -1292,7 +1308,7 @@ def test_cache_build_spares_a_live_build_and_takes_a_finished_one(synth_set, tmp
     """Two runs on one cache folder: a second run started long into a first one's build leaves that build alone
     (writes through a memmap never update its folder's time, so age says nothing: its live pid does); a build that
     another process finished first is taken, not a crash; a killed build's leftovers go at once; and the folders
-    are readable by the machine's other users as the umask says (a shared --cache-dir), not mkdtemp's 0700."""
+    are readable by the machine's other users as the umask says (a shared $CLIP4IDC_IMAGE_CACHE), not 0700."""
     items = data.load_items("clevr", synth_set, "test", "total")
     directory = tmp_path / "cache"
     old_umask = os.umask(0o022)
@@ -2591,13 +2607,13 @@ def test_training_rule_in_plain_sight():
 
 
 def test_caption_rule_and_presets_in_plain_sight(tmp_path):
-    """caption.py's training settings all come from its preset (weight decay and warmup included) unless a flag
-    says otherwise; its rule: the captioner at --lr, the text tower never, the pair encoder frozen or at
-    --encoder-lr, e1/e2/p/ln_mid frozen for 12/0."""
+    """caption.py's training settings come from its preset unless a flag says otherwise (weight decay and warmup,
+    the same in both presets, from their flags' defaults: the authors' 0.01 and 0.1); its rule: the captioner at
+    --lr, the text tower never, the pair encoder frozen or at --encoder-lr, e1/e2/p/ln_mid frozen for 12/0."""
     for preset in caption.PRESETS.values():
-        assert {"weight_decay", "warmup", "lr", "encoder_lr", "freeze_encoder", "batch_size", "epochs"} <= set(preset)
+        assert {"lr", "encoder_lr", "freeze_encoder", "batch_size", "epochs"} <= set(preset)
     args = caption.get_args(["--ckpt", A_FILE])
-    assert caption.apply_preset(args, {}) == "paper"
+    assert caption.apply_preset(args, {}) == "paper" and (args.weight_decay, args.warmup) == (0.01, 0.1)
     assert all(getattr(args, k) == v for k, v in caption.PRESETS["paper"].items())
     args = caption.get_args(["--ckpt", "mini-synth", "--warmup", "0.3", "--weight-decay", "0.5"])
     assert caption.apply_preset(args, {}) == "mini" and (args.warmup, args.weight_decay) == (0.3, 0.5)
@@ -2694,7 +2710,7 @@ def _steps(graphed, n=5):
     if graphed:
         step = train_utils.GraphedStep(ctx, loss_fn, optimizer, scheduler, params)
     else:
-        step = lambda batch: train_utils.train_step(ctx, net, batch, loss_fn, optimizer, scheduler, params)
+        step = lambda batch: train_utils.train_step(ctx, batch, loss_fn, optimizer, scheduler, params)
     losses = [float(step(b)[0]) for b in batches]
     return losses, model.state_dict(), [float(group["lr"]) for group in optimizer.param_groups]
 

@@ -74,6 +74,14 @@ def at_least(low, kind=int, most=None, below=None):
     return number
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help as the stages print it: the module's docstring as written, and each flag's default where it has one."""
+
+    def _get_help_string(self, action):
+        hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        return action.help + ("" if hidden else " (default: %(default)s)")
+
+
 def check_sizes(parser, image_size, patch_size, widths):
     """A small ViT and text tower from flags: whole patches, and widths ({flag: width}) that split into
     width // 64 heads (at least one). parser.error names the flag (exit 2)."""
@@ -152,7 +160,6 @@ def rng_state():
 
 def set_rng_state(state):
     """Put back what rng_state saved."""
-    state = state[0] if isinstance(state, list) else state  # a list of each process's: an older multi-process run's
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -238,7 +245,7 @@ def update(ctx, batch, loss_fn, optimizer, params, grad_clip=1.0):
     return loss.detach(), n
 
 
-def train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
+def train_step(ctx, batch, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
     """One optimizer step (update), the gradients zeroed before and the schedule advanced after."""
     optimizer.zero_grad(set_to_none=True)
     out = update(ctx, batch, loss_fn, optimizer, params, grad_clip)
@@ -332,7 +339,7 @@ def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, gra
     t0, seen, count, checked = time.time(), 0, 0, progress.step
     total = torch.zeros((), device=ctx.device)
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    step = graphed or (lambda batch: train_step(ctx, model, batch, loss_fn, optimizer, scheduler, params, grad_clip))
+    step = graphed or (lambda batch: train_step(ctx, batch, loss_fn, optimizer, scheduler, params, grad_clip))
     for batch in loader:
         loss, n = step(batch)
         total += loss.float()
