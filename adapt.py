@@ -141,10 +141,9 @@ def new_model(args):
     """CLIP (a file: OpenAI's, the shipped mini one; or a small one from nothing) with fresh pair parameters."""
     if args.clip:
         return clip_load.load_clip(args.clip, n_inter=args.n_inter)
-    return CLIP(CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width,
-                               args.patch_size, args.context_length, transformer_width=args.text_width,
-                               transformer_heads=max(1, args.text_width // 64), transformer_layers=args.text_layers,
-                               n_inter=args.n_inter))
+    return CLIP(CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size,
+                           args.context_length, transformer_width=args.text_width, transformer_layers=args.text_layers,
+                           transformer_heads=max(1, args.text_width // 64), n_inter=args.n_inter))
 
 
 class PairText(torch.nn.Module):
@@ -293,7 +292,7 @@ def load_data(args, root, ctx):
     # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
     cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache)
     samples = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
-                                cache=cache, seed=args.seed, draw=args.draw_captions)
+                                  cache=cache, seed=args.seed, draw=args.draw_captions)
     loader = data.make_loader(samples, args.batch_size, True, args.workers, ctx.device, drop_last=True, seed=args.seed)
     each = "one caption each, drawn per epoch" if args.draw_captions else f"{len(samples)} captions"
     log(f"   {args.data} at {root}: train {len(splits['train'])} pairs / {each}, val {len(splits['val'])} pairs, test "

@@ -493,7 +493,7 @@ def loaders(model, splits, caption_ids, args, ctx):
             feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
         log(f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
     train_set = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=caption_ids, draw=True,
-                                features=feats.get("train"))
+                                    features=feats.get("train"))
     return (loader_for(train_set, args, ctx, shuffle=True, batch=args.batch_size),
             *(loader_for(data.ImageDataset(splits[s], size, cache, feats.get(s)), args, ctx) for s in ("val", "test")))
 
