@@ -383,14 +383,14 @@ def _alive(pid):
     return True
 
 
-def open_image_cache(items, size, flag=None, directory=None, log=print):
+def open_image_cache(items, size, flag=None, directory=None):
     """The ImageCache of these items, built if need be (None when not used: use_image_cache)."""
     if not use_image_cache(items, size, flag, directory):
         return None
     cache = ImageCache(items, size, os.cpu_count(), log_every=20_000, directory=directory)
     what = f"{len(cache.index)} images at {size} px ({cache.data.numel() / 2**30:.2f} GiB)"
-    log(f"   image cache: decoded {what} at {cache.rate:.0f} images/s into {cache.folder}" if cache.built else
-        f"   image cache: {what} from {cache.folder}")
+    print(f"   image cache: decoded {what} at {cache.rate:.0f} images/s into {cache.folder}" if cache.built else
+          f"   image cache: {what} from {cache.folder}", flush=True)
     return cache
 
 

@@ -402,7 +402,7 @@ def main(argv=None):
     probe_train = train[:2 * args.eval_images]
     clevr = clevr_images(args.clevr_root) if args.eval_only and args.clevr_root else []
     items = [data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(train + held_out + clevr)]
-    cache = data.open_image_cache(items, args.image_size, True, log=log)
+    cache = data.open_image_cache(items, args.image_size, True)
     log(f"   {root}: {len(train)} training images, {len(held_out)} held out (other scenes)")
 
     if args.eval_only:
