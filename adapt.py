@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import clip_load
 import data
 import plots
-from model import CLIP, PAIR_KEYS, CLIPConfig
+from model import CLIP, PAIR_KEYS, CLIPConfig, share_joint_positions_
 from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, check_sizes, device_arg, freeze, interrupted,
                          last_path, load_resume, log, make_optimizer, no_state, param_groups, policy_table, restore,
                          rng_state, save_atomic, setup, train_epoch, warmup_cosine, where)
@@ -86,6 +86,10 @@ def get_args(argv=None):
     p.add_argument("--image-size", type=at_least(1), default=None,
                    help=f"input size (a CLIP file has its own) {pre('image_size')}")
     p.add_argument("--context-length", type=at_least(2), default=32, help="caption tokens incl. start/end")
+    p.add_argument("--shared-p", type=at_least(0.0, float), default=0.0,
+                   help="not the paper's: initialize p alike for a patch's position in both images, each position's "
+                        "code of this norm (model.share_joint_positions_; RESULTS.md \"Teaching the inter blocks to "
+                        "compare\"); 0: the authors' random p")
     for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
         p.add_argument(f"--{name}", type=at_least(1), default=None, help=f"model size {pre(name.replace('-', '_'))}")
     # optimization
@@ -93,6 +97,10 @@ def get_args(argv=None):
     p.add_argument("--batch-size", type=at_least(1), default=None, help=f"pairs per step {pre('batch_size')}")
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None, help=f"lr of e1, e2, p, ln_mid {pre('lr_new')}")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help=f"lr of CLIP's weights {pre('lr_clip')}")
+    p.add_argument("--freeze-intra", action="store_true",
+                   help="not the paper's: CLIP's intra blocks frozen as pretrained; the inter blocks, the text tower "
+                        "(at --lr-clip) and e1, e2, p, ln_mid train (RESULTS.md \"Teaching the inter blocks to "
+                        "compare\")")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
                    help=f"AdamW weight decay, matrices only {pre('weight_decay')}")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=0.1,
@@ -138,12 +146,15 @@ def get_args(argv=None):
 
 
 def new_model(args):
-    """CLIP (a file: OpenAI's, the shipped mini one; or a small one from nothing) with fresh pair parameters."""
-    if args.clip:
-        return clip_load.load_clip(args.clip, n_inter=args.n_inter)
-    return CLIP(CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size,
-                           args.context_length, transformer_width=args.text_width, transformer_layers=args.text_layers,
-                           transformer_heads=max(1, args.text_width // 64), n_inter=args.n_inter))
+    """CLIP (a file: OpenAI's, the shipped mini one; or a small one from nothing) with fresh pair parameters: the
+    authors' random p, or with --shared-p one code per position, alike in both images."""
+    clip = clip_load.load_clip(args.clip, n_inter=args.n_inter) if args.clip else CLIP(CLIPConfig(
+        args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size, args.context_length,
+        transformer_width=args.text_width, transformer_layers=args.text_layers,
+        transformer_heads=max(1, args.text_width // 64), n_inter=args.n_inter))
+    if args.shared_p and args.n_inter:
+        share_joint_positions_(clip.visual, args.shared_p)
+    return clip
 
 
 class PairText(torch.nn.Module):
@@ -169,14 +180,18 @@ def contrastive_loss(v, g, logit_scale):
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
 
 
-def lr_rule(args):
+def lr_rule(args, n_intra=0):
     """The learning-rate rule, parameter name -> learning rate (None: frozen): the new pair parameters at lr_new,
-    CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP. Weight decay (--weight-decay) applies to
-    the matrices only, never to 1-D tensors (train_utils.param_groups)."""
+    CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and with --freeze-intra the `n_intra`
+    intra blocks too. Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors
+    (train_utils.param_groups)."""
     def lr(name):
         if name.startswith(PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # 12/0: e1, e2, p, ln_mid are never used
-        return None if args.clip and name.startswith(FROZEN) else args.lr_clip
+        intra = name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < n_intra
+        if (args.clip and name.startswith(FROZEN)) or (args.freeze_intra and intra):
+            return None  # --freeze-intra: the intra blocks keep what pretraining taught them, the inter blocks learn
+        return args.lr_clip
     return lr
 
 
@@ -358,7 +373,7 @@ def main(argv=None):
     splits, cache, loader = load_data(args, root, ctx)
 
     # what trains at which rate (lr_rule, above), the optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
-    rule = lr_rule(args)
+    rule = lr_rule(args, model.cfg.vision_layers - model.cfg.n_inter)
     freeze(model.named_parameters(), rule)
     log("   what trains:\n" + policy_table(model.named_parameters(), rule))
     groups = param_groups(model.named_parameters(), rule, args.weight_decay)

@@ -350,7 +350,7 @@ def common(q, repeats=3, what="timed steps (the mean of back-to-back steps)"):
     q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
 
 
-def main(argv=None):
+def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     add = lambda name, help: sub.add_parser(name, help=help, formatter_class=HelpFormatter)
@@ -383,6 +383,11 @@ def main(argv=None):
     if getattr(args, "root", None) and not os.path.isdir(args.root):
         p.error(f"argument --root: no directory at {args.root}: give a CLEVR-Change-layout set, or leave --root out "
                 f"to render one")
+    return args
+
+
+def main(argv=None):
+    args = get_args(argv)
     return globals()["bench_" + args.command](args)
 
 

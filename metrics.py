@@ -690,27 +690,30 @@ def evaluate(refs, cands, per_item=False, paraphrase=None):
     return (corpus, items) if per_item else corpus
 
 
-if __name__ == "__main__":
+def get_args(argv=None):
     parser = argparse.ArgumentParser(description="coco-caption metrics in pure Python (printed x100, as papers do)")
     parser.add_argument("--refs", help="JSON file {id: [reference sentence, ...]}")
     parser.add_argument("--cands", help="JSON file {id: candidate sentence}")
     parser.add_argument("--paraphrase", default=None, help="Meteor's paraphrase-en.gz (default: $METEOR_PARAPHRASE, "
                                                            "else the one in $METEOR_DATA or pycocoevalcap)")
-    args = parser.parse_args()
-    if args.refs and args.cands:
-        if args.paraphrase and not os.path.isfile(args.paraphrase):
-            parser.error(f"argument --paraphrase: nothing at {args.paraphrase}")
-        loaded = {}
-        for flag, path in (("--refs", args.refs), ("--cands", args.cands)):
-            try:
-                loaded[flag] = json.loads(Path(path).read_text())
-            except (OSError, UnicodeDecodeError, ValueError) as e:
-                parser.error(f"argument {flag}: cannot read {path} as JSON ({type(e).__name__}: {e})")
-        try:
-            scores = evaluate(loaded["--refs"], loaded["--cands"], paraphrase=args.paraphrase)
-        except (TypeError, ValueError) as e:  # _check: ids that differ, a caption that is not a string
-            parser.error(f"argument --refs/--cands: {e}")
-        print(" | ".join(f"{m:>7s}" for m in METRICS))
-        print(" | ".join(f"{100 * scores[m]:7.2f}" for m in METRICS))
-    else:
+    args = parser.parse_args(argv)
+    if not (args.refs and args.cands):
         parser.error("give --refs and --cands")
+    if args.paraphrase and not os.path.isfile(args.paraphrase):
+        parser.error(f"argument --paraphrase: nothing at {args.paraphrase}")
+    for flag in ("refs", "cands"):
+        try:
+            setattr(args, flag, json.loads(Path(getattr(args, flag)).read_text()))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            parser.error(f"argument --{flag}: cannot read {getattr(args, flag)} as JSON ({type(e).__name__}: {e})")
+    return parser, args
+
+
+if __name__ == "__main__":
+    parser, args = get_args()
+    try:
+        scores = evaluate(args.refs, args.cands, paraphrase=args.paraphrase)
+    except (TypeError, ValueError) as e:  # _check: ids that differ, a caption that is not a string
+        parser.error(f"argument --refs/--cands: {e}")
+    print(" | ".join(f"{m:>7s}" for m in METRICS))
+    print(" | ".join(f"{100 * scores[m]:7.2f}" for m in METRICS))

@@ -277,6 +277,20 @@ PAIR_KEYS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_posit
              "visual.ln_mid.weight", "visual.ln_mid.bias")
 
 
+def share_joint_positions_(visual, norm):
+    """Not the paper's (adapt.py --shared-p): p (eq. 4) initialized alike for the two images, in place, the patch at
+    one position getting the same random code, of this norm, in both; [CLS] gets none, so that it still pools the
+    patches. The authors draw p independently for all 2(n+1) tokens. An inter block whose attention favours tokens
+    like themselves (a mimetically initialized CLIP, pretrain.py) then attends from each patch to its own position
+    in the other image (RESULTS.md "Teaching the inter blocks to compare")."""
+    p = visual.joint_positional_embedding
+    half = torch.randn(p.shape[0] // 2, p.shape[1], device=p.device)
+    half = norm * half / half.norm(dim=1, keepdim=True)
+    half[0] = 0
+    with torch.no_grad():
+        p.copy_(torch.cat([half, half]))
+
+
 def build_model(sd, n_inter=3):
     """A CLIP whose sizes match the state dict `sd`. Its pair parameters (absent from OpenAI's release) are
     added to `sd` freshly initialized so that `load_state_dict(sd, strict=True)` checks every other key."""

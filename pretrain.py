@@ -115,6 +115,9 @@ def get_args(argv=None):
                                                       "--text-width": args.text_width})
     if args.clevr_root and not args.eval_only:
         p.error("argument --clevr-root: goes with --eval-only")
+    if args.clevr_root and not (Path(args.clevr_root) / "scenes.json").is_file():  # before any scene is rendered
+        p.error(f"argument --clevr-root: no scenes.json in {args.clevr_root} (CLEVR's scene records, as "
+                f"CLEVR-Change's generator writes them): give a set rendered by it")
     if args.resume and (missing := no_state(args.out)):
         p.error(f"argument --resume: {missing}")
     for flag, wants in (("--export", args.export), ("--eval-only", args.eval_only and not args.ckpt)):
@@ -143,12 +146,8 @@ def scene_images(root, split, workers=None):
 def clevr_images(root):
     """Every image of a set with CLEVR's own scene records (scenes.json of CLEVR-Change's generator), as
     scene_images gives a synthetic set's: each object at CLEVR's pixel_coords, as fractions of the width and height."""
-    path = Path(root) / "scenes.json"
-    if not path.is_file():
-        raise SystemExit(f"--clevr-root {root}: no scenes.json (CLEVR's scene records, as CLEVR-Change's generator "
-                         f"writes them): give a set rendered by it")
     out = []
-    for s in json.loads(path.read_text())["scenes"]:
+    for s in json.loads((Path(root) / "scenes.json").read_text())["scenes"]:
         for kind in ("default", "semantic", "nonsemantic"):
             if f"{kind}_scene" in s:
                 image = Path(root) / s[f"{kind}_image"]

@@ -823,28 +823,27 @@ def is_synthetic(root):
     return all((Path(root) / f).is_file() for f in ("synth.json", "scenes.json"))
 
 
-if __name__ == "__main__":
-    from train_utils import HelpFormatter  # here: the renderer's processes import this module without torch
+def get_args(argv=None):
+    from train_utils import HelpFormatter, at_least  # here: the renderer's processes import this module without torch
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    cmd = p.add_subparsers(dest="cmd", required=True)
-    fmt = HelpFormatter
-    m = cmd.add_parser("make", formatter_class=fmt, help="render a synthetic CLEVR-Change-style set")
+    m = p.add_subparsers(dest="cmd", required=True).add_parser(
+        "make", formatter_class=HelpFormatter, help="render a synthetic CLEVR-Change-style set")
     m.add_argument("--out", default=SYNTH_ROOT, help="directory to write (CLEVR-Change's layout)")
-    m.add_argument("--pairs", type=int, default=3000, help="number of scenes (default, semantic, non-semantic)")
+    m.add_argument("--pairs", type=at_least(3), default=3000,
+                   help="number of scenes (default, semantic, non-semantic): at least a train, a val and a test one")
     m.add_argument("--seed", type=int, default=0, help="same seed, same set")
-    m.add_argument("--size", type=int, nargs=2, default=list(IMAGE_SIZE), metavar=("W", "H"),
+    m.add_argument("--size", type=at_least(8), nargs=2, default=list(IMAGE_SIZE), metavar=("W", "H"),
                    help="image size on disk (CLEVR-Change's is 480 320)")
-    m.add_argument("--workers", type=int, default=None, help="processes (default: all cores)")
+    m.add_argument("--workers", type=at_least(1), default=None, help="processes (default: all cores)")
     m.add_argument("--world", choices=list(WORLDS), default="ours",
                    help="clevr: CLEVR's object sizes, materials, camera moves, lamps and colours, CLEVR-Change's "
                         "captions; written to --out's default + _clevr when --out is left out")
-    args = p.parse_args()
-    checks = [("--pairs", args.pairs < 3, "at least 3 (a train, a val and a test pair)"),
-              ("--size", min(args.size) < 8, "at least 8 8"),
-              ("--workers", args.workers is not None and args.workers < 1, "at least 1")]
-    for flag, wrong, allowed in checks:
-        if wrong:
-            p.error(f"argument {flag}: {getattr(args, flag[2:].replace('-', '_'))}: expected {allowed}")
+    args = p.parse_args(argv)
     if args.world != "ours" and args.out == SYNTH_ROOT:  # never over the quickstart's set
         args.out = f"{SYNTH_ROOT}_{args.world}"
+    return args
+
+
+if __name__ == "__main__":
+    args = get_args()
     make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.world)

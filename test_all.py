@@ -32,6 +32,7 @@ Speed and memory: bench.py, BENCHMARKS.md."""
 
 import argparse
 import contextlib
+import copy
 import gzip
 import importlib.util
 import io
@@ -2234,6 +2235,33 @@ def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch, d
 
 
 @pytest.mark.slow
+def test_compare_recipe_trains_the_inter_blocks_alone(adapt_synth, tmp_path, monkeypatch):
+    """adapt.py --freeze-intra --shared-p (the recipe that teaches the inter blocks to compare, not the paper's):
+    p starts alike for a patch's position in both images, of the given norm, none on [CLS]; through an epoch of
+    steps the intra blocks stay bit-identical while the inter blocks, the text tower and e1, e2, p, ln_mid move.
+    Without the flags every block moves and p starts independently drawn (the authors')."""
+    made = []
+    real = adapt.new_model
+    monkeypatch.setattr(adapt, "new_model", lambda args: made.append(real(args)) or copy.deepcopy(made[-1]))
+    argv = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "1", "--vision-layers", "3", "--image-size",
+                         "48", "--lr-clip", "1e-3"]  # 2 intra + 1 inter blocks, a 3x3 grid
+    adapt.main(argv + ["--freeze-intra", "--shared-p", "5", "--out", str(tmp_path / "a.pt")])
+    adapt.main(argv + ["--out", str(tmp_path / "b.pt")])
+    for start, name, recipe in ((made[0], "a", True), (made[1], "b", False)):
+        p = start.visual.joint_positional_embedding.detach()
+        assert torch.equal(p[:10], p[10:]) == recipe and (p[0].abs().max() == 0) == recipe
+        if recipe:
+            assert torch.allclose(p[1:10].norm(dim=1), torch.full((9,), 5.0))
+        before, after = start.state_dict(), torch.load(tmp_path / f"{name}.last.pt", weights_only=False)["model"]
+        moved = {k for k in before if not torch.equal(before[k], after[k])}
+        block = lambda k: int(k.split(".")[3]) if k.startswith("visual.transformer.resblocks.") else None
+        intra, inter = ({k for k in before if block(k) in blocks} for blocks in ((0, 1), (2,)))
+        assert (not intra & moved) == recipe and inter <= moved, sorted(moved)
+        assert {"transformer.resblocks.0.attn.in_proj_weight", "visual.joint_positional_embedding",
+                "visual.bef_embedding", "visual.ln_mid.weight"} <= moved
+
+
+@pytest.mark.slow
 def test_a_diverged_evaluation_stops_the_run(adapt_synth, tmp_path, monkeypatch):
     """Weights gone NaN in epoch 2 (the loss of its steps still finite): NaN similarities would rank every pair
     first (R@mean 100) and be saved as the best model. The run stops instead, and epoch 1's model stays chosen."""
@@ -2604,6 +2632,57 @@ def test_training_rule_in_plain_sight():
     assert rows["visual.conv1"][0] == "frozen" and rows["token_embedding"][0] == "frozen"
     assert rows["visual.transformer.resblocks"][:2] == ["lr", "1e-07"] and rows["visual.bef_embedding"][1] == "0.0001"
     assert sum(int(r[-1].replace(",", "")) for r in rows.values()) == sum(p.numel() for p in m.parameters())
+    # --freeze-intra: the intra blocks (here 2 of 4) frozen and given no gradient; the inter blocks and the text
+    # tower train at --lr-clip
+    m = M.CLIP(cfg)
+    args = adapt.get_args(["--clip", A_FILE, "--freeze-intra", "--lr-clip", "3e-4"])
+    assert args.freeze_intra and not adapt.get_args(["--clip", A_FILE]).freeze_intra
+    train_utils.freeze(m.named_parameters(), adapt.lr_rule(args, cfg.vision_layers - cfg.n_inter))
+    blocks = m.visual.transformer.resblocks
+    assert [all(p.requires_grad for p in b.parameters()) for b in blocks] == [False, False, True, True]
+    x, ids = torch.randn(2, 3, 64, 64), bench.random_ids(2, 24, "cpu")
+    adapt.contrastive_loss(*adapt.PairText(m)(x, x.flip(0), ids)).backward()
+    assert blocks[0].attn.in_proj_weight.grad is None and blocks[2].attn.in_proj_weight.grad.abs().sum() > 0
+    assert m.transformer.resblocks[0].attn.in_proj_weight.grad.abs().sum() > 0
+
+
+def test_shared_p_lines_up_the_two_images_of_a_mimetic_clip():
+    """model.share_joint_positions_ (adapt.py --shared-p): in a mimetically initialized pair encoder (several heads,
+    a non-square batch of distinct before/after images) a patch then gives its own position in the other image
+    tens of times the uniform weight in the inter block's attention, against a few times with the authors'
+    independently drawn p."""
+    cfg = M.CLIPConfig(embed_dim=32, image_resolution=96, vision_layers=4, vision_width=128, vision_patch_size=16,
+                       context_length=8, transformer_width=64, transformer_heads=1, transformer_layers=1, n_inter=1)
+    torch.manual_seed(0)
+    clip = M.CLIP(cfg)
+    pretrain.mimetic_init_(clip.visual)
+    before = torch.randn(3, 3, 96, 96)
+    after = before + torch.randn(3, 3, 96, 96)
+
+    def own_position():  # per head: a before patch's weight on its position in the after image, x uniform (1/74)
+        w = plots.inter_attention(clip.visual, before, after)  # (B, heads, 74, 74)
+        return (w[:, :, torch.arange(1, 37), torch.arange(38, 74)].mean((0, 2)) * 74).tolist()
+    drawn = own_position()
+    M.share_joint_positions_(clip.visual, 30.0)
+    shared = own_position()
+    assert len(shared) == 2 and min(shared) > 20 and min(shared) > 2 * max(drawn), (drawn, shared)
+
+
+def test_caption_loss_is_the_mean_over_words_not_padding():
+    """caption_loss, paper Sec. 3.3: -(1/N) sum log p(w_t | w_<t, pair) over the N words of a padded batch, <eos>
+    included and padding not, computed here by hand, word by word, on captions of different lengths as
+    encode_captions pads them and caption.train shifts them (inputs ids[:, :-1], targets ids[:, 1:])."""
+    vocab = caption.build_vocab(["a red cube", "the small gray metal sphere has been moved", "no change"])
+    items = [data.Item(str(i), "b.png", "a.png", [c]) for i, c in
+             enumerate(["a red cube", "the small gray metal sphere has been moved", "no change"])]
+    ids = caption.encode_captions(items, vocab, 12)
+    targets = ids[:, 1:]
+    torch.manual_seed(0)
+    logits = torch.randn(3, 12, len(vocab)) * 3
+    terms = [-logits[b, t].log_softmax(-1)[targets[b, t]] for b in range(3) for t in range(12)
+             if targets[b, t] != caption.PAD]
+    assert len(terms) == 4 + 9 + 3  # each caption's words and its <eos>
+    assert torch.allclose(caption.caption_loss(logits, targets), torch.stack(terms).mean(), atol=1e-6)
 
 
 def test_caption_rule_and_presets_in_plain_sight(tmp_path):
@@ -2850,6 +2929,7 @@ BAD_FLAGS = {
                     "--warmup 1", "--object-loss -1", "--grad-clip -1", "--samples 0", "--eval-every 0",
                     "--eval-images 0", "--time-limit -1", "--workers 0", "--log-every 0",
                     "--eval-only --ckpt nowhere.pt => --ckpt", "--eval-only --out nowhere.pt",
+                    "--eval-only --ckpt mini12-clevr --world clevr --clevr-root nowhere => --clevr-root",
                     "--export x.pt --out nowhere.pt", "--resume --out nowhere.pt"],
     "bench.py": ["decode --device cuda", "decode --device cuda:7", "decode --device mps", "decode --device gpu",
                  "adapt --device gpu", "decode --batch 0", "decode --max-len 0",
@@ -2911,6 +2991,79 @@ def test_every_bad_flag_is_one_line_not_a_traceback(script, tmp_path):
             wrong.append(f"{script} {argv}: exit {res['code']}, says: {res['text'][-400:]!r}")
     assert not wrong, "\n".join(wrong)
     assert not (tmp_path / "data").exists()  # no case got as far as rendering a set
+
+
+# every command the documents show runs at HEAD: it parses with its script's own argument parser
+SCRIPTS = {m.__name__ + ".py": m for m in (adapt, caption, pretrain, bench, synth, metrics)}  # each has get_args
+PLACEHOLDERS = {"S": "0", "N": "2", "LR": "1e-5"}  # the rest in capitals (SET, DIR, CKPT, CLIP, DEV) are paths
+FILE_FLAGS = ("--ckpt", "--clip", "--before", "--after", "--refs", "--cands", "--paraphrase")
+
+
+def shown_commands(text):
+    """`[python] SCRIPT.py ARGS` in code blocks and inline code, continuation lines joined; (script, argv, has
+    python). A command after `git checkout <commit> &&` runs older code and is not HEAD's to parse."""
+    spans = re.findall(r"```.*?```", text, re.S) + re.findall(r"`[^`\n]+`", re.sub(r"```.*?```", "", text, flags=re.S))
+    for span in spans:
+        for line in span.replace("\\\n", " ").splitlines():
+            parts = re.split(r"&&|;|\|", line.split(" #")[0])
+            for i, part in enumerate(parts):
+                if any("git checkout" in before for before in parts[:i]):
+                    continue
+                for m in re.finditer(r"(?<![\w/.-])(python3? +)?([\w-]+\.py)((?: +[^\s`>]+)*)", part):
+                    yield m.group(2), m.group(3).split(), bool(m.group(1))
+
+
+def documents():
+    here = Path(__file__).resolve().parent
+    return [here / d for d in ("README.md", "RESULTS.md", "BENCHMARKS.md")] + sorted(here.glob("assets/*/README.md"))
+
+
+def test_shown_commands_are_read():
+    """The reader of documents finds what a reader sees, with and without `python`, and skips old code's."""
+    text = ("run `python adapt.py --seed S && python caption.py --ckpt adapted.pt` or `synth.py make --world clevr`;\n"
+            "```bash\npython pretrain.py --out p8.pt \\\n  --export x.pt   # a comment --nope\n```\n"
+            "`git checkout abc && python bench.py numerics`, `clip/model.py`, `caption.py`, `python data.py --size 2`")
+    assert list(shown_commands(text)) == [
+        ("pretrain.py", ["--out", "p8.pt", "--export", "x.pt"], True), ("adapt.py", ["--seed", "S"], True),
+        ("caption.py", ["--ckpt", "adapted.pt"], True), ("synth.py", ["make", "--world", "clevr"], False),
+        ("caption.py", [], False), ("data.py", ["--size", "2"], True)]
+
+
+@pytest.mark.parametrize("doc", [d.name if d.parent.name != "assets" and d.parent.parent.name != "assets" else
+                                 str(d.relative_to(d.parents[2])) for d in documents()])
+def test_every_shown_command_parses_at_head(doc, tmp_path, monkeypatch, capsys):
+    """Every command in README.md, RESULTS.md, BENCHMARKS.md and the assets' READMEs that runs one of the
+    project's scripts parses with that script's own argument parser (get_args: its flags, subcommands and checks),
+    placeholders in capitals replaced by valid values and the files it names made (empty) in an empty folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(clip_load, "CACHE", tmp_path / "clip_cache")  # no ViT-B-32.pt found: presets as a newcomer's
+    wrong, n = [], 0
+    for script, argv, python in shown_commands((Path(__file__).resolve().parent / doc).read_text()):
+        if script not in SCRIPTS:
+            if python and script != "test_all.py":
+                wrong.append(f"python {script}: no such script (those with a command line: {sorted(SCRIPTS)})")
+            continue
+        if not argv and not python:
+            continue  # the file's name in prose
+        argv = [PLACEHOLDERS.get(a, a) for a in argv]
+        argv = ["cpu" if flag == "--device" else a for flag, a in zip([""] + argv, argv)]  # a GPU's command, here
+        for flag, value in zip(argv, argv[1:]):
+            if value.startswith("-") or value in clip_load.SHIPPED or value in clip_load.MODELS:
+                continue
+            if flag in FILE_FLAGS or Path(value).suffix in (".pt", ".png", ".json", ".gz"):
+                Path(value).parent.mkdir(parents=True, exist_ok=True)
+                Path(value).write_text("{}")  # metrics.py reads its JSON files before it scores
+            elif flag in ("--data-root", "--clevr-root", "--root"):
+                Path(value).mkdir(parents=True, exist_ok=True)
+                (Path(value) / "scenes.json").touch()
+        n += 1
+        try:
+            SCRIPTS[script].get_args(argv)
+        except SystemExit as e:
+            if e.code not in (0, None):
+                wrong.append(f"{script} {' '.join(argv)}: {capsys.readouterr().err.strip().splitlines()[-1:]}")
+    assert n > 0 or doc.startswith("assets/meteor")
+    assert not wrong, f"{doc}: " + "\n".join(wrong)
 
 
 # -------------------------------------------------------------------------------------------------------------
