@@ -217,7 +217,7 @@ def bench_adapt(args):
     device, amp, where = device_and_amp(args)
     cfg = CLIPConfig()
     flops = adapt_step_flops(cfg, args.batch, args.text_len)
-    print(f"adaptation step, ViT-B/32 9/3 at 224 px, batch {args.batch} pairs x {args.text_len} tokens, {where}, "
+    print(f"adaptation step, ViT-B/32 9 + 3 at 224 px, batch {args.batch} pairs x {args.text_len} tokens, {where}, "
           f"torch {torch.__version__}; model FLOPs per step {flops / 1e12:.2f} T (bench.adapt_step_flops: matmuls, "
           f"backward = 2x forward)")
     if device.type != "cuda":

@@ -168,7 +168,7 @@ def lr_rule(args, n_inter):
         if args.freeze_encoder:
             return None  # --freeze-encoder (the mini preset): its tokens are computed once, before training
         if name[len("clip."):] in unused:
-            return None  # 12/0: e1, e2, p, ln_mid are never used
+            return None  # 12 + 0: e1, e2, p, ln_mid are never used
         # the whole pair encoder fine-tuned end to end (authors: 1e-7), CLIP's input embeddings included: the
         # authors froze those in adaptation only
         return args.encoder_lr
@@ -225,7 +225,7 @@ def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
     scores, by_type = score(items, preds, by_type=name == "clevr")
     seconds = time.time() - t0
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the renderer's record: what really changed
-    # the attention figure needs the changed object's place (a synthetic set); 12/0 has no inter block to look at
+    # the attention figure needs the changed object's place (a synthetic set); 12 + 0 has no inter block to look at
     explained = bool(scenes) and synth.is_synthetic(root) and model.clip.cfg.n_inter > 0
     results = {"scores": scores, "scores_by_type": by_type,
                "baseline": metrics.constant_baseline([c for it in train_items for c in it.captions],
@@ -385,7 +385,7 @@ def caption_images(args, ckpt_info):
     print(text)
     if args.explain:
         if model.clip.cfg.n_inter == 0:
-            raise SystemExit("--explain draws the last inter block's attention: this encoder (12/0) has none")
+            raise SystemExit("--explain draws the last inter block's attention: this encoder (12 + 0) has none")
         maps = plots.encoder_maps(model, [(args.before, args.after)], size, device)[0]
         plots.explain(args.explain, plots.rgb(args.before), plots.rgb(args.after), text, maps)
         print(f"caption, images and attention maps -> {args.explain}")

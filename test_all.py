@@ -18,7 +18,7 @@ heads in both towers:
 - the paper preset is chosen when `ViT-B-32.pt` is in the cache, and both stages run through their `main`;
 - the authors' frozen embeddings are bit-identical after adaptation, and every other weight moved no more than
   its learning rate allows;
-- the 12/0 and no-adaptation ablations run;
+- the 12 + 0 and no-adaptation ablations run;
 - one epoch of each stage under bf16 autocast (`--amp bf16`, the code path CUDA takes) lands within 2 % of fp32's
   loss;
 - both stages, as real processes killed (SIGKILL) mid-epoch or halfway through writing a checkpoint, resume to the
@@ -2688,7 +2688,7 @@ def test_caption_loss_is_the_mean_over_words_not_padding():
 def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     """caption.py's training settings come from its preset unless a flag says otherwise (weight decay and warmup,
     the same in both presets, from their flags' defaults: the authors' 0.01 and 0.1); its rule: the captioner at
-    --lr, the text tower never, the pair encoder frozen or at --encoder-lr, e1/e2/p/ln_mid frozen for 12/0."""
+    --lr, the text tower never, the pair encoder frozen or at --encoder-lr, e1/e2/p/ln_mid frozen for 12 + 0."""
     for preset in caption.PRESETS.values():
         assert {"lr", "encoder_lr", "freeze_encoder", "batch_size", "epochs"} <= set(preset)
     args = caption.get_args(["--ckpt", A_FILE])
@@ -2774,7 +2774,8 @@ def _steps(graphed, n=5):
     torch.manual_seed(0)
     model = M.CLIP(TINY)
     net = adapt.PairText(model)
-    rule = adapt.lr_rule(SimpleNamespace(clip="a CLIP file", n_inter=TINY.n_inter, lr_new=3e-3, lr_clip=1e-3))
+    rule = adapt.lr_rule(SimpleNamespace(clip="a CLIP file", n_inter=TINY.n_inter, lr_new=3e-3, lr_clip=1e-3,
+                                         freeze_intra=False))
     train_utils.freeze(model.named_parameters(), rule)
     groups = train_utils.param_groups(model.named_parameters(), rule, 0.2)
     optimizer = train_utils.make_optimizer(groups, "cpu", capturable=graphed)
@@ -3163,7 +3164,7 @@ def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch,
 
 @pytest.mark.slow
 def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
-    # 12/0: no inter blocks, so e1, e2, p, ln_mid take no part and are never trained
+    # 12 + 0: no inter blocks, so e1, e2, p, ln_mid take no part and are never trained
     out = tmp_path / "adapted_12_0.pt"
     adapt.main(["--clip", str(openai_archive), "--n-inter", "0", "--data-root", str(adapt_synth),
                 "--out", str(out)] + FAST)
@@ -3173,7 +3174,7 @@ def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
     start = clip_load.load_clip(openai_archive, n_inter=0).state_dict()
     assert all(torch.equal(ckpt["model"][k], start[k]) for k in M.PAIR_KEYS)
     assert not torch.equal(ckpt["model"]["visual.proj"], start["visual.proj"])  # the rest did train
-    adapted = clip_load.load_clip(out).eval()  # 12/0: each image alone, v the mean of their CLIP features
+    adapted = clip_load.load_clip(out).eval()  # 12 + 0: each image alone, v the mean of their CLIP features
     b, a = torch.randn(2, 3, 32, 32), torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert_close(adapted.encode_pair(b, a).vector, (adapted.encode_image(b) + adapted.encode_image(a)) / 2)
