@@ -98,9 +98,8 @@ def get_args(argv=None):
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None, help=f"lr of e1, e2, p, ln_mid {pre('lr_new')}")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help=f"lr of CLIP's weights {pre('lr_clip')}")
     p.add_argument("--freeze-intra", action="store_true",
-                   help="not the paper's: CLIP's intra blocks frozen as pretrained; the inter blocks, the text tower "
-                        "(at --lr-clip) and e1, e2, p, ln_mid train (RESULTS.md \"Teaching the inter blocks to "
-                        "compare\")")
+                   help="not the paper's: CLIP's intra blocks frozen; the inter blocks, the text tower (at --lr-clip) "
+                        "and e1, e2, p, ln_mid train (RESULTS.md \"Teaching the inter blocks to compare\")")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
                    help=f"AdamW weight decay, matrices only {pre('weight_decay')}")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=0.1,

@@ -415,7 +415,8 @@ def main(argv=None):
         return m
 
     # a CLIP from nothing, as adapt.py's scratch preset builds one (n_inter: unused here; the mini preset's third)
-    model = adapt.new_model(argparse.Namespace(**{**vars(args), "clip": None, "n_inter": args.vision_layers // 3}))
+    spec = {**vars(args), "clip": None, "n_inter": args.vision_layers // 3, "shared_p": 0.0}  # p as the authors draw it
+    model = adapt.new_model(argparse.Namespace(**spec))
     if args.mimetic_init:
         mimetic_init_(model.visual)
     model = model.to(ctx.device)
