@@ -2,9 +2,10 @@
 # The GPU checks in one call (a 16-core GPU machine with torch, no package registry), each under a timeout, logs
 # under $OUT (default /tmp/gpu_checks): the cuda group, bench.py adapt / e2e, the quickstart timed, and the
 # rest of the suite on CPUs of its own (taskset) beside the cuda group and the step benchmarks. Wheels the machine
-# lacks go in .gpu/ first (ftfy, wcwidth, nltk, defusedxml, openai-clip; meteor-1.5.jar for METEOR's synonyms):
+# lacks go in .gpu/ first (ftfy, wcwidth, nltk, defusedxml, pytest-xdist and execnet for pytest -n, openai-clip;
+# meteor-1.5.jar for METEOR's synonyms):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .gpu \
-#       ftfy wcwidth nltk defusedxml
+#       ftfy wcwidth nltk defusedxml pytest-xdist execnet
 #   pip wheel --no-deps openai-clip==1.0.1 -w .gpu; cp <pycocoevalcap>/meteor/meteor-1.5.jar .gpu/
 # then: BUDGET=530 bash .ci/gpu_checks.sh    (BUDGET: seconds for the whole list; a step gets what is left)
 cd "$(dirname "$0")/.."
