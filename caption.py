@@ -460,7 +460,7 @@ def describe(ctx, model, rule, optimizer, args):
     clip, cfg = model.clip.cfg, model.captioner.cfg
     log("what trains:\n" + policy_table(model.named_parameters(), rule))
     n_train = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
-    log(f"model: pair encoder {clip.vision_layers - clip.n_inter}/{clip.n_inter} "
+    log(f"model: pair encoder {clip.vision_layers - clip.n_inter} + {clip.n_inter} "
         f"({'frozen' if args.freeze_encoder else f'lr {args.encoder_lr:g}'}), memory {cfg.memory_len} tokens x "
         f"{cfg.memory_dim} | captioner {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
         f"{n_train / 1e6:.2f}M trainable parameters")

@@ -3001,10 +3001,10 @@ FILE_FLAGS = ("--ckpt", "--clip", "--before", "--after", "--refs", "--cands", "-
 
 
 def shown_commands(text):
-    """`[python] SCRIPT.py ARGS` in code blocks and inline code, continuation lines joined; (script, argv, has
-    python). A command after `git checkout <commit> &&` runs older code and is not HEAD's to parse."""
-    spans = re.findall(r"```.*?```", text, re.S) + re.findall(r"`[^`\n]+`", re.sub(r"```.*?```", "", text, flags=re.S))
-    for span in spans:
+    """`[python] SCRIPT.py ARGS` in code blocks and inline code (wrapped or not), continuation lines joined; (script,
+    argv, has python). A command after `git checkout <commit> &&` runs older code and is not HEAD's to parse."""
+    inline = re.findall(r"`[^`]+`", re.sub(r"```.*?```", "", text, flags=re.S))  # inline code may wrap a line
+    for span in re.findall(r"```.*?```", text, re.S) + [s.replace("\n", " ") for s in inline]:
         for line in span.replace("\\\n", " ").splitlines():
             parts = re.split(r"&&|;|\|", line.split(" #")[0])
             for i, part in enumerate(parts):
@@ -3023,7 +3023,7 @@ def test_shown_commands_are_read():
     """The reader of documents finds what a reader sees, with and without `python`, and skips old code's."""
     text = ("run `python adapt.py --seed S && python caption.py --ckpt adapted.pt` or `synth.py make --world clevr`;\n"
             "```bash\npython pretrain.py --out p8.pt \\\n  --export x.pt   # a comment --nope\n```\n"
-            "`git checkout abc && python bench.py numerics`, `clip/model.py`, `caption.py`, `python data.py --size 2`")
+            "`git checkout abc && python bench.py numerics`, `clip/model.py`, `caption.py`, `python data.py --size\n2`")
     assert list(shown_commands(text)) == [
         ("pretrain.py", ["--out", "p8.pt", "--export", "x.pt"], True), ("adapt.py", ["--seed", "S"], True),
         ("caption.py", ["--ckpt", "adapted.pt"], True), ("synth.py", ["make", "--world", "clevr"], False),
