@@ -701,7 +701,7 @@ def get_args(argv=None):
         parser.error("give --refs and --cands")
     if args.paraphrase and not os.path.isfile(args.paraphrase):
         parser.error(f"argument --paraphrase: nothing at {args.paraphrase}")
-    for flag in ("refs", "cands"):
+    for flag in ("refs", "cands"):  # read here, so that a bad file is an argument error: args.refs/cands hold the JSON
         try:
             setattr(args, flag, json.loads(Path(getattr(args, flag)).read_text()))
         except (OSError, UnicodeDecodeError, ValueError) as e:
