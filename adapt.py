@@ -13,6 +13,8 @@ Presets (printed in a banner, every value overridable by its flag):
 - mini: no OpenAI weights found -> the small CLIP that pretrain.py pretrained on synthetic scenes (shipped in
   assets/, a 12x12 grid of 8-px patches), adapted with the authors' policy scaled down, minutes on a CPU (README
   "Quickstart").
+- compare (`--preset compare`, not the paper's): mini whose inter blocks are taught to compare (README "Tables 5
+  and 7 in the quickstart's world").
 - scratch (`--preset scratch`): a small CLIP-shaped model trained from nothing, the from-scratch ablation.
 """
 import argparse
@@ -52,6 +54,10 @@ PRESETS = {
                     weight_decay=0.05, workers=0, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
                     text_layers=3, embed_dim=128, draw_captions=False),
 }
+# compare (not the paper's): mini, but stage 1 teaches the inter blocks to compare: the intra blocks frozen (they keep
+# what pretraining taught them), the rest at 3e-4, p alike for a position in both images, 6 epochs (RESULTS.md
+# "Teaching the inter blocks to compare"); caption.py's compare preset has no after minus before
+PRESETS["compare"] = dict(PRESETS["mini"], epochs=6, lr_clip=3e-4, shared_p=10.0, freeze_blocks=4)
 # the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
 FROZEN = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
           "visual.positional_embedding", "visual.ln_pre.")
@@ -76,9 +82,10 @@ def get_args(argv=None):
                    help="decode every image once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/"
                         "images), reused by later runs, and train from it; default: when the disk has room for it")
     # model
-    p.add_argument("--preset", default="auto", choices=["auto", "paper", "mini", "scratch"],
+    p.add_argument("--preset", default="auto", choices=["auto", "paper", "mini", "compare", "scratch"],
                    help="auto: paper when OpenAI's weights are found (or --clip names a file), else mini (the "
-                        "small CLIP pretrained on synthetic scenes, in assets/); scratch: a small model from nothing")
+                        "small CLIP pretrained on synthetic scenes, in assets/); compare: mini whose inter blocks learn to "
+                        "compare (not the paper's); scratch: a small model from nothing")
     p.add_argument("--clip", type=clip_load.weights_arg, default=None,
                    help=f"CLIP weights: a path, ViT-B/32 (downloaded) or a shipped {' or '.join(clip_load.SHIPPED)} "
                         f"{pre('clip')}")
@@ -86,10 +93,10 @@ def get_args(argv=None):
     p.add_argument("--image-size", type=at_least(1), default=None,
                    help=f"input size (a CLIP file has its own) {pre('image_size')}")
     p.add_argument("--context-length", type=at_least(2), default=32, help="caption tokens incl. start/end")
-    p.add_argument("--shared-p", type=at_least(0.0, float), default=0.0,
+    p.add_argument("--shared-p", type=at_least(0.0, float), default=None,
                    help="not the paper's: initialize p alike for a patch's position in both images, each position's "
                         "code of this norm (model.share_joint_positions_; RESULTS.md \"Teaching the inter blocks to "
-                        "compare\"); 0: the authors' random p")
+                        f"compare\"); 0: the authors' random p {pre('shared_p')}")
     for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
         p.add_argument(f"--{name}", type=at_least(1), default=None, help=f"model size {pre(name.replace('-', '_'))}")
     # optimization
@@ -97,9 +104,10 @@ def get_args(argv=None):
     p.add_argument("--batch-size", type=at_least(1), default=None, help=f"pairs per step {pre('batch_size')}")
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None, help=f"lr of e1, e2, p, ln_mid {pre('lr_new')}")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help=f"lr of CLIP's weights {pre('lr_clip')}")
-    p.add_argument("--freeze-intra", action="store_true",
-                   help="not the paper's: CLIP's intra blocks frozen; the inter blocks, the text tower (at --lr-clip) "
-                        "and e1, e2, p, ln_mid train (RESULTS.md \"Teaching the inter blocks to compare\")")
+    p.add_argument("--freeze-blocks", type=at_least(0), default=None,
+                   help="not the paper's: CLIP's first N image blocks frozen (4 of 4 + 2: the intra blocks); the rest, "
+                        "the text tower (at --lr-clip) and e1, e2, p, ln_mid train (RESULTS.md \"Teaching the inter "
+                        f"blocks to compare\") {pre('freeze_blocks')}")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
                    help=f"AdamW weight decay, matrices only {pre('weight_decay')}")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=0.1,
@@ -124,7 +132,7 @@ def get_args(argv=None):
         # the paper's settings for any CLIP file, or OpenAI's found in the cache; the mini CLIP's own otherwise
         cached = args.clip is None and (clip_load.CACHE / "ViT-B-32.pt").is_file()
         args.preset = "paper" if args.clip not in (None, *clip_load.SHIPPED) or cached else "mini"
-    for k, v in PRESETS[args.preset].items():  # a flag given on the command line wins over the preset
+    for k, v in {"shared_p": 0.0, "freeze_blocks": 0, **PRESETS[args.preset]}.items():  # a flag given wins
         if getattr(args, k, None) is None:
             setattr(args, k, v)
     # each flag's own range is checked by its argparse type; what is left depends on two flags (a CLIP file's
@@ -179,17 +187,17 @@ def contrastive_loss(v, g, logit_scale):
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
 
 
-def lr_rule(args, n_intra=0):
+def lr_rule(args):
     """The learning-rate rule, parameter name -> learning rate (None: frozen): the new pair parameters at lr_new,
-    CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and with --freeze-intra the `n_intra`
-    intra blocks too. Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors
+    CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and the first --freeze-blocks image
+    blocks. Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors
     (train_utils.param_groups)."""
     def lr(name):
         if name.startswith(PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # 12 + 0: e1, e2, p, ln_mid are never used
-        intra = name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < n_intra
-        if (args.clip and name.startswith(FROZEN)) or (args.freeze_intra and intra):
-            return None  # --freeze-intra: the intra blocks keep what pretraining taught them, the inter blocks learn
+        first = name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < args.freeze_blocks
+        if (args.clip and name.startswith(FROZEN)) or first:
+            return None  # --freeze-blocks: the intra blocks keep what pretraining taught them, the inter blocks learn
         return args.lr_clip
     return lr
 
@@ -283,7 +291,7 @@ def fmt(m):
 def banner(ctx, args):
     """What is being adapted, said plainly, and every setting."""
     log(f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
-    if args.preset == "mini" and args.clip in clip_load.SHIPPED:
+    if args.preset in ("mini", "compare") and args.clip in clip_load.SHIPPED:
         log(f"   no OpenAI weights given or found: adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that "
             f"ships in assets/ ({clip_load.SHIPPED[args.clip][0]}, made by pretrain.py; the paper in miniature, "
             f"a CPU demo; --preset scratch trains a small model from nothing instead). For the paper's results "
@@ -372,7 +380,7 @@ def main(argv=None):
     splits, cache, loader = load_data(args, root, ctx)
 
     # what trains at which rate (lr_rule, above), the optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
-    rule = lr_rule(args, model.cfg.vision_layers - model.cfg.n_inter)
+    rule = lr_rule(args)
     freeze(model.named_parameters(), rule)
     log("   what trains:\n" + policy_table(model.named_parameters(), rule))
     groups = param_groups(model.named_parameters(), rule, args.weight_decay)

@@ -161,14 +161,16 @@ def paper_adapt_args(n_inter=3):
     return get_args(["--preset", "paper", "--n-inter", str(n_inter)])
 
 
-def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=False):
-    """adapt.py's training step on a random-weight ViT-B/32: its frozen set, two learning rates, fused AdamW,
-    schedule and clipping (train_utils.train_step), images arriving as uint8 and normalized on the device.
-    graphs: the whole step captured as one CUDA graph (train_utils.GraphedStep, adapt.py --cuda-graphs)."""
+def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=False, cfg=None):
+    """adapt.py's training step on a random-weight ViT-B/32 (or a CLIP of `cfg`): its frozen set, two learning
+    rates, fused AdamW, schedule and clipping (train_utils.train_step), images arriving as uint8 and normalized on
+    the device. graphs: the whole step captured as one CUDA graph (train_utils.GraphedStep, adapt.py --cuda-graphs),
+    with compile too: the compiled step inside the graph."""
     from adapt import PairText, contrastive_loss, lr_rule
     import clip_load
     args = paper_adapt_args()
-    model = vit_b32(device).train()
+    model = (CLIP(cfg).to(device) if cfg else vit_b32(device)).train()
+    size = model.cfg.image_resolution
     net = torch.compile(PairText(model)) if compile else PairText(model)
     freeze(model.named_parameters(), lr_rule(args))
     groups = param_groups(model.named_parameters(), lr_rule(args), args.weight_decay)
@@ -177,7 +179,7 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
     params = [p for g in groups for p in g["params"]]
     ctx = SimpleNamespace(amp=amp, device=device)
     g = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (2, batch, 3, 224, 224), dtype=torch.uint8, generator=g).to(device)
+    images = torch.randint(0, 256, (2, batch, 3, size, size), dtype=torch.uint8, generator=g).to(device)
     ids = random_ids(batch, text_len, device)
 
     def loss_fn(b):  # b: a loader's batch (uint8 images), or None for the fixed batch above
@@ -217,27 +219,29 @@ def bench_adapt(args):
     device, amp, where = device_and_amp(args)
     cfg = CLIPConfig()
     flops = adapt_step_flops(cfg, args.batch, args.text_len)
+    runs = {"ours": (False, False), "ours+compile": (True, False), "ours+graphs": (False, True),
+            "ours+compile+graphs": (True, True)}  # the compiled step inside the graph: its kernels fused, one launch
     print(f"adaptation step, ViT-B/32 9 + 3 at 224 px, batch {args.batch} pairs x {args.text_len} tokens, {where}, "
           f"torch {torch.__version__}; model FLOPs per step {flops / 1e12:.2f} T (bench.adapt_step_flops: matmuls, "
           f"backward = 2x forward)")
-    if device.type != "cuda":
-        _, step = our_adapt_step(device, amp, False, args.batch, args.text_len)
-        seconds = throughput(step, device, args.repeats, 1)
-        print(f"ours, fp32 on the CPU: {1000 * seconds:.0f} ms/step, {args.batch / seconds:.1f} pairs/s, "
-              f"{flops / seconds / 1e9:.0f} GFLOP/s")
+    if device.type != "cuda":  # fp32; on a CPU a graph step runs as it is (GraphedStep), a compiled one compiles
+        for name in args.impl or ["ours"]:
+            _, step = our_adapt_step(device, amp, runs[name][0], args.batch, args.text_len, runs[name][1])
+            seconds = throughput(step, device, args.repeats, 1)
+            print(f"{name}, fp32 on the CPU: {1000 * seconds:.0f} ms/step, {args.batch / seconds:.1f} pairs/s, "
+                  f"{flops / seconds / 1e9:.0f} GFLOP/s")
         return
     peaks = gpu_peak(device)
     print(f"GPU peak: datasheet dense bf16 {peaks[0] / 1e12 if peaks[0] else float('nan'):.0f} TFLOP/s, measured "
           f"8192^3 bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s; MFU = model FLOPs / step time / datasheet peak")
-    runs = {"ours": (False, False), "ours+compile": (True, False), "ours+graphs": (False, True)}
-    for name in args.impl:
+    for name in args.impl or list(runs):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         compiled, graphs = runs[name]
         model, step = our_adapt_step(device, amp, compiled, args.batch, args.text_len, graphs)
-        how = ", compiled" if compiled else ", one CUDA graph" if graphs else ""
+        how = ", compiled" * compiled + ", one CUDA graph" * graphs
         label = f"ours (fp32 weights, bf16 autocast{how})"
-        seconds = throughput(step, device, args.repeats, warmup=3 if name != "ours+compile" else 5)
+        seconds = throughput(step, device, args.repeats, warmup=5 if compiled else 3)
         report_step(label, seconds, args.batch, flops, peaks, device)
         if args.profile and name in args.profile:  # where its GPU time goes: CUDA time by kernel, largest first
             from torch.profiler import ProfilerActivity, profile
@@ -363,8 +367,9 @@ def get_args(argv=None):
     q = add("adapt", "one ViT-B/32 adaptation training step (eager, compiled, one CUDA graph): pairs/s, MFU, memory")
     q.add_argument("--batch", type=at_least(1), default=128, help="pairs per step (paper: 128)")
     q.add_argument("--text-len", type=at_least(1), default=32, help="caption tokens (paper: 32)")
-    impls = ["ours", "ours+compile", "ours+graphs"]
-    q.add_argument("--impl", nargs="+", default=impls, choices=impls, help="which steps to time (CUDA)")
+    impls = ["ours", "ours+compile", "ours+graphs", "ours+compile+graphs"]
+    q.add_argument("--impl", nargs="+", default=None, choices=impls, help="which steps to time (default: all on "
+                   "CUDA, ours on a CPU)")
     q.add_argument("--profile", nargs="*", default=[], choices=impls,
                    help="also print a kernel profile of these --impl steps")
     common(q, repeats=20)

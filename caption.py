@@ -45,6 +45,9 @@ PRESETS = {
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
                   freeze_encoder=False, epochs=50, reverse=False, mem_diff=False, mem_pool=1),
 }
+# for adapt.py --preset compare, whose inter blocks learned to compare: mini without after minus before, which would
+# do the comparing for them (RESULTS.md "Teaching the inter blocks to compare")
+PRESETS["compare"] = dict(PRESETS["mini"], mem_diff=False)
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
 MAX_LEN = 32  # most tokens a caption gets, <eos> included (the paper's)
@@ -281,8 +284,9 @@ def get_args(argv=None):
     p.add_argument("--out", default="captioner.pt", help="where the best captioner goes (+ .last.pt to resume)")
     p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
     p.add_argument("--resume", action="store_true", help="continue the run that writes --out from its last epoch")
-    p.add_argument("--preset", choices=["auto", "mini", "paper"], default="auto", help="defaults for the flags "
-                   "left unset: auto = mini for adapt.py's small encoders, paper for ViT-B/32")
+    p.add_argument("--preset", choices=["auto", "mini", "compare", "paper"], default="auto", help="defaults for the "
+                   "flags left unset: auto = compare after adapt.py --preset compare, mini for its other small "
+                   "encoders, paper for ViT-B/32")
     p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
                    help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
@@ -354,10 +358,11 @@ def get_args(argv=None):
 
 
 def apply_preset(args, ckpt_info):
-    """auto: mini for adapt.py's small encoders (the shipped mini CLIP, adapted or raw, and the from-scratch one),
-    paper for a ViT-B/32 (OpenAI's, adapted or raw)."""
+    """auto: compare after adapt.py --preset compare, mini for the other small encoders (the shipped mini CLIP,
+    adapted or raw, and the from-scratch one), paper for a ViT-B/32 (OpenAI's, adapted or raw)."""
     small = args.ckpt in clip_load.SHIPPED or ckpt_info.get("config", {}).get("vision_width", 768) < 768  # raw mini
-    name = args.preset if args.preset != "auto" else ("mini" if small else "paper")
+    compare = ckpt_info.get("args", {}).get("preset") == "compare"  # adapted with adapt.py --preset compare
+    name = args.preset if args.preset != "auto" else ("compare" if compare else "mini" if small else "paper")
     for k, v in PRESETS[name].items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -2236,7 +2236,7 @@ def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch, d
 
 @pytest.mark.slow
 def test_compare_recipe_trains_the_inter_blocks_alone(adapt_synth, tmp_path, monkeypatch):
-    """adapt.py --freeze-intra --shared-p (the recipe that teaches the inter blocks to compare, not the paper's):
+    """adapt.py --freeze-blocks --shared-p (the recipe that teaches the inter blocks to compare, not the paper's):
     p starts alike for a patch's position in both images, of the given norm, none on [CLS]; through an epoch of
     steps the intra blocks stay bit-identical while the inter blocks, the text tower and e1, e2, p, ln_mid move.
     Without the flags every block moves and p starts independently drawn (the authors')."""
@@ -2245,7 +2245,7 @@ def test_compare_recipe_trains_the_inter_blocks_alone(adapt_synth, tmp_path, mon
     monkeypatch.setattr(adapt, "new_model", lambda args: made.append(real(args)) or copy.deepcopy(made[-1]))
     argv = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "1", "--vision-layers", "3", "--image-size",
                          "48", "--lr-clip", "1e-3"]  # 2 intra + 1 inter blocks, a 3x3 grid
-    adapt.main(argv + ["--freeze-intra", "--shared-p", "5", "--out", str(tmp_path / "a.pt")])
+    adapt.main(argv + ["--freeze-blocks", "2", "--shared-p", "5", "--out", str(tmp_path / "a.pt")])
     adapt.main(argv + ["--out", str(tmp_path / "b.pt")])
     for start, name, recipe in ((made[0], "a", True), (made[1], "b", False)):
         p = start.visual.joint_positional_embedding.detach()
@@ -2632,12 +2632,16 @@ def test_training_rule_in_plain_sight():
     assert rows["visual.conv1"][0] == "frozen" and rows["token_embedding"][0] == "frozen"
     assert rows["visual.transformer.resblocks"][:2] == ["lr", "1e-07"] and rows["visual.bef_embedding"][1] == "0.0001"
     assert sum(int(r[-1].replace(",", "")) for r in rows.values()) == sum(p.numel() for p in m.parameters())
-    # --freeze-intra: the intra blocks (here 2 of 4) frozen and given no gradient; the inter blocks and the text
-    # tower train at --lr-clip
+    # --freeze-blocks: the intra blocks (here 2 of 4) frozen and given no gradient; the inter blocks and the text
+    # tower train at --lr-clip. The compare preset freezes its 4 intra blocks; for 6 + 0 (--n-inter 0) the same
+    # flag leaves the last blocks training, each image alone, and e1, e2, p, ln_mid unused
     m = M.CLIP(cfg)
-    args = adapt.get_args(["--clip", A_FILE, "--freeze-intra", "--lr-clip", "3e-4"])
-    assert args.freeze_intra and not adapt.get_args(["--clip", A_FILE]).freeze_intra
-    train_utils.freeze(m.named_parameters(), adapt.lr_rule(args, cfg.vision_layers - cfg.n_inter))
+    args = adapt.get_args(["--clip", A_FILE, "--freeze-blocks", "2", "--lr-clip", "3e-4"])
+    assert adapt.get_args(["--clip", A_FILE]).freeze_blocks == 0 and adapt.get_args(["--preset", "compare"]).freeze_blocks == 4
+    rule_6_0 = adapt.lr_rule(adapt.get_args(["--preset", "compare", "--n-inter", "0"]))
+    assert rule_6_0("visual.transformer.resblocks.3.mlp.c_fc.weight") is None and rule_6_0("visual.bef_embedding") is None
+    assert rule_6_0("visual.transformer.resblocks.4.mlp.c_fc.weight") == 3e-4 == rule_6_0("visual.proj")
+    train_utils.freeze(m.named_parameters(), adapt.lr_rule(args))
     blocks = m.visual.transformer.resblocks
     assert [all(p.requires_grad for p in b.parameters()) for b in blocks] == [False, False, True, True]
     x, ids = torch.randn(2, 3, 64, 64), bench.random_ids(2, 24, "cpu")
@@ -2702,6 +2706,10 @@ def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     assert rule("captioner.decoder.0.attn.q_proj.weight") == 2e-4 and rule("clip.transformer.ln_1") is None
     assert rule("clip.visual.conv1.weight") == 1e-6 and rule("clip.visual.bef_embedding") is None
     assert caption.lr_rule(args, 3)("clip.visual.bef_embedding") is None  # frozen encoder (the mini preset)
+    # after adapt.py --preset compare: mini without after minus before (the inter blocks compare)
+    args = caption.get_args(["--ckpt", "mini-synth"])
+    assert caption.apply_preset(args, {"args": {"preset": "compare"}}) == "compare" and args.mem_diff is False
+    assert all(getattr(args, k) == v for k, v in caption.PRESETS["mini"].items() if k != "mem_diff")
 
 
 @pytest.mark.slow
@@ -2748,6 +2756,22 @@ def test_bench_adapt_runs_on_cpu(capsys):
     assert re.search(r"ours, fp32 on the CPU: \d+ ms/step", capsys.readouterr().out)
 
 
+@pytest.mark.slow
+def test_bench_compiled_step_inside_the_graph_trains_as_eager():
+    """`bench.py adapt --impl ours+compile+graphs` (the compiled step inside the CUDA graph) on the CPU, where the
+    graph step runs as it is and the compile is real (inductor): from the same weights its first steps' losses are
+    the eager step's (TINY: a 4 x 4 grid, two heads), so on the GPU only the capture is new."""
+    cpu, losses = torch.device("cpu"), []
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for compiled, graphs in ((False, False), (True, True)):
+        torch.manual_seed(0)
+        _, step = bench.our_adapt_step(cpu, train_utils.autocast(cpu), compiled, 4, 24, graphs, cfg=TINY)
+        losses.append(torch.stack([step().detach() for _ in range(3)]))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the model went through the compiler
+    assert losses[0][0] > losses[0][2] and torch.allclose(losses[0], losses[1], rtol=1e-4), losses
+
+
 def test_warmup_cosine_is_the_authors_schedule():
     """train_utils.warmup_cosine, step by step against its formula: the rate climbs linearly from lr / warmup at
     step 0 to the full lr at the last warmup step, then falls along a half cosine to 0 at the last step; each
@@ -2775,7 +2799,7 @@ def _steps(graphed, n=5):
     model = M.CLIP(TINY)
     net = adapt.PairText(model)
     rule = adapt.lr_rule(SimpleNamespace(clip="a CLIP file", n_inter=TINY.n_inter, lr_new=3e-3, lr_clip=1e-3,
-                                         freeze_intra=False))
+                                         freeze_blocks=0))
     train_utils.freeze(model.named_parameters(), rule)
     groups = train_utils.param_groups(model.named_parameters(), rule, 0.2)
     optimizer = train_utils.make_optimizer(groups, "cpu", capturable=graphed)
