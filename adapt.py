@@ -84,8 +84,8 @@ def get_args(argv=None):
     # model
     p.add_argument("--preset", default="auto", choices=["auto", "paper", "mini", "compare", "scratch"],
                    help="auto: paper when OpenAI's weights are found (or --clip names a file), else mini (the "
-                        "small CLIP pretrained on synthetic scenes, in assets/); compare: mini whose inter blocks learn to "
-                        "compare (not the paper's); scratch: a small model from nothing")
+                        "small CLIP pretrained on synthetic scenes, in assets/); compare: mini whose inter blocks "
+                        "learn to compare (not the paper's); scratch: a small model from nothing")
     p.add_argument("--clip", type=clip_load.weights_arg, default=None,
                    help=f"CLIP weights: a path, ViT-B/32 (downloaded) or a shipped {' or '.join(clip_load.SHIPPED)} "
                         f"{pre('clip')}")

@@ -2637,9 +2637,11 @@ def test_training_rule_in_plain_sight():
     # flag leaves the last blocks training, each image alone, and e1, e2, p, ln_mid unused
     m = M.CLIP(cfg)
     args = adapt.get_args(["--clip", A_FILE, "--freeze-blocks", "2", "--lr-clip", "3e-4"])
-    assert adapt.get_args(["--clip", A_FILE]).freeze_blocks == 0 and adapt.get_args(["--preset", "compare"]).freeze_blocks == 4
+    assert adapt.get_args(["--clip", A_FILE]).freeze_blocks == 0
+    assert adapt.get_args(["--preset", "compare"]).freeze_blocks == 4
     rule_6_0 = adapt.lr_rule(adapt.get_args(["--preset", "compare", "--n-inter", "0"]))
-    assert rule_6_0("visual.transformer.resblocks.3.mlp.c_fc.weight") is None and rule_6_0("visual.bef_embedding") is None
+    assert rule_6_0("visual.transformer.resblocks.3.mlp.c_fc.weight") is None
+    assert rule_6_0("visual.bef_embedding") is None
     assert rule_6_0("visual.transformer.resblocks.4.mlp.c_fc.weight") == 3e-4 == rule_6_0("visual.proj")
     train_utils.freeze(m.named_parameters(), adapt.lr_rule(args))
     blocks = m.visual.transformer.resblocks
