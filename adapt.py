@@ -96,7 +96,7 @@ def get_args(argv=None):
     p.add_argument("--shared-p", type=at_least(0.0, float), default=None,
                    help="not the paper's: initialize p alike for a patch's position in both images, each position's "
                         "code of this norm (model.share_joint_positions_; RESULTS.md \"Teaching the inter blocks to "
-                        f"compare\"); 0: the authors' random p {pre('shared_p')}")
+                        f"compare\"); 0 (the other presets): the authors' random p {pre('shared_p')}")
     for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
         p.add_argument(f"--{name}", type=at_least(1), default=None, help=f"model size {pre(name.replace('-', '_'))}")
     # optimization
@@ -107,7 +107,7 @@ def get_args(argv=None):
     p.add_argument("--freeze-blocks", type=at_least(0), default=None,
                    help="not the paper's: CLIP's first N image blocks frozen (4 of 4 + 2: the intra blocks); the rest, "
                         "the text tower (at --lr-clip) and e1, e2, p, ln_mid train (RESULTS.md \"Teaching the inter "
-                        f"blocks to compare\") {pre('freeze_blocks')}")
+                        f"blocks to compare\"); the other presets: 0 {pre('freeze_blocks')}")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
                    help=f"AdamW weight decay, matrices only {pre('weight_decay')}")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=0.1,
