@@ -197,7 +197,7 @@ def lr_rule(args):
             return args.lr_new if args.n_inter > 0 else None  # 12 + 0: e1, e2, p, ln_mid are never used
         first = name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < args.freeze_blocks
         if (args.clip and name.startswith(FROZEN)) or first:
-            return None  # --freeze-blocks: the intra blocks keep what pretraining taught them, the inter blocks learn
+            return None  # --freeze-blocks: the first blocks keep what pretraining taught them (compare: the intra)
         return args.lr_clip
     return lr
 

@@ -214,19 +214,24 @@ def report_step(label, seconds, batch, flops, peaks, device):
           flush=True)
 
 
+# bench.py adapt --impl: name -> (compiled, one CUDA graph); both: the compiled step inside the graph, its kernels
+# fused and launched at once (the step toward 40 % MFU, BENCHMARKS.md)
+ADAPT_IMPLS = {"ours": (False, False), "ours+compile": (True, False), "ours+graphs": (False, True),
+               "ours+compile+graphs": (True, True)}
+
+
 def bench_adapt(args):
     """One training step as adapt.py's paper preset runs it: eager, compiled, captured as one CUDA graph."""
     device, amp, where = device_and_amp(args)
     cfg = CLIPConfig()
     flops = adapt_step_flops(cfg, args.batch, args.text_len)
-    runs = {"ours": (False, False), "ours+compile": (True, False), "ours+graphs": (False, True),
-            "ours+compile+graphs": (True, True)}  # the compiled step inside the graph: its kernels fused, one launch
     print(f"adaptation step, ViT-B/32 9 + 3 at 224 px, batch {args.batch} pairs x {args.text_len} tokens, {where}, "
           f"torch {torch.__version__}; model FLOPs per step {flops / 1e12:.2f} T (bench.adapt_step_flops: matmuls, "
           f"backward = 2x forward)")
     if device.type != "cuda":  # fp32; on a CPU a graph step runs as it is (GraphedStep), a compiled one compiles
         for name in args.impl or ["ours"]:
-            _, step = our_adapt_step(device, amp, runs[name][0], args.batch, args.text_len, runs[name][1])
+            compiled, graphs = ADAPT_IMPLS[name]
+            _, step = our_adapt_step(device, amp, compiled, args.batch, args.text_len, graphs)
             seconds = throughput(step, device, args.repeats, 1)
             print(f"{name}, fp32 on the CPU: {1000 * seconds:.0f} ms/step, {args.batch / seconds:.1f} pairs/s, "
                   f"{flops / seconds / 1e9:.0f} GFLOP/s")
@@ -234,10 +239,10 @@ def bench_adapt(args):
     peaks = gpu_peak(device)
     print(f"GPU peak: datasheet dense bf16 {peaks[0] / 1e12 if peaks[0] else float('nan'):.0f} TFLOP/s, measured "
           f"8192^3 bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s; MFU = model FLOPs / step time / datasheet peak")
-    for name in args.impl or list(runs):
+    for name in args.impl or list(ADAPT_IMPLS):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        compiled, graphs = runs[name]
+        compiled, graphs = ADAPT_IMPLS[name]
         model, step = our_adapt_step(device, amp, compiled, args.batch, args.text_len, graphs)
         how = ", compiled" * compiled + ", one CUDA graph" * graphs
         label = f"ours (fp32 weights, bf16 autocast{how})"
@@ -367,10 +372,9 @@ def get_args(argv=None):
     q = add("adapt", "one ViT-B/32 adaptation training step (eager, compiled, one CUDA graph): pairs/s, MFU, memory")
     q.add_argument("--batch", type=at_least(1), default=128, help="pairs per step (paper: 128)")
     q.add_argument("--text-len", type=at_least(1), default=32, help="caption tokens (paper: 32)")
-    impls = ["ours", "ours+compile", "ours+graphs", "ours+compile+graphs"]
-    q.add_argument("--impl", nargs="+", default=None, choices=impls, help="which steps to time (default: all on "
-                   "CUDA, ours on a CPU)")
-    q.add_argument("--profile", nargs="*", default=[], choices=impls,
+    q.add_argument("--impl", nargs="+", default=None, choices=list(ADAPT_IMPLS),
+                   help="which steps to time (default: all on CUDA, ours on a CPU)")
+    q.add_argument("--profile", nargs="*", default=[], choices=list(ADAPT_IMPLS),
                    help="also print a kernel profile of these --impl steps")
     common(q, repeats=20)
     q = add("e2e", "adapt.py's loop with its data: the loader, the step, the loop; projected to CLEVR-Change")

@@ -46,7 +46,7 @@ PRESETS = {
                   freeze_encoder=False, epochs=50, reverse=False, mem_diff=False, mem_pool=1),
 }
 # for adapt.py --preset compare, whose inter blocks learned to compare: mini without after minus before, which would
-# do the comparing for them (RESULTS.md "Teaching the inter blocks to compare")
+# do the comparing for them (RESULTS.md "The compare preset")
 PRESETS["compare"] = dict(PRESETS["mini"], mem_diff=False)
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
