@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import clip_load
 import data
 import plots
-from model import CLIP, PAIR_KEYS, CLIPConfig, share_joint_positions_
+from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, share_joint_positions_
 from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, check_sizes, device_arg, freeze, interrupted,
                          last_path, load_resume, log, make_optimizer, no_state, param_groups, policy_table, restore,
                          rng_state, save_atomic, setup, train_epoch, warmup_cosine, where)
@@ -58,9 +58,6 @@ PRESETS = {
 # what pretraining taught them), the rest at 3e-4, p alike for a position in both images, 6 epochs (RESULTS.md
 # "Teaching the inter blocks to compare"); caption.py's compare preset has no after minus before
 PRESETS["compare"] = dict(PRESETS["mini"], epochs=6, lr_clip=3e-4, shared_p=10.0, freeze_blocks=4)
-# the authors keep CLIP's input embeddings fixed: token/positional embeddings, patchify conv, [CLS], ln_pre
-FROZEN = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
-          "visual.positional_embedding", "visual.ln_pre.")
 
 
 def get_args(argv=None):
@@ -196,7 +193,7 @@ def lr_rule(args):
         if name.startswith(PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # 12 + 0: e1, e2, p, ln_mid are never used
         first = name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < args.freeze_blocks
-        if (args.clip and name.startswith(FROZEN)) or first:
+        if (args.clip and name.startswith(INPUT_EMBEDDINGS)) or first:
             return None  # --freeze-blocks: the first blocks keep what pretraining taught them (compare: the intra)
         return args.lr_clip
     return lr

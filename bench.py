@@ -23,9 +23,11 @@ from train_utils import (GraphedStep, HelpFormatter, at_least, autocast, device_
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
 
-SIZES = {  # captioner sizes and the pair-encoder memory they read, as caption.py's presets build them
-    "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, memory_dim=512, memory_len=100),  # ViT-B/32
-    "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, memory_dim=128, memory_len=74),  # 12x12, pooled
+SIZES = {  # the captioners caption.py's presets build, and the pair-encoder memory they read
+    "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, memory_dim=512, memory_len=100,  # ViT-B/32
+                  vocab_size=49408),  # the authors' captioner, CLIP's BPE (its own copy here: the same arithmetic)
+    "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, memory_dim=128, memory_len=74,  # 12x12, pooled
+                 vocab_size=100, post_ln=False, mem_proj=True, mem_image=True, mem_diff=True),
 }
 
 
@@ -49,15 +51,16 @@ def timed(fn, device, repeats):
 
 def bench_decode(args):
     device, amp, where = device_and_amp(args)
-    print(f"greedy decoding, batch {args.batch}, {args.max_len} tokens per caption, vocabulary {args.vocab}, "
-          f"{where}, torch {torch.__version__}")
-    print(f"{'captioner':<34} {'cache':>5} {'captions/s':>11} {'ms/step':>8} {'speedup':>8}")
+    print(f"greedy decoding, batch {args.batch}, {args.max_len} tokens per caption, {where}, torch "
+          f"{torch.__version__}")
+    print(f"{'captioner':<44} {'cache':>5} {'captions/s':>11} {'ms/step':>8} {'speedup':>8}")
     torch.manual_seed(0)
     for name in args.sizes:
-        cfg = CaptionerConfig(vocab_size=args.vocab, max_len=args.max_len, dropout=0.0, **SIZES[name])
+        cfg = CaptionerConfig(**{**SIZES[name], "max_len": args.max_len, "dropout": 0.0,
+                                 "vocab_size": args.vocab or SIZES[name]["vocab_size"]})
         model = Captioner(cfg).to(device).eval()
         memory = torch.randn(args.batch, cfg.memory_len, cfg.memory_dim, device=device)
-        label = f"{name}: {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide"
+        label = f"{name}: {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide, {cfg.vocab_size} words"
         results = {}
         for use_kv_cache in (True, False):
             def run():
@@ -67,7 +70,7 @@ def bench_decode(args):
         for use_kv_cache in (True, False):
             seconds = results[use_kv_cache][0]
             speedup = f"{results[False][0] / seconds:.1f}x" if use_kv_cache else "1.0x"
-            print(f"{label:<34} {'yes' if use_kv_cache else 'no':>5} {args.batch / seconds:>11.1f} "
+            print(f"{label:<44} {'yes' if use_kv_cache else 'no':>5} {args.batch / seconds:>11.1f} "
                   f"{1000 * seconds / args.max_len:>8.2f} {speedup:>8}")
         same = torch.equal(results[True][1], results[False][1])
         note = ""
@@ -76,7 +79,7 @@ def bench_decode(args):
             ids = [model.generate(memory, bos=1, eos=-1, use_kv_cache=c) for c in (True, False)]
             torch.backends.cuda.matmul.allow_tf32 = True
             note = f" (bf16); in fp32: {torch.equal(*ids)}"
-        print(f"{'':<34} identical ids with and without the cache: {same}{note}")
+        print(f"{'':<44} identical ids with and without the cache: {same}{note}")
 
 
 # -----------------------------------------------------------------------------
@@ -366,7 +369,8 @@ def get_args(argv=None):
     d = add("decode", "greedy decoding captions/s, with and without the key/value cache")
     d.add_argument("--batch", type=at_least(1), default=64, help="captions decoded together")
     d.add_argument("--max-len", type=at_least(1), default=32, help="tokens per caption (paper: at most 32)")
-    d.add_argument("--vocab", type=at_least(1), default=100, help="vocabulary size (CLEVR-Change has ~80 words)")
+    d.add_argument("--vocab", type=at_least(1), default=None,
+                   help="vocabulary size (default: the preset's, paper 49,408 BPE tokens, mini 100 words)")
     d.add_argument("--sizes", nargs="+", default=["mini", "paper"], choices=list(SIZES), help="captioner sizes")
     common(d, what="timed runs per setting (the median is reported)")
     q = add("adapt", "one ViT-B/32 adaptation training step (eager, compiled, one CUDA graph): pairs/s, MFU, memory")

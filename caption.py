@@ -2,20 +2,24 @@
 
     python caption.py --ckpt adapted.pt      # train; select on val CIDEr-D; test -> captioner.pt, captions.json
     python caption.py --ckpt captioner.pt    # evaluate a trained captioner on test (--beam 3, --gallery out.png)
+    python caption.py --ckpt pytorch_model.bin.clevr --amp off   # evaluate the authors' released captioner
     python caption.py --ckpt captioner.pt --before a.png --after b.png   # caption your own two images
 
-The pair encoder's 2(n+1) output tokens are the memory of an encoder-decoder Transformer trained with word-level
-cross entropy. The pair encoder is fine-tuned at its own tiny learning rate (authors: 1e-7) or kept frozen
-(--freeze-encoder: its tokens are then computed once per pair, the big saving on a CPU). CLEVR-Change uses the
-"total" setting in training and evaluation: (default, semantic) pairs with change captions and (default,
-non-semantic) distractor pairs with no-change captions. The model is chosen on val CIDEr-D with early stopping
-(the authors chose on test); the test scores (metrics.py: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D), CIDEr-D per change
-type (paper Table 2) and the best constant-caption baseline go to --results. The mini preset (adapt.py's small
-encoders, on a CPU) departs from the paper's captioner: README "Where the quickstart differs from the paper".
+The pair encoder's 2(n+1) output tokens are the memory of model.Captioner (the paper preset's: the authors' model;
+the mini preset's: a small pre-LN decoder, README "Where the quickstart differs from the paper"), trained with
+word-level cross entropy, the pair encoder fine-tuned at its own tiny rate or kept frozen (--freeze-encoder: its
+tokens computed once per pair, the big saving on a CPU). CLEVR-Change in the "total" setting: change pairs and
+distractor pairs (no-change captions), each with one of its captions drawn per epoch. Where training departs from
+the authors' (main_task_caption.py): change and distractor pairs are items of one shuffled batch (theirs: 16 change
+pairs, each with its distractor, two losses summed: --batch-size 32 gives their pairs a step); AdamW, cosine decay
+(theirs: BertAdam without bias correction, linear decay), weight decay on the matrices only; the model chosen on val
+CIDEr-D with early stopping (theirs on test). The test scores (metrics.py), CIDEr-D per change type (paper Table 2)
+and the best constant caption go to --results.
 """
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import asdict
 
@@ -28,56 +32,73 @@ import data
 import metrics
 import plots
 import synth
-from model import PAIR_KEYS, Captioner, CaptionerConfig
+from model import INPUT_EMBEDDINGS, PAIR_KEYS, Captioner, CaptionerConfig
 from train_utils import (HelpFormatter, Progress, at_least, device_arg, flag_error, fmt_time, freeze, interrupted,
                          last_path, load_resume, log, make_optimizer, no_state, param_groups, policy_table, restore,
                          rng_state, save_atomic, setup, train_epoch, warmup_cosine, where)
 
 PRESETS = {
-    # CPU, adapt.py's small encoders (mini, scratch), frozen: its tokens are computed once per pair. A decoder
-    # reads the memory directly, with no captioner encoder layers (the pair encoder's inter blocks already mix
-    # the two images). Three more departures from the paper, each explained at its flag: --mem-diff, --mem-pool,
-    # --reverse (README "Where the quickstart differs from the paper"; a fourth, model.Captioner's which-image
-    # vectors, is in every preset)
+    # CPU, adapt.py's small encoders (mini, scratch), frozen: its tokens are computed once per pair. A 2-layer
+    # pre-LN decoder with its own small vocabulary reads the memory directly, with no captioner encoder layers (the
+    # pair encoder's inter blocks already mix the two images). Each departure from the authors' captioner is
+    # explained at its flag (README "Where the quickstart differs from the paper")
     "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
-                 freeze_encoder=True, epochs=15, reverse=None, mem_diff=True, mem_pool=None),
-    # the authors' settings (paper Sec. 4.2 and their code): 3+3 layers, 512 wide, encoder fine-tuned at 1e-7
-    "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
-                  freeze_encoder=False, epochs=50, reverse=False, mem_diff=False, mem_pool=1),
+                 freeze_encoder=True, epochs=15, reverse=None, mem_diff=True, mem_pool=None, vocab="words",
+                 post_ln=False, mem_proj=True, mem_image=True),
+    # the authors' (their code and scripts/caption_clevr.sh): their captioner (model.Captioner's defaults), CLIP's
+    # BPE words tied in, the pair encoder fine-tuned at 1e-4 x 1e-3
+    "paper": dict(width=None, heads=None, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
+                  freeze_encoder=False, epochs=50, reverse=False, mem_diff=False, mem_pool=1, vocab="clip",
+                  post_ln=True, mem_proj=False, mem_image=False),
 }
 # for adapt.py --preset compare, whose inter blocks learned to compare: mini without after minus before, which would
 # do the comparing for them (RESULTS.md "The compare preset")
 PRESETS["compare"] = dict(PRESETS["mini"], mem_diff=False)
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
-MAX_LEN = 32  # most tokens a caption gets, <eos> included (the paper's)
+MAX_LEN = 32  # most tokens a caption gets, the end token included (the authors' --max_words)
 CHANGE_TYPES = ("color", "material", "move", "add", "drop", "distractor")
+FORMAT = 2  # captioner.pt's layout: 2 since the authors' captioner became model.Captioner (1: before, no "format")
+FORMAT_COMMIT = "the authors' captioner commit"  # the commit that changed it (named in the error for older files)
 
 
 # -----------------------------------------------------------------------------
-# word-level vocabulary (the paper's word-level cross entropy), built from the training captions
+# the words: CLIP's BPE tokens (the authors'), or a word-level vocabulary built from the training captions (mini)
 
 
 def words(sentence):
     return metrics.tokenize(sentence).split()  # PTB-style, as the evaluation sees it
 
 
-def build_vocab(captions):
+def build_vocab(captions, kind="words"):
+    if kind == "clip":
+        return clip_load.bpe_tokens()  # CLIP's 49,408 tokens in id order
     return SPECIALS + sorted({w for c in captions for w in words(c)})
 
 
+def is_bpe(vocab):
+    return vocab[-1] == "<|endoftext|>"  # CLIP's last token
+
+
 def encode_captions(items, vocab, max_len):
-    """All captions of all items, in order -> word ids (N_captions, max_len + 1) = <bos> words <eos> <pad>..."""
+    """All captions of all items, in order -> ids (N_captions, max_len + 1) = start, words (at most max_len - 1),
+    end, padding 0 (the authors' dataloader_clevr_caption.py 152-172, there with CLIP's BPE)."""
     index = {w: i for i, w in enumerate(vocab)}
+    start, end = (clip_load.SOT, clip_load.EOT) if is_bpe(vocab) else (BOS, EOS)
     rows = []
     for it in items:
         for c in it.captions:
-            ids = [BOS] + [index.get(w, UNK) for w in words(c)][:max_len - 1] + [EOS]
+            ids = clip_load.encode(c) if is_bpe(vocab) else [index.get(w, UNK) for w in words(c)]
+            ids = [start] + ids[:max_len - 1] + [end]
             rows.append(ids + [PAD] * (max_len + 1 - len(ids)))
     return torch.tensor(rows)
 
 
 def to_text(ids, vocab):
+    """Generated ids (no start token) -> the caption. BPE: decoded, then cut at the end token and at the first "!"
+    (the pad, id 0), as the authors cut it (main_task_caption.py 589-596)."""
+    if is_bpe(vocab):
+        return clip_load.decode(ids).split("<|endoftext|>")[0].split("!")[0].strip()
     ids = ids[:ids.index(EOS)] if EOS in ids else ids
     return " ".join(vocab[i] for i in ids if i not in (PAD, BOS))
 
@@ -112,9 +133,10 @@ class PairCaptioner(nn.Module):
     @torch.no_grad()
     def caption(self, beam=1, **inputs):
         mem = self.memory(**inputs)
+        start, end = (clip_load.SOT, clip_load.EOT) if self.captioner.cfg.clip_words else (BOS, EOS)
         if beam > 1:
-            return self.captioner.beam_search(mem, BOS, EOS, beam)
-        return self.captioner.generate(mem, BOS, EOS)
+            return self.captioner.beam_search(mem, start, end, beam)
+        return self.captioner.generate(mem, start, end)
 
 
 def model_inputs(batch, device, frozen):
@@ -139,42 +161,69 @@ def encode_all(model, loader, ctx, both_ways=False):
     return torch.cat(out + back)
 
 
-def build(ckpt, device, ckpt_info):
-    """A captioner checkpoint (caption.py's own) -> (PairCaptioner model, vocab)."""
-    clip = clip_load.load_clip(ckpt, device)
-    captioner = Captioner(CaptionerConfig(**ckpt_info["captioner_config"]))
-    captioner.load_state_dict(ckpt_info["captioner"])
-    return PairCaptioner(clip, captioner).to(device).eval(), ckpt_info["vocab"]
+def load_captioner(path, device="cpu"):
+    """A captioner file -> (PairCaptioner in eval mode, vocab): ours (caption.py's captioner.pt) or the authors'
+    released one (their `clip.*` / `decoder.*` state dict, e.g. pytorch_model.bin.clevr: their captioner is
+    model.Captioner's defaults with CLIP's words, heads = width / 64 as their 8 at 512, n_inter 3 as their 9 + 3)."""
+    sd, extra = clip_load.read_state_dict(path := clip_load.resolve(path))
+    if extra.get("stage") == "caption" and extra.get("format") != FORMAT:
+        raise SystemExit(f"{path} is a captioner.pt from before {FORMAT_COMMIT} changed its layout: evaluate it "
+                         f"after `git checkout fe39aa0`, or train a captioner again")
+    if extra.get("stage") != "caption" and not extra.get("decoder"):
+        raise SystemExit(f"{path} is not a captioner but {'an adapted encoder' if extra.get('stage') else 'a CLIP'} "
+                         f"(no decoder in it): train one on it with `python caption.py --ckpt {path}`")
+    clip = clip_load.build_clip(sd, extra, path)
+    if "decoder" in extra:  # the authors'
+        state, enc, dec = clip_load.authors_captioner(extra["decoder"], sd, path)
+        c = clip.cfg
+        cfg = CaptionerConfig(c.vocab_size, c.embed_dim, 2 * clip.visual.positional_embedding.shape[0],
+                              c.transformer_width, max(1, c.transformer_width // 64), enc, dec, clip_words=True)
+        vocab = clip_load.bpe_tokens()
+    else:
+        state, cfg, vocab = extra["captioner"], CaptionerConfig(**extra["captioner_config"]), extra["vocab"]
+    captioner = Captioner(cfg, clip)
+    try:
+        captioner.load_state_dict(state)
+    except RuntimeError as e:  # the keys missing, unexpected or of another shape, in one line
+        raise SystemExit(f"{path}: its captioner does not fit model.Captioner: {' '.join(str(e).split())[:400]}") from None
+    return PairCaptioner(clip, captioner).to(device).eval(), vocab
 
 
 def read_ckpt_info(path):
-    """The non-model entries of our own checkpoints ({} for OpenAI's archive or a bare state dict). mmap: reading
-    the small entries of a big file costs nothing."""
+    """The non-model entries of our own checkpoints, {"stage": "caption", "authors": True} for the authors'
+    captioners (a state dict with decoder.* keys), {} for OpenAI's archive or another bare state dict. mmap:
+    reading the small entries of a big file costs nothing."""
     path = clip_load.resolve(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # TorchScript archives and legacy files: clip_load.load_clip reads them (or explains why not)
         return {}
+    if isinstance(obj, dict) and any(str(k).removeprefix("module.").startswith("decoder.") for k in obj):
+        return {"stage": "caption", "authors": True}
     return {k: v for k, v in obj.items() if k != "model"} if isinstance(obj, dict) and "model" in obj else {}
 
 
 def lr_rule(args, n_inter):
-    """The learning-rate rule, parameter name -> learning rate (None: frozen). One case per line, with its reason.
-    Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors (train_utils.param_groups)."""
+    """The learning-rate rule, parameter name -> learning rate (None: frozen); the authors' is main_task_caption.py
+    640-667 with --freeze_layer_num 0. The captioner's own layers train from scratch at --lr; the pair encoder at
+    --encoder-lr (authors: 1e-4 x 1e-3), unless --freeze-encoder (mini: its tokens computed once, before training),
+    but for CLIP's input embeddings (as the authors keep them) and, in 6 + 0 and 12 + 0, the unused e1, e2, p,
+    ln_mid; the text tower and the logit scale take no part. With CLIP's words (a tied Parameter has one name, the
+    CLIP's) the decoder's word embeddings and output projection stay frozen, but on Spot-the-Diff, where the
+    authors train them at the pair encoder's rate. Weight decay (--weight-decay) applies to the matrices only, never
+    to 1-D tensors (train_utils.param_groups)."""
     unused = PAIR_KEYS if n_inter == 0 else ()
 
     def lr(name):
         if name.startswith("captioner."):
-            return args.lr  # the captioner, trained from scratch
-        if not name.startswith("clip.visual."):
-            return None  # the text tower and the logit scale take no part in captioning
+            return args.lr
         if args.freeze_encoder:
-            return None  # --freeze-encoder (the mini preset): its tokens are computed once, before training
-        if name[len("clip."):] in unused:
-            return None  # 12 + 0: e1, e2, p, ln_mid are never used
-        # the whole pair encoder fine-tuned end to end (authors: 1e-7), CLIP's input embeddings included: the
-        # authors froze those in adaptation only
-        return args.encoder_lr
+            return None
+        if name == "clip.token_embedding.weight" and args.vocab == "clip" and args.data == "spot":
+            return args.encoder_lr
+        inside = name[len("clip."):]
+        trained = name.startswith("clip.visual.") and not inside.startswith(INPUT_EMBEDDINGS) and inside not in unused
+        return args.encoder_lr if trained else None
     return lr
 
 
@@ -228,7 +277,7 @@ def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
     scores, by_type = score(items, preds, by_type=name == "clevr")
     seconds = time.time() - t0
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the renderer's record: what really changed
-    # the attention figure needs the changed object's place (a synthetic set); 12 + 0 has no inter block to look at
+    # the attention figure needs the changed object's place (a synthetic set); N + 0 has no inter block to look at
     explained = bool(scenes) and synth.is_synthetic(root) and model.clip.cfg.n_inter > 0
     results = {"scores": scores, "scores_by_type": by_type,
                "baseline": metrics.constant_baseline([c for it in train_items for c in it.captions],
@@ -280,7 +329,8 @@ def get_args(argv=None):
     # input, output
     p.add_argument("--ckpt", default="adapted.pt",
                    help="adapted.pt (train a captioner on it); a raw CLIP file or 'ViT-B/32' (the no-adaptation "
-                        "ablation); or a captioner.pt (evaluate it / caption images)")
+                        "ablation); or a captioner, ours (captioner.pt) or the authors' released one "
+                        "(pytorch_model.bin.clevr): evaluate it, caption images")
     p.add_argument("--out", default="captioner.pt", help="where the best captioner goes (+ .last.pt to resume)")
     p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
     p.add_argument("--resume", action="store_true", help="continue the run that writes --out from its last epoch")
@@ -297,7 +347,8 @@ def get_args(argv=None):
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
     p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None,
                    help="also train on every pair the other way round, captioned backwards (an addition becomes a "
-                        "removal): needs a synthetic set's scene records (default: on for one in the mini preset)")
+                        "removal): needs a synthetic set's scene records (default: on for one in the mini and compare "
+                        "presets)")
     p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="decode every image once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/"
@@ -305,15 +356,28 @@ def get_args(argv=None):
     # model
     p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks of the pair encoder (default: the "
                    "checkpoint's, 3 for a raw CLIP)")
-    p.add_argument("--width", type=at_least(1), default=None, help=f"captioner width {pre('width')}")
-    p.add_argument("--heads", type=at_least(1), default=None, help=f"captioner attention heads {pre('heads')}")
+    p.add_argument("--width", type=at_least(1), default=None, help="captioner width [mini, compare: 128; paper: the "
+                   "CLIP's word embeddings', 512 in ViT-B/32]")
+    p.add_argument("--heads", type=at_least(1), default=None, help="captioner attention heads [mini, compare: 4; "
+                   "paper: width / 64, the authors' 8 at 512]")
     p.add_argument("--enc-layers", type=at_least(0), default=None, help=f"captioner encoder layers {pre('enc_layers')}")
     p.add_argument("--dec-layers", type=at_least(1), default=None, help=f"captioner decoder layers {pre('dec_layers')}")
+    p.add_argument("--vocab", choices=["clip", "words"], default=None, help="clip: CLIP's BPE tokens, the CLIP's "
+                   "embeddings tied in (the authors'); words: its own, of the training captions (a small softmax for "
+                   f"a CPU; the mini CLIP's 64-wide embeddings would not fit its 128-wide memory) {pre('vocab')}")
+    p.add_argument("--post-ln", action=argparse.BooleanOptionalAction, default=None, help="BERT's post-LN layers, "
+                   "decoder layer i reading encoder layer i (the authors'); else pre-LN layers reading the last (they "
+                   f"train at 1e-3 without a tuned warmup) {pre('post_ln')}")
+    p.add_argument("--mem-proj", action=argparse.BooleanOptionalAction, default=None, help="not the authors': a "
+                   f"learned projection and position per memory token (where --width differs from it) {pre('mem_proj')}")
+    p.add_argument("--mem-image", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"not the authors': a learned vector per image added to its memory tokens {pre('mem_image')}")
     p.add_argument("--mem-diff", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"not in the paper: each memory token also gets after minus before {pre('mem_diff')}")
+                   help=f"not the authors': each memory token also gets after minus before {pre('mem_diff')}")
     p.add_argument("--mem-pool", type=at_least(1), default=None,
-                   help="not in the paper: the captioner reads each image's patch tokens averaged over k x k cells "
-                        "(the grid must divide by k) [mini: 2 on an even grid of 12x12 or more, else 1; paper: 1]")
+                   help="not the authors': the captioner reads each image's patch tokens averaged over k x k cells "
+                        "(the grid must divide by k) [mini, compare: 2 on an even grid of 12x12 or more, else 1; "
+                        "paper: 1]")
     p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout (paper 0.1)")
     # optimization
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
@@ -369,8 +433,6 @@ def apply_preset(args, ckpt_info):
     if not args.freeze_encoder and args.encoder_lr <= 0:
         flag_error("--encoder-lr", f"--no-freeze-encoder needs --encoder-lr > 0 (preset {name} has "
                                    f"{args.encoder_lr:g})")
-    if args.width % args.heads:
-        flag_error("--heads", f"{args.heads} heads do not divide the width {args.width} (--width)")
     return name
 
 
@@ -383,14 +445,15 @@ def caption_images(args, ckpt_info):
         raise SystemExit(f"--before/--after need a trained captioner: {args.ckpt} is not one (train it with "
                          f"`python caption.py --ckpt adapted.pt`, then pass --ckpt captioner.pt)")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, vocab = build(args.ckpt, device, ckpt_info=ckpt_info)
+    model, vocab = load_captioner(args.ckpt, device)
     size = model.clip.cfg.image_resolution  # any size and mode: squashed to the encoder's input, RGB
     before, after = (clip_load.load_image(p, size)[None].to(device) for p in (args.before, args.after))  # normalized
     text = to_text(model.caption(args.beam, before=before, after=after)[0].tolist(), vocab)
     print(text)
     if args.explain:
         if model.clip.cfg.n_inter == 0:
-            raise SystemExit("--explain draws the last inter block's attention: this encoder (12 + 0) has none")
+            raise SystemExit(f"--explain draws the last inter block's attention: this encoder "
+                             f"({model.clip.cfg.vision_layers} + 0) has none")
         maps = plots.encoder_maps(model, [(args.before, args.after)], size, device)[0]
         plots.explain(args.explain, plots.rgb(args.before), plots.rgb(args.after), text, maps)
         print(f"caption, images and attention maps -> {args.explain}")
@@ -398,13 +461,20 @@ def caption_images(args, ckpt_info):
 
 
 def evaluate_captioner(args, ckpt_info):
-    """--ckpt captioner.pt without --before: test scores, baseline, predictions (and --gallery) of that model."""
+    """--ckpt captioner.pt (or the authors' released captioner) without --before: test scores, baseline,
+    predictions (and --gallery) of that model. Under bf16 the authors' weights are also decoded in fp32, their
+    reference (--amp off), and the captions that differ counted."""
     ctx = setup(args.seed, args.device, args.amp)
-    model, vocab = build(args.ckpt, ctx.device, ckpt_info=ckpt_info)
+    model, vocab = load_captioner(args.ckpt, ctx.device)
     name, root = data_source(args, ckpt_info)
     train_items, test_items = (data.load_items(name, root, s, "total", args.skip_missing) for s in ("train", "test"))
     loader = loader_for(data.ImageDataset(test_items, model.clip.cfg.image_resolution), args, ctx)
-    return final_test(model, loader, train_items, test_items, vocab, args, ctx, name, root)
+    results = final_test(model, loader, train_items, test_items, vocab, args, ctx, name, root)
+    if ckpt_info.get("authors") and isinstance(ctx.amp, torch.autocast):
+        fp32 = predict(model, loader, test_items, vocab, setup(args.seed, ctx.device, "off"), args.beam)
+        differ = sum(p["caption"] != fp32[p["id"]] for p in results["predictions"])
+        log(f"bf16 against fp32 (--amp off, the reference for their weights): {differ} of {len(fp32)} captions differ")
+    return results
 
 
 # -----------------------------------------------------------------------------
@@ -428,11 +498,12 @@ def load_data(args, ckpt_info, resume, ctx):
         args.reverse = synth.is_synthetic(root)
     if args.reverse:
         splits["train"] = splits["train"] + data.reversed_pairs(splits["train"], root)
-    vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions])
+    vocab = resume["vocab"] if resume else build_vocab([c for it in splits["train"] for c in it.captions], args.vocab)
     caption_ids = encode_captions(splits["train"], vocab, MAX_LEN)
     log(f"data: {name} at {root} | pairs train {len(splits['train'])}"
         f"{' (half of them reversed, --reverse)' if args.reverse else ''} val {len(splits['val'])} test "
-        f"{len(splits['test'])} | vocabulary {len(vocab)} words | {len(caption_ids)} training captions")
+        f"{len(splits['test'])} | vocabulary {len(vocab)} {'CLIP BPE tokens' if is_bpe(vocab) else 'words'}"
+        f" | {len(caption_ids)} training captions")
     return name, root, splits, vocab, caption_ids
 
 
@@ -447,6 +518,21 @@ def resolve_mem_pool(args, clip):
     return args.mem_pool
 
 
+def resolve_sizes(args, clip):
+    """--mem-pool (resolve_mem_pool), --width and --heads for this CLIP, checked before any data is made: the paper
+    preset's width is the CLIP's word embeddings' (the authors'), its heads width / 64."""
+    resolve_mem_pool(args, clip)
+    args.width = args.width or clip.cfg.transformer_width
+    args.heads = args.heads or max(1, args.width // 64)
+    for flag, bad, why in (("--width", args.vocab == "clip" and args.width != clip.cfg.transformer_width,
+                            f"--vocab clip: the CLIP's word embeddings are {clip.cfg.transformer_width} wide"),
+                           ("--mem-proj", not args.mem_proj and args.width != clip.cfg.embed_dim,
+                            f"{args.ckpt}'s tokens are {clip.cfg.embed_dim} wide, the captioner {args.width}: pass it"),
+                           ("--heads", args.width % args.heads, f"{args.heads} heads do not divide {args.width}")):
+        if bad:
+            flag_error(flag, why)
+
+
 def new_model(args, ckpt_info, vocab, ctx, clip):
     """The pair encoder `clip` (train() loads it from --ckpt before the data: a bad --n-inter says so at once) and
     a fresh captioner over its 2(m+1) pooled tokens, in one module."""
@@ -456,8 +542,10 @@ def new_model(args, ckpt_info, vocab, ctx, clip):
     m = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // resolve_mem_pool(args, clip)) ** 2
     cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (m + 1),
                           width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
-                          max_len=MAX_LEN, dropout=args.dropout, mem_diff=args.mem_diff, mem_pool=args.mem_pool)
-    return PairCaptioner(clip, Captioner(cfg)).to(ctx.device)
+                          max_len=MAX_LEN, dropout=args.dropout, post_ln=args.post_ln, clip_words=args.vocab == "clip",
+                          mem_proj=args.mem_proj, mem_image=args.mem_image, mem_diff=args.mem_diff,
+                          mem_pool=args.mem_pool)
+    return PairCaptioner(clip, Captioner(cfg, clip)).to(ctx.device)
 
 
 def describe(ctx, model, rule, optimizer, args):
@@ -467,7 +555,8 @@ def describe(ctx, model, rule, optimizer, args):
     n_train = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
     log(f"model: pair encoder {clip.vision_layers - clip.n_inter} + {clip.n_inter} "
         f"({'frozen' if args.freeze_encoder else f'lr {args.encoder_lr:g}'}), memory {cfg.memory_len} tokens x "
-        f"{cfg.memory_dim} | captioner {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
+        f"{cfg.memory_dim} | captioner {cfg.enc_layers}+{cfg.dec_layers} {'post' if cfg.post_ln else 'pre'}-LN layers, "
+        f"{cfg.width} wide, {'the CLIP word embeddings' if cfg.clip_words else 'its own words'} | "
         f"{n_train / 1e6:.2f}M trainable parameters")
 
 
@@ -518,7 +607,7 @@ def checkpoint(model, vocab, source, args, figures):
     """What `--ckpt captioner.pt` needs to rebuild the captioner (build), plus what produced it."""
     return {"model": model.clip.state_dict(), "captioner": model.captioner.state_dict(),
             "config": asdict(model.clip.cfg), "captioner_config": asdict(model.captioner.cfg), "vocab": vocab,
-            "data": source, "args": vars(args), "metrics": figures, "stage": "caption"}
+            "data": source, "args": vars(args), "metrics": figures, "stage": "caption", "format": FORMAT}
 
 
 def resume_from(state, model, optimizer, scheduler, args):
@@ -557,9 +646,10 @@ def train(args, ckpt_info):
     preset = apply_preset(args, ckpt_info)
     resume = load_resume(args.out, "cpu") if args.resume else None
     clip = clip_load.load_clip(args.ckpt, ctx.device, args.n_inter)
-    resolve_mem_pool(args, clip)  # a bad --mem-pool stops here, before any data is made
+    resolve_sizes(args, clip)  # a bad --mem-pool, --width or --heads stops here, before any data is made
     log(f"caption.py: preset {preset} on {where(ctx)} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
     name, root, splits, vocab, caption_ids = load_data(args, ckpt_info, resume, ctx)
+    args.data = name  # lr_rule reads it
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the synthetic set's record of each change
 
     # model, what trains at which rate (lr_rule, above), optimizer, loaders, schedule
@@ -614,6 +704,11 @@ def train(args, ckpt_info):
 def main(argv=None):
     args = get_args(argv)
     ckpt_info = read_ckpt_info(args.ckpt)
+    found = ("the authors' CLIP4IDC captioner (clip.* and decoder.* keys): evaluated, never trained"
+             if ckpt_info.get("authors") else "a captioner (caption.py's): evaluated" if ckpt_info.get("stage") ==
+             "caption" else "an encoder, no captioner in it: a captioner is trained on it")
+    print(f"--ckpt {args.ckpt}: {found}", file=sys.stderr if args.before else sys.stdout, flush=True)  # --before:
+    # stdout holds the caption alone
     if args.before:
         return caption_images(args, ckpt_info)
     if ckpt_info.get("stage") == "caption":

@@ -118,7 +118,9 @@ def download(url, path, expected):
 
 
 def read_state_dict(path):
-    """Any supported checkpoint file -> (CLIP state dict with our key names, extra info dict)."""
+    """Any supported checkpoint file -> (CLIP state dict with our key names, extra info dict). The authors' CLIP4IDC
+    files (keys `clip.*`, and `decoder.*` in their captioners; one leading `module.` stripped) give their decoder's
+    entries in extra["decoder"]."""
     path = Path(path)
     what = f"{path} ({path.stat().st_size / 2**20:.1f} MiB)"
     try:
@@ -135,7 +137,12 @@ def read_state_dict(path):
         sd = sd["model"]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise SystemExit(f"{what} holds a {type(sd).__name__}, not a state dict of tensors: not a CLIP checkpoint")
-    if any(k.startswith("clip.") for k in sd):  # the authors' CLIP4IDC checkpoints: keep the CLIP part
+    sd = {k.removeprefix("module."): v for k, v in sd.items()}  # saved from a DistributedDataParallel wrapper
+    if any(k.startswith("clip.") for k in sd):  # the authors' CLIP4IDC checkpoints
+        if other := [k for k in sd if not k.startswith(("clip.", "decoder."))]:
+            raise SystemExit(f"{what} holds keys neither clip.* nor decoder.* ({', '.join(other[:3])}): not a "
+                             f"CLIP4IDC checkpoint of the authors' (their modules/modeling.py)")
+        extra = {"decoder": {k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}}
         sd = {k[len("clip."):]: v for k, v in sd.items() if k.startswith("clip.")}
     sd = {k: v for k, v in sd.items() if k not in NON_PARAMETERS}
     if "visual.conv1.weight" not in sd or "visual.proj" not in sd or "token_embedding.weight" not in sd:
@@ -150,7 +157,11 @@ def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
     tensors) in fp32, eval mode. n_inter: how many of the last vision blocks run on the joint pair sequence (None:
     the file's own value when it stores one, else 3)."""
     path = resolve(path_or_name)
-    sd, extra = read_state_dict(path)
+    return build_clip(*read_state_dict(path), path, n_inter).to(device).eval()
+
+
+def build_clip(sd, extra, path, n_inter=None):
+    """read_state_dict's (state dict, extra) of the file at `path` -> the fp32 CLIP (load_clip)."""
     if n_inter is None:
         n_inter = extra.get("config", {}).get("n_inter", 3)
     layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
@@ -163,7 +174,41 @@ def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
     except (RuntimeError, KeyError, ValueError, AssertionError) as e:
         raise SystemExit(f"{path} does not fit the CLIP ViT architecture: {str(e).splitlines()[0][:300]} ... "
                          f"(is it a CLIP ViT checkpoint? see {WEIGHTS})") from None
-    return model.to(device).eval()
+    return model
+
+
+# the authors' captioner (their modules/module_decoder.py, BERT's names) -> ours (model.Captioner), name part by name
+# part, in this order; their separate key and value projections are one kv_proj here (concatenated)
+AUTHORS_NAMES = (("decoder.layer.", "decoder."), ("encoder.layer.", "encoder."), ("slf_attn.att.query", "attn.q_proj"),
+                 ("slf_attn.output.dense", "attn.out_proj"), ("slf_attn.output.LayerNorm", "ln_1"),
+                 ("enc_attn.att.query", "cross_attn.q_proj"), ("enc_attn.output.dense", "cross_attn.out_proj"),
+                 ("enc_attn.output.LayerNorm", "ln_x"), ("intermediate.dense", "mlp.c_fc"), ("output.dense", "mlp.c_proj"),
+                 ("output.LayerNorm", "ln_2"), ("embeddings.LayerNorm", "ln_emb"), ("classifier.cls.predictions.transform.dense",
+                 "head.dense"), ("classifier.cls.predictions.transform.LayerNorm", "head.ln"),
+                 ("classifier.cls.predictions.bias", "head_bias"), ("slf_attn.att.", "attn."), ("enc_attn.att.", "cross_attn."))
+AUTHORS_TIED = {"embeddings.word_embeddings.weight": "token_embedding.weight",  # the CLIP's own, in their file thrice
+                "classifier.cls.predictions.decoder.weight": "token_embedding.weight",
+                "embeddings.position_embeddings.weight": "positional_embedding"}
+
+
+def authors_captioner(decoder, clip_sd, path):
+    """Their `decoder.*` entries (read_state_dict's extra["decoder"]) -> (our Captioner's state dict, its encoder
+    and decoder layers). Every key is renamed (a key left over fails Captioner.load_state_dict); the tied copies
+    must equal the CLIP's embeddings."""
+    ours = {}
+    for k, v in decoder.items():
+        if k in AUTHORS_TIED:
+            if not torch.equal(v.float(), clip_sd[AUTHORS_TIED[k]].float()):
+                raise SystemExit(f"{path}: decoder.{k} differs from clip.{AUTHORS_TIED[k]}, whose tied copy it should "
+                                 f"be: not a CLIP4IDC captioner as the authors' code saves it")
+            k = AUTHORS_TIED[k]
+        for theirs, mine in AUTHORS_NAMES:
+            k = k.replace(theirs, mine)
+        ours[k] = v.float()
+    for k in [k for k in ours if ".key." in k]:  # e.g. decoder.0.cross_attn.key.weight
+        ours[k.replace(".key.", ".kv_proj.")] = torch.cat([ours.pop(k), ours.pop(k.replace(".key.", ".value."))])
+    n = lambda stack: len({k.split(".")[1] for k in ours if k.startswith(stack + ".")})
+    return ours, n("encoder"), n("decoder")
 
 
 # -----------------------------------------------------------------------------
@@ -237,6 +282,20 @@ def encode(text):
         word = "".join(byte_encoder[b] for b in word.encode("utf-8"))
         ids.extend(encoder[piece] for piece in bpe(word))
     return ids
+
+
+def decode(ids):
+    """BPE ids -> text, as OpenAI's (and the authors') tokenizer decodes: pieces joined, `</w>` a space."""
+    tokens = bpe_tokens()
+    text = "".join(tokens[i] for i in ids)
+    byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
+    return bytearray(byte_decoder[c] for c in text).decode("utf-8", errors="replace").replace("</w>", " ")
+
+
+@lru_cache(maxsize=1)
+def bpe_tokens():
+    """CLIP's 49,408 tokens in id order (the captioner's vocabulary when its words are CLIP's)."""
+    return list(vocab()[0])
 
 
 def tokenize(texts, context_length=77, truncate=False):

@@ -37,10 +37,11 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
-def attention(q, k, v, causal=False):
+def attention(q, k, v, causal=False, dropout=0.0):
     """(B, heads, Tq, hs), (B, heads, Tk, hs) x2 -> (B, heads, Tq, hs). Causal: the Tq queries are the last Tq of
     the Tk positions (a decoding step after a cached prefix; Tq = Tk in training), and each sees the keys up to
-    its own position. Both paths (SDPA, and the plain softmax the tests and FLOP counts use) mask alike."""
+    its own position. Both paths (SDPA, and the plain softmax the tests and FLOP counts use) mask alike. dropout:
+    on the attention probabilities (BERT's; the caller passes 0 outside training)."""
     Tq, Tk = q.shape[2], k.shape[2]
     assert not causal or Tq <= Tk, f"causal attention needs the {Tq} queries among the {Tk} key positions"
     mask = None
@@ -48,12 +49,12 @@ def attention(q, k, v, causal=False):
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # aligned at the end
     if USE_SDPA:
         if mask is not None and Tq == Tk:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # the same mask, the fused kernels
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # the fused kernels
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
     att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, heads, Tq, Tk)
     if mask is not None:
         att = att.masked_fill(~mask, float("-inf"))
-    return att.softmax(dim=-1) @ v
+    return F.dropout(att.softmax(dim=-1), dropout) @ v
 
 
 class MultiheadAttention(nn.Module):
@@ -273,6 +274,10 @@ def config_from_state_dict(sd, n_inter=3):
                       max(1, width // 64), layers, n_inter)
 
 
+# CLIP's input embeddings (token and positional embeddings, the patchify conv, [CLS], ln_pre): the authors keep them
+# fixed in both stages (main_task_retrieval.py 176-205, main_task_caption.py 640-667)
+INPUT_EMBEDDINGS = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
+                    "visual.positional_embedding", "visual.ln_pre.")
 PAIR_KEYS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding",
              "visual.ln_mid.weight", "visual.ln_mid.bias")
 
@@ -303,38 +308,41 @@ def build_model(sd, n_inter=3):
 
 
 # -----------------------------------------------------------------------------
-# The captioning Transformer (paper Sec. 3.3): an encoder over the pair encoder's 2(n+1) output tokens (3 layers in
-# the paper; the quickstart's mini preset has none), and a causal decoder with cross-attention to them, trained
-# from scratch with word-level cross entropy. Pre-LN blocks (stable without a warmup tuned per size); dropout on
-# every residual branch and on the input embeddings.
+# The captioning Transformer (paper Sec. 3.3) as the authors' code built it (modules/module_decoder.py; the paper's
+# text says 768 wide, "learned from scratch": the code made the numbers): BERT post-LN layers, 3 encoder layers over
+# the pair encoder's 2(n+1) tokens and 3 decoder layers, decoder layer i cross-attending to encoder layer i's output;
+# CLIP's BPE words, the word and position embeddings CLIP's own Parameters (tied; pass `clip`), and so is the output
+# projection, after a dense + GELU + LayerNorm, with a bias of its own. The mini preset departs by the flags below.
 
 
 @dataclass
 class CaptionerConfig:
-    vocab_size: int = 100
+    vocab_size: int = 49408  # CLIP's BPE tokens, or the mini preset's own words
     memory_dim: int = 512  # the pair encoder's embed_dim
     memory_len: int = 100  # its 2(m+1) tokens, each image's grid pooled (mem_pool)
-    width: int = 512  # paper: 3+3 layers, hidden 512, 8 heads, FFN 2048, dropout 0.1
+    width: int = 512  # the authors': 3+3 layers, 512 wide, 8 heads, FFN 2048, dropout 0.1
     heads: int = 8
     enc_layers: int = 3
     dec_layers: int = 3
-    max_len: int = 32  # generated tokens, <eos> included
+    max_len: int = 32  # generated tokens, the end token included
     dropout: float = 0.1
-    mem_diff: bool = False  # not in the paper: each memory token also gets what changed at its position
-    mem_pool: int = 1  # not in the paper: each image's patch grid averaged over mem_pool x mem_pool cells first
+    post_ln: bool = True  # BERT's post-LN layers (the authors'); False: pre-LN, every decoder layer reading the last
+    clip_words: bool = False  # the word and position embeddings are the CLIP's (tied; the authors'), else its own
+    mem_proj: bool = False  # not the authors': a learned projection and position for each memory token
+    mem_image: bool = False  # not the authors': which image a memory token comes from, one learned vector per image
+    mem_diff: bool = False  # not the authors': each memory token also gets what changed at its position
+    mem_pool: int = 1  # not the authors': each image's patch grid averaged over mem_pool x mem_pool cells first
 
 
 class Attention(nn.Module):
-    """Multi-head attention: self-attention (source=None) or cross-attention (queries from x, keys and values from
-    `source`, the memory). `kv_cache` (a dict per layer and kind) serves decoding: self-attention appends the new
-    positions' keys/values to the prefix's, so a step costs one token; cross-attention projects the memory once.
-    Why a second attention class: CLIP's MultiheadAttention keeps OpenAI's one fused in_proj so that ViT-B-32.pt
-    loads as it is; here queries and keys/values are projected apart, so that the memory's keys and values are
-    computed once and cached while each decoding step projects only its new query."""
+    """Multi-head self-attention (source=None) or cross-attention (keys and values from `source`, the memory), with
+    dropout on the attention probabilities. `kv_cache` (a dict per layer and kind) serves decoding: self-attention
+    appends the new positions' keys/values to the prefix's, cross-attention projects the memory once; hence
+    queries and keys/values projected apart (CLIP's MultiheadAttention keeps OpenAI's fused in_proj)."""
 
-    def __init__(self, width, heads):
+    def __init__(self, width, heads, dropout=0.0):
         super().__init__()
-        self.heads = heads
+        self.heads, self.dropout = heads, dropout
         self.q_proj = nn.Linear(width, width)
         self.kv_proj = nn.Linear(width, 2 * width)
         self.out_proj = nn.Linear(width, width)
@@ -353,22 +361,25 @@ class Attention(nn.Module):
                 k, v = torch.cat([kv_cache["k"], k], dim=2), torch.cat([kv_cache["v"], v], dim=2)
             if kv_cache is not None:
                 kv_cache["k"], kv_cache["v"] = k, v
-        y = attention(q, k, v, causal)  # causal: x's positions are the last of k's (see attention)
+        y = attention(q, k, v, causal, self.dropout if self.training else 0.0)  # causal: x's are the last of k's
         return self.out_proj(y.transpose(1, 2).flatten(2))  # (B, T, width)
 
 
 class CaptionBlock(nn.Module):
     """Encoder block (self-attention, MLP) or, with cross=True, decoder block (causal self-attention,
-    cross-attention to the memory, MLP)."""
+    cross-attention to the memory, MLP). post_ln: BERT's layer, the authors', each sublayer f as
+    LN(x + dropout(f(x))) (LayerNorm eps 1e-12, dropout on the attention probabilities too); else pre-LN,
+    x + dropout(f(LN(x)))."""
 
-    def __init__(self, width, heads, dropout, cross=False):
+    def __init__(self, width, heads, dropout, cross=False, post_ln=False):
         super().__init__()
-        self.ln_1 = LayerNorm(width)
-        self.attn = Attention(width, heads)
-        self.ln_x = LayerNorm(width) if cross else None
-        self.cross_attn = Attention(width, heads) if cross else None
-        self.ln_2 = LayerNorm(width)
-        self.mlp = nn.Sequential(OrderedDict([
+        self.post_ln, eps = post_ln, 1e-12 if post_ln else 1e-5
+        self.ln_1 = LayerNorm(width, eps=eps)
+        self.attn = Attention(width, heads, dropout if post_ln else 0.0)
+        self.ln_x = LayerNorm(width, eps=eps) if cross else None
+        self.cross_attn = Attention(width, heads, dropout if post_ln else 0.0) if cross else None
+        self.ln_2 = LayerNorm(width, eps=eps)
+        self.mlp = nn.Sequential(OrderedDict([  # erf GELU, as BERT's
             ("c_fc", nn.Linear(width, 4 * width)), ("gelu", nn.GELU()), ("c_proj", nn.Linear(4 * width, width))]))
         self.drop = nn.Dropout(dropout)
 
@@ -376,44 +387,57 @@ class CaptionBlock(nn.Module):
         c_self = c_cross = None
         if kv_cache is not None:
             c_self, c_cross = kv_cache.setdefault("self", {}), kv_cache.setdefault("cross", {})
-        x = x + self.drop(self.attn(self.ln_1(x), causal=self.cross_attn is not None, kv_cache=c_self))
-        if self.cross_attn is not None:
-            x = x + self.drop(self.cross_attn(self.ln_x(x), memory, kv_cache=c_cross))
-        return x + self.drop(self.mlp(self.ln_2(x)))
+        sublayers = [(self.ln_1, lambda h: self.attn(h, causal=self.cross_attn is not None, kv_cache=c_self))]
+        if self.cross_attn is not None:  # the query and the residual: the self-attention's output
+            sublayers.append((self.ln_x, lambda h: self.cross_attn(h, memory, kv_cache=c_cross)))
+        for ln, f in sublayers + [(self.ln_2, self.mlp)]:
+            x = ln(x + self.drop(f(x))) if self.post_ln else x + self.drop(f(ln(x)))
+        return x
 
 
 class Captioner(nn.Module):
-    def __init__(self, cfg: CaptionerConfig):
+    def __init__(self, cfg: CaptionerConfig, clip=None):
         super().__init__()
-        self.cfg = cfg
-        self.mem_proj = nn.Linear(cfg.memory_dim, cfg.width)
-        self.mem_pos = nn.Parameter(torch.zeros(cfg.memory_len, cfg.width))
-        # not in the paper: which image a memory token comes from (before, after), one vector per image shared by
-        # its n+1 tokens. Cross-attention is blind to the order of its memory, so without it an object added (in
-        # the after image) reads like one removed (in the before image)
-        self.mem_image = nn.Parameter(torch.zeros(2, cfg.width))
-        # not in the paper (caption.py --mem-diff): after minus before at each position, projected and added to both
-        # images' tokens there, so that a token says what changed where it is (cross-attention cannot subtract)
+        self.cfg, post = cfg, cfg.post_ln
+        assert clip is not None or not cfg.clip_words, "clip_words: pass the CLIP whose embeddings are tied in"
+        assert cfg.mem_proj or cfg.memory_dim == cfg.width, "without mem_proj the memory must be as wide as the model"
+        self.mem_proj = nn.Linear(cfg.memory_dim, cfg.width) if cfg.mem_proj else None
+        self.mem_pos = nn.Parameter(torch.zeros(cfg.memory_len, cfg.width)) if cfg.mem_proj else None
+        # which image a memory token comes from (before, after), shared by its n+1 tokens. Cross-attention is blind
+        # to the order of its memory; the authors' pair encoder tells the images apart (e1, e2) before the last blocks
+        self.mem_image = nn.Parameter(torch.zeros(2, cfg.width)) if cfg.mem_image else None
+        # after minus before at each position, projected and added to both images' tokens there, so that a token
+        # says what changed where it is (cross-attention cannot subtract)
         self.mem_diff = nn.Linear(cfg.memory_dim, cfg.width) if cfg.mem_diff else None
-        self.encoder = nn.ModuleList([CaptionBlock(cfg.width, cfg.heads, cfg.dropout) for _ in range(cfg.enc_layers)])
-        self.ln_enc = LayerNorm(cfg.width)
-        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
-        self.positional_embedding = nn.Parameter(torch.zeros(cfg.max_len + 1, cfg.width))  # <bos> + max_len
-        self.decoder = nn.ModuleList([CaptionBlock(cfg.width, cfg.heads, cfg.dropout, cross=True)
+        self.encoder = nn.ModuleList([CaptionBlock(cfg.width, cfg.heads, cfg.dropout, post_ln=post)
+                                      for _ in range(cfg.enc_layers)])
+        self.ln_enc = None if post else LayerNorm(cfg.width)
+        if cfg.clip_words:  # tied: the decoder reads and writes CLIP's own BPE embeddings (modeling.py 182-195)
+            self.token_embedding, self.positional_embedding = clip.token_embedding, clip.positional_embedding
+        else:
+            self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
+            self.positional_embedding = nn.Parameter(torch.zeros(cfg.max_len + 1, cfg.width))  # <bos> + max_len
+        self.ln_emb = LayerNorm(cfg.width, eps=1e-12) if post else None
+        self.decoder = nn.ModuleList([CaptionBlock(cfg.width, cfg.heads, cfg.dropout, cross=True, post_ln=post)
                                       for _ in range(cfg.dec_layers)])
-        self.ln_final = LayerNorm(cfg.width)
+        self.ln_final = None if post else LayerNorm(cfg.width)
+        # BERT's prediction head: dense + GELU + LayerNorm, then the word embeddings transposed, plus a bias
+        self.head = nn.Sequential(OrderedDict([("dense", nn.Linear(cfg.width, cfg.width)), ("gelu", nn.GELU()),
+                                               ("ln", LayerNorm(cfg.width, eps=1e-12))])) if post else None
+        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if post else None
         self.drop = nn.Dropout(cfg.dropout)
-        for m in self.modules():  # GPT-2's initialization
-            if isinstance(m, (nn.Linear, nn.Embedding)):
+        for m in self.modules():  # normal(0, 0.02), biases 0: BERT's (until_module.py 70-85) and GPT-2's
+            if isinstance(m, nn.Linear) or (isinstance(m, nn.Embedding) and not cfg.clip_words):
                 nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, nn.Linear):
                 nn.init.zeros_(m.bias)
-        nn.init.normal_(self.mem_pos, std=0.01)
-        nn.init.normal_(self.mem_image, std=0.02)
-        nn.init.normal_(self.positional_embedding, std=0.01)
+        for p, std in ((self.mem_pos, 0.01), (self.mem_image, 0.02)) + (() if cfg.clip_words else
+                                                                          ((self.positional_embedding, 0.01),)):
+            if p is not None:
+                nn.init.normal_(p, std=std)
 
     def pool(self, memory):
-        """Not in the paper (caption.py --mem-pool; caption.PairCaptioner.memory calls it): pair-encoder tokens
+        """Not the authors' (caption.py --mem-pool; caption.PairCaptioner.memory calls it): pair-encoder tokens
         (B, 2(n+1), D) -> (B, 2(m+1), D), each image's g x g patch tokens averaged over k x k cells (k = cfg.mem_pool;
         m = (g/k)^2), its [CLS] kept. What the captioner reads per step is what it costs: 290 memory tokens at a
         12x12 grid, 74 pooled 2x2."""
@@ -427,25 +451,37 @@ class Captioner(nn.Module):
         return torch.cat([x[:, :1], grid.flatten(2).transpose(1, 2)], dim=1).reshape(B, -1, D)
 
     def encode(self, memory):
-        """Pair-encoder tokens, pooled (B, 2(m+1), memory_dim) -> encoded memory (B, 2(m+1), width)."""
+        """Pair-encoder tokens, pooled (B, 2(m+1), memory_dim) -> what the decoder layers read, a list of
+        (B, 2(m+1), width): post-LN, each encoder layer's output, decoder layer i reading the i-th (the last where
+        there are fewer; the memory itself where there are none); pre-LN, the last output, normed, for every layer."""
         n1 = memory.shape[1] // 2
-        image = self.mem_image.repeat_interleave(n1, dim=0)  # (2(m+1), width): before's, after's
-        memory = memory.to(self.mem_proj.weight.dtype)
-        x = self.mem_proj(memory) + self.mem_pos + image
+        x = memory = memory.to(self.decoder[0].ln_1.weight.dtype)
+        if self.mem_proj is not None:
+            x = self.mem_proj(memory) + self.mem_pos
+        if self.mem_image is not None:
+            x = x + self.mem_image.repeat_interleave(n1, dim=0)  # (2(m+1), width): before's, after's
         if self.mem_diff is not None:
             x = x + self.mem_diff(memory[:, n1:] - memory[:, :n1]).repeat(1, 2, 1)
-        x = self.drop(x)
+        if self.mem_proj is not None:
+            x = self.drop(x)  # a learned input, dropped out as the word embeddings are
+        outs = []
         for block in self.encoder:
             x = block(x)
-        return self.ln_enc(x)
+            outs.append(x)
+        if self.ln_enc is not None:
+            return [self.ln_enc(x)]
+        return outs or [x]
 
-    def decode(self, tokens, memory, kv_caches=None, start=0):
-        """Token ids (B, T) at positions start..start+T-1 -> next-token logits (B, T, vocab). Output
-        projection tied to the input embedding (fewer parameters)."""
-        x = self.drop(self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]])
+    def decode(self, tokens, mems, kv_caches=None, start=0):
+        """Token ids (B, T) at positions start..start+T-1, encode's list -> next-token logits (B, T, vocab), the
+        output projection being the word embeddings (tied)."""
+        x = self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]]
+        x = self.drop(x if self.ln_emb is None else self.ln_emb(x))
         for i, block in enumerate(self.decoder):
-            x = block(x, memory, None if kv_caches is None else kv_caches[i])
-        return self.ln_final(x) @ self.token_embedding.weight.t()
+            x = block(x, mems[min(i, len(mems) - 1)], None if kv_caches is None else kv_caches[i])
+        if self.head is None:
+            return self.ln_final(x) @ self.token_embedding.weight.t()
+        return self.head(x) @ self.token_embedding.weight.t() + self.head_bias
 
     def forward(self, memory, tokens):
         """Teacher forcing: (B, M, memory_dim), (B, T) -> logits (B, T, vocab)."""
@@ -455,13 +491,13 @@ class Captioner(nn.Module):
     def generate(self, memory, bos, eos, max_len=None, use_kv_cache=True):
         """Batched greedy decoding -> ids (B, <= max_len), <eos> included where reached, 0 (pad) after it.
         With the key/value cache each step runs the decoder on the newest token only; without it, on the whole
-        prefix (the reference the tests compare against)."""
+        prefix, as the authors decode (they run all 32 steps and cut at the end token: the same words)."""
         max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
         mem = self.encode(memory)
-        B = mem.shape[0]
-        out = torch.full((B, 1), bos, dtype=torch.long, device=mem.device)
+        B = memory.shape[0]
+        out = torch.full((B, 1), bos, dtype=torch.long, device=memory.device)
         kv_caches = [{} for _ in self.decoder] if use_kv_cache else None
-        done = torch.zeros(B, dtype=torch.bool, device=mem.device)
+        done = torch.zeros(B, dtype=torch.bool, device=memory.device)
         for t in range(max_len):
             if use_kv_cache:
                 logits = self.decode(out[:, -1:], mem, kv_caches, start=t)[:, -1]
@@ -478,8 +514,8 @@ class Captioner(nn.Module):
     def beam_search(self, memory, bos, eos, beam=3, max_len=None):
         """Batched beam search with the key/value cache; the best beam by log-probability per token."""
         max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
-        mem = self.encode(memory).repeat_interleave(beam, dim=0)  # (B*K, M, width)
-        B, K, dev = memory.shape[0], beam, mem.device
+        mem = [m.repeat_interleave(beam, dim=0) for m in self.encode(memory)]  # each (B*K, M, width)
+        B, K, dev = memory.shape[0], beam, memory.device
         out = torch.full((B * K, 1), bos, dtype=torch.long, device=dev)
         scores = torch.full((B, K), float("-inf"), device=dev)
         scores[:, 0] = 0  # all beams start equal: keep one so the first step gives K different words

@@ -92,7 +92,9 @@ A_FILE = __file__  # any file that exists: --clip and --ckpt must name one (get_
 TINY = M.CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=4, vision_width=128, vision_patch_size=8,
                     context_length=77, vocab_size=49408, transformer_width=128, transformer_heads=2,
                     transformer_layers=2, n_inter=2)  # model.py and clip_load.py: 2 intra + 2 inter blocks
-MH = M.CLIPConfig(**{**TINY.__dict__, "n_inter": 3})  # the paper path's OpenAI-format archive: 1 intra + 3 inter
+# the paper path's OpenAI-format archive: 1 intra + 3 inter, its output as wide as its text tower (as ViT-B/32's), so
+# that the authors' captioner reads it
+MH = M.CLIPConfig(**{**TINY.__dict__, "n_inter": 3, "embed_dim": 128})
 CPU = ["--device", "cpu"]  # every stage run by a test names its device: on a CUDA machine the CPU tests stay on the CPU
 TINY_ADAPT = [*CPU, "--preset", "scratch", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
               "--vision-layers", "2", "--n-inter", "1", "--text-width", "128", "--text-layers", "1",
@@ -526,10 +528,14 @@ def test_bf16_autocast_runs():
     assert_close(v.float(), model.encode_pair(images, images).vector.detach(), atol=0.1)
 
 
-def test_kv_cache_equals_no_kv_cache():
+PRE_LN = dict(post_ln=False, mem_proj=True, mem_image=True)  # the mini preset's captioner, beside the authors' post-LN
+
+
+@pytest.mark.parametrize("style", [PRE_LN, dict(post_ln=True, mem_proj=True)], ids=["pre-LN", "post-LN"])
+def test_kv_cache_equals_no_kv_cache(style):
     torch.manual_seed(0)
     cap = Captioner(CaptionerConfig(vocab_size=50, memory_dim=32, memory_len=10, width=64, heads=4, enc_layers=2,
-                                    dec_layers=2, max_len=12)).eval()
+                                    dec_layers=2, max_len=12, **style)).eval()
     memory = torch.randn(16, 10, 32)
     cached, full = cap.generate(memory, 1, 2, use_kv_cache=True), cap.generate(memory, 1, 2, use_kv_cache=False)
     assert torch.equal(cached, full)
@@ -565,10 +571,10 @@ def test_kv_cache_equals_no_kv_cache():
 BOS, EOS = 1, 2
 
 
-def sharp_captioner(seed=0, vocab=6, max_len=5):
+def sharp_captioner(seed=0, vocab=6, max_len=5, style=PRE_LN):
     torch.manual_seed(seed)
     cap = Captioner(CaptionerConfig(vocab_size=vocab, memory_dim=8, memory_len=6, width=32, heads=4, enc_layers=1,
-                                    dec_layers=2, max_len=max_len, dropout=0.0)).eval()
+                                    dec_layers=2, max_len=max_len, dropout=0.0, **style)).eval()
     with torch.no_grad():  # unit-gain matrices; word embeddings small beside the positions (tied to the output,
         for name, p in cap.named_parameters():  # large ones would make every caption repeat its first word)
             if name == "mem_image":  # its own generator, small: the tokens, not their image, decide the captions
@@ -702,17 +708,19 @@ def test_mem_diff_tells_each_token_what_changed_at_its_position():
     encoder layer, nothing else mixes them), and not at all where the two images agree there; off, it is the
     plain captioner, weight for weight."""
     torch.manual_seed(0)
-    cfg = dict(vocab_size=20, memory_dim=24, memory_len=2 * 13, width=32, heads=4, enc_layers=0, dec_layers=1)
+    cfg = dict(vocab_size=20, memory_dim=24, memory_len=2 * 13, width=32, heads=4, enc_layers=0, dec_layers=1,
+               **PRE_LN)
     plain, diff = (M.Captioner(M.CaptionerConfig(**cfg, mem_diff=d)).eval() for d in (False, True))
     assert plain.mem_diff is None and diff.mem_diff.weight.shape == (32, 24)
     diff.load_state_dict(plain.state_dict(), strict=False)  # the same weights, mem_diff's aside
     half = torch.randn(3, 13, 24)
     same = torch.cat([half, half], 1)
     with torch.no_grad():
-        assert_close(diff.encode(same), plain.encode(same))  # no change anywhere: no difference term
+        assert_close(diff.encode(same)[0], plain.encode(same)[0])  # no change anywhere: no difference term
         b = same.clone()
         b[:, 13 + 5] += 1.0  # the after image differs at position 5 only
-        moved = lambda cap: ((cap.encode(same) - cap.encode(b)).abs().amax(-1)[0] > 1e-4).nonzero().flatten().tolist()
+        moved = lambda cap: ((cap.encode(same)[0] - cap.encode(b)[0]).abs().amax(-1)[0] > 1e-4).nonzero().flatten(
+            ).tolist()
         assert moved(diff) == [5, 13 + 5]  # the before image's token there moves too
         assert moved(plain) == [13 + 5]
 
@@ -722,7 +730,7 @@ def test_mem_pool_averages_each_images_patch_grid():
     pooled 2x2: cell 0 is patches 0, 1, 4, 5), its [CLS] kept, the two images apart."""
     torch.manual_seed(0)
     cfg = M.CaptionerConfig(vocab_size=20, memory_dim=24, memory_len=2 * (4 + 1), width=32, heads=4, enc_layers=0,
-                            dec_layers=2, mem_diff=True, mem_pool=2)
+                            dec_layers=2, mem_diff=True, mem_pool=2, mem_proj=True)
     cap = M.Captioner(cfg).eval()
     memory = torch.randn(3, 2 * (16 + 1), 24)  # 3 pairs, a 4x4 grid and [CLS] an image
     pooled = cap.pool(memory)
@@ -744,7 +752,7 @@ def test_frozen_features_are_the_memory_the_images_give():
     torch.manual_seed(0)
     clip = M.CLIP(TINY).eval()
     cfg = M.CaptionerConfig(vocab_size=20, memory_dim=TINY.embed_dim, memory_len=2 * (4 + 1), width=64, heads=4,
-                            enc_layers=1, dec_layers=1, mem_diff=True, mem_pool=2)
+                            enc_layers=1, dec_layers=1, mem_diff=True, mem_pool=2, **PRE_LN)
     model = caption.PairCaptioner(clip, M.Captioner(cfg)).eval()
     images = torch.randint(0, 256, (2, 3, 3, 32, 32), dtype=torch.uint8)
     batch = {"before": images[0], "after": images[1], "index": torch.arange(3)}
@@ -775,19 +783,329 @@ def test_the_small_presets_mem_pool_follows_the_patch_grid(capsys):
 
 def test_caption_mem_diff_is_saved_and_read_back(tmp_path):
     """caption.py --mem-diff through main: the saved captioner carries the flag and its difference projection
-    (and --mem-pool), and caption.build reads them back; without the flag there is none."""
+    (and --mem-pool), and caption.load_captioner reads them back; without the flag there is none."""
     tiny_clevr(tmp_path / "clevr")
     tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
     run(tmp_path, "--mem-diff", "--mem-pool", "2", epochs=1)
     saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
     assert saved["captioner_config"]["mem_diff"] is True and "mem_diff.weight" in saved["captioner"]
     assert saved["captioner_config"]["mem_pool"] == 2 and saved["captioner"]["mem_pos"].shape[0] == 2 * (4 + 1)
-    model, _ = caption.build(tmp_path / "captioner.pt", "cpu", ckpt_info=saved)  # its 4x4 grid read pooled 2x2
+    model, _ = caption.load_captioner(tmp_path / "captioner.pt")  # its 4x4 grid read pooled 2x2
     assert model.captioner.mem_diff is not None and model.captioner.cfg.mem_pool == 2
     assert torch.equal(model.captioner.mem_diff.weight, saved["captioner"]["mem_diff.weight"])
     run(tmp_path, "--no-mem-diff", epochs=1)  # off (the mini preset has it on)
     saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
     assert saved["captioner_config"]["mem_diff"] is False and "mem_diff.weight" not in saved["captioner"]
+
+
+# -------------------------------------------------------------------------------------------------------------
+# the authors' captioner (model.Captioner's defaults, CLIP's words tied in) and their released checkpoints
+
+AUTHORS = SHARED / "reference" / "authors_clip4idc"  # their code at ca49461 (MIT), for comparison only
+# the paper preset's captioner on a small CLIP: 128 wide (2 heads per tower and in the captioner, width / 64 as the
+# authors' 8 at 512), a 7 x 7 patch grid (their encode_image reads token 50 as the after image's [CLS]), 1 + 3 blocks
+PAPER_CLIP = M.CLIPConfig(embed_dim=128, image_resolution=56, vision_layers=4, vision_width=128, vision_patch_size=8,
+                          context_length=77, vocab_size=49408, transformer_width=128, transformer_heads=2,
+                          transformer_layers=1, n_inter=3)
+
+
+def paper_captioner(seed=0, clip_cfg=PAPER_CLIP):
+    """A PairCaptioner built as the paper preset builds it (caption.new_model: 3 + 3 post-LN layers, CLIP's words),
+    every weight random at a scale where each one matters."""
+    torch.manual_seed(seed)
+    clip = M.CLIP(clip_cfg)
+    grid = clip_cfg.image_resolution // clip_cfg.vision_patch_size
+    cfg = CaptionerConfig(vocab_size=clip_cfg.vocab_size, memory_dim=clip_cfg.embed_dim, memory_len=2 * (grid ** 2 + 1),
+                          width=clip_cfg.transformer_width, heads=clip_cfg.transformer_width // 64, clip_words=True)
+    pair = caption.PairCaptioner(clip, Captioner(cfg, clip)).eval()
+    with torch.no_grad():
+        for name, p in pair.named_parameters():
+            norm = name.endswith("weight") and (".ln" in name or "ln_" in name or name.startswith("ln_"))
+            p.copy_(torch.randn_like(p) * (0.1 if p.ndim < 2 else p.shape[-1] ** -0.5) + norm)
+        pair.captioner.head_bias[clip_load.EOT] += 3.0  # captions end, at different steps
+    return pair
+
+
+def authors_layout(pair):
+    """A PairCaptioner's weights under the authors' key names, as their trainer saves CLIP4IDC
+    (torch.save(model.state_dict()): `clip.*`, and `decoder.*` from module_decoder.py's BERT modules, the tied
+    embeddings thrice), written out here literally."""
+    sd = {f"clip.{k}": v for k, v in pair.clip.state_dict().items()}
+    cap = pair.captioner.state_dict()
+    top = {"embeddings.word_embeddings.weight": "token_embedding.weight",
+           "embeddings.position_embeddings.weight": "positional_embedding",
+           "classifier.cls.predictions.decoder.weight": "token_embedding.weight",
+           "embeddings.LayerNorm.weight": "ln_emb.weight", "embeddings.LayerNorm.bias": "ln_emb.bias",
+           "classifier.cls.predictions.bias": "head_bias",
+           "classifier.cls.predictions.transform.dense.weight": "head.dense.weight",
+           "classifier.cls.predictions.transform.dense.bias": "head.dense.bias",
+           "classifier.cls.predictions.transform.LayerNorm.weight": "head.ln.weight",
+           "classifier.cls.predictions.transform.LayerNorm.bias": "head.ln.bias"}
+    sd.update({f"decoder.{k}": cap[v] for k, v in top.items()})
+    layer = {"slf_attn.output.dense": "attn.out_proj", "slf_attn.output.LayerNorm": "ln_1",
+             "enc_attn.output.dense": "cross_attn.out_proj", "enc_attn.output.LayerNorm": "ln_x",
+             "intermediate.dense": "mlp.c_fc", "output.dense": "mlp.c_proj", "output.LayerNorm": "ln_2"}
+    for stack in ("encoder", "decoder"):
+        for i in range(len(getattr(pair.captioner, stack))):
+            for theirs, ours in layer.items():
+                if stack == "decoder" or not theirs.startswith("enc_attn"):
+                    for w in ("weight", "bias"):
+                        sd[f"decoder.{stack}.layer.{i}.{theirs}.{w}"] = cap[f"{stack}.{i}.{ours}.{w}"]
+            for theirs, ours in (("slf_attn", "attn"), ("enc_attn", "cross_attn"))[:2 if stack == "decoder" else 1]:
+                for w in ("weight", "bias"):
+                    key, value = cap[f"{stack}.{i}.{ours}.kv_proj.{w}"].chunk(2)
+                    sd.update({f"decoder.{stack}.layer.{i}.{theirs}.att.query.{w}": cap[f"{stack}.{i}.{ours}.q_proj.{w}"],
+                               f"decoder.{stack}.layer.{i}.{theirs}.att.key.{w}": key,
+                               f"decoder.{stack}.layer.{i}.{theirs}.att.value.{w}": value})
+    return sd
+
+
+def pair_images(n=5, size=56, seed=1):
+    images = torch.randn(n, 2, 3, size, size, generator=torch.Generator().manual_seed(seed))  # normalized already
+    return images[:, 0], images[:, 1]
+
+
+def test_the_authors_layout_loads_key_for_key(tmp_path, capsys):
+    """load_captioner on a file in the authors' layout (their key names and shapes, literally; one leading
+    `module.` as a DistributedDataParallel wrapper saves it): every key read, the same logits and greedy captions
+    as the model it was written from, CLIP's vocabulary in id order, the tied copies checked."""
+    src = paper_captioner()
+    sd = authors_layout(src)
+    assert sd["decoder.decoder.layer.0.enc_attn.att.query.weight"].shape == (128, 128)
+    assert sd["decoder.classifier.cls.predictions.transform.LayerNorm.weight"].shape == (128,)
+    assert len([k for k in sd if k.startswith("decoder.")]) == 3 + 7 + 3 * 16 + 3 * 26  # tied, top, 3 + 3 layers
+    torch.save({"module." + k: v for k, v in sd.items()}, tmp_path / "pytorch_model.bin.clevr")
+    ours, vocab = caption.load_captioner(tmp_path / "pytorch_model.bin.clevr")
+    assert len(vocab) == 49408 and vocab[clip_load.SOT] == "<|startoftext|>" and vocab[518] == "the</w>"
+    assert ours.captioner.token_embedding.weight is ours.clip.token_embedding.weight  # tied, not a copy
+    before, after = pair_images()
+    ids = torch.cat([torch.full((5, 1), clip_load.SOT), torch.randint(1, 49406, (5, 9))], 1)
+    with torch.no_grad():
+        want = src(ids, before=before, after=after)
+        assert_close(ours(ids, before=before, after=after), want)
+    assert want.shape == (5, 10, 49408)
+    assert torch.equal(ours.caption(before=before, after=after), src.caption(before=before, after=after))
+    sd["decoder.embeddings.position_embeddings.weight"] = sd["decoder.embeddings.position_embeddings.weight"] + 1
+    torch.save(sd, tmp_path / "untied.bin")
+    with pytest.raises(SystemExit, match="differs from clip.positional_embedding"):
+        caption.load_captioner(tmp_path / "untied.bin")
+    sd = authors_layout(src)
+    sd["decoder.decoder.layer.0.enc_attn.att.querry.weight"] = sd.pop("decoder.decoder.layer.0.enc_attn.att.query.weight")
+    torch.save(sd, tmp_path / "odd.bin")
+    with pytest.raises(SystemExit, match="does not fit model.Captioner: .*querry"):
+        caption.load_captioner(tmp_path / "odd.bin")
+
+
+@pytest.mark.skipif(not AUTHORS.is_dir(), reason="needs the authors' code in ../shared/reference/authors_clip4idc")
+def test_the_authors_captioner_equals_theirs_on_the_same_weights(tmp_path, monkeypatch):
+    """Their CLIP4IDC built from their code (their download helpers' imports stubbed; built directly, since
+    from_pretrained downloads ViT-B/32; cast to fp32), every weight random, saved as their trainer saves it, loaded
+    with load_captioner: the pair encoder's tokens, the per-token logits (within 1e-4 x their largest) and the greedy
+    captions of their decoding loop over decoder_caption (32 steps, no stop, cut at the end token) equal ours."""
+    for name, attrs in {"tqdm": {"tqdm": None}, "boto3": {}, "botocore": {},
+                        "botocore.exceptions": {"ClientError": Exception}, "requests": {}}.items():
+        if name not in sys.modules:
+            stub = type(sys)(name)
+            stub.__dict__.update(attrs)
+            monkeypatch.setitem(sys.modules, name, stub)
+    monkeypatch.syspath_prepend(str(AUTHORS))
+    from modules.modeling import CLIP4IDC
+    from modules.module_cross import CrossConfig
+    from modules.module_decoder import DecoderConfig
+    torch.manual_seed(0)
+    W = PAPER_CLIP.transformer_width
+    task = SimpleNamespace(task_type="caption", intra_num_hidden_layers=1, decoder_num_hidden_layers=3,
+                           linear_patch="2d", local_rank=0)
+    decoder = DecoderConfig(49408, hidden_size=W, num_attention_heads=W // 64, intermediate_size=4 * W,
+                            max_target_embeddings=77, num_decoder_layers=3)
+    theirs = CLIP4IDC(CrossConfig(49408, hidden_size=W, num_attention_heads=2, intermediate_size=4 * W), decoder,
+                      M.CLIP(PAPER_CLIP).state_dict(), task).float().eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            norm = name.endswith("weight") and ("LayerNorm" in name or ".ln_" in name or name.startswith("clip.ln_"))
+            p.copy_(torch.randn_like(p) * (0.1 if p.ndim < 2 else p.shape[-1] ** -0.5) + norm)
+        theirs.decoder.classifier.cls.predictions.bias[clip_load.EOT] += 3.0
+    torch.save(theirs.state_dict(), tmp_path / "pytorch_model.bin.clevr")
+    ours, vocab = caption.load_captioner(tmp_path / "pytorch_model.bin.clevr")
+    before, after = pair_images()
+    ids = torch.cat([torch.full((5, 1), clip_load.SOT), torch.randint(1, 49406, (5, 9))], 1)
+    with torch.no_grad():
+        # their main_task_caption.py 542: the 4th value of get_sequence_visual_output, i.e. these tokens
+        tokens = theirs.get_visual_output(torch.stack([before, after], 1).flatten(0, 1), torch.ones(5, 2),
+                                          shaped=True, video_frame=2)[1]
+        assert_close(ours.clip.encode_pair(before, after).tokens, tokens)
+        mask = torch.ones(5, tokens.shape[1])
+        want = theirs.decoder_caption(tokens, mask, ids, torch.ones_like(ids), shaped=True, get_logits=True)
+        got = ours(ids, before=before, after=after)
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        x = torch.full((5, 1), clip_load.SOT)
+        for _ in range(32):  # their greedy_decode (main_task_caption.py 541-556)
+            scores = theirs.decoder_caption(tokens, mask, x, torch.ones_like(x), shaped=True, get_logits=True)
+            x = torch.cat([x, scores[:, -1].max(1)[1][:, None]], 1)
+    their_text = [caption.to_text(row, vocab) for row in x[:, 1:].tolist()]
+    ours_ids = ours.caption(before=before, after=after)
+    assert [caption.to_text(row, vocab) for row in ours_ids.tolist()] == their_text
+    ended = [row.index(clip_load.EOT) for row in x[:, 1:].tolist()]
+    assert len(set(ended)) > 1  # the captions end at different steps: the check has teeth
+    assert all(ours_ids[i, :e + 1].tolist() == x[i, 1:e + 2].tolist() for i, e in enumerate(ended))
+
+
+def test_paper_captioner_reads_clips_own_words_frozen_on_clevr():
+    """The paper preset's captioner (caption.new_model): its word and position embeddings and output projection
+    are the CLIP's Parameters, not copies; under the CLEVR rule they stay frozen through a training step while the
+    captioner and the pair encoder's blocks move."""
+    clip = M.CLIP(PAPER_CLIP)
+    args = caption.get_args([*CPU, "--ckpt", A_FILE, "--data", "clevr", "--width", "128", "--heads", "2"])
+    caption.apply_preset(args, {})
+    ctx = SimpleNamespace(device=torch.device("cpu"), amp=contextlib.nullcontext())
+    pair = caption.new_model(args, {"stage": "adapt"}, caption.build_vocab([], "clip"), ctx, clip)
+    assert pair.captioner.token_embedding is clip.token_embedding
+    assert pair.captioner.positional_embedding is clip.positional_embedding
+    assert pair.captioner.cfg.post_ln and pair.captioner.cfg.enc_layers == 3 == pair.captioner.cfg.dec_layers
+    rule = caption.lr_rule(args, clip.cfg.n_inter)
+    train_utils.freeze(pair.named_parameters(), rule)
+    opt = torch.optim.AdamW(train_utils.param_groups(pair.named_parameters(), rule, 0.01), lr=1e-3)
+    before_step = copy.deepcopy(pair.state_dict())
+    items = [SimpleNamespace(captions=["the small red cube has been moved", "there is no change"])]
+    ids = caption.encode_captions(items, caption.build_vocab([], "clip"), caption.MAX_LEN)[:, :10]
+    assert ids[0, 0] == clip_load.SOT and clip_load.EOT in ids[0].tolist()
+    b, a = pair_images(2)
+    loss = caption.caption_loss(pair(ids[:, :-1], before=b, after=a), ids[:, 1:])
+    loss.backward()
+    opt.step()
+    after_step = pair.state_dict()
+    moved = lambda k: not torch.equal(before_step[k], after_step[k])
+    assert not any(moved(k) for k in ("clip.token_embedding.weight", "clip.positional_embedding",
+                                      "captioner.token_embedding.weight", "clip.visual.conv1.weight"))
+    assert all(map(moved, ("captioner.head_bias", "captioner.decoder.2.ln_x.weight", "captioner.encoder.0.mlp.c_fc.weight",
+                           "clip.visual.transformer.resblocks.3.attn.in_proj_weight", "clip.visual.ln_post.weight")))
+
+
+def test_decoder_layer_i_reads_encoder_layer_i():
+    """The authors' layer-wise reading (module_decoder.py Decoder.forward): decoder layer 0 cross-attends to
+    encoder layer 0's output, so changing encoder layer 0 changes decoder layer 0's output and changing the last
+    encoder layer does not (it changes the last decoder layer's)."""
+    pair = paper_captioner()
+    cap = pair.captioner
+    outs = {}
+    for i, block in enumerate(cap.decoder):
+        block.register_forward_hook(lambda m, inp, out, i=i: outs.__setitem__(i, out))
+    memory = torch.randn(2, 100, 128)
+    ids = torch.full((2, 4), clip_load.SOT)
+
+    def run():
+        with torch.no_grad():
+            cap(memory, ids)
+        return {i: o.clone() for i, o in outs.items()}
+    base = run()
+    with torch.no_grad():
+        cap.encoder[2].mlp.c_proj.weight.mul_(3)
+    last = run()
+    assert torch.equal(last[0], base[0]) and torch.equal(last[1], base[1]) and not torch.equal(last[2], base[2])
+    with torch.no_grad():
+        cap.encoder[0].mlp.c_proj.weight.mul_(3)
+    assert not torch.equal(run()[0], base[0])
+
+
+def test_greedy_stops_at_the_end_token_and_text_is_cut_as_theirs():
+    """BPE captions: greedy decoding stops at <|endoftext|> (the authors run 32 steps and cut there: the same
+    words); the text is decoded, then cut at the end token and at the first "!" (the pad, id 0), as they cut it; ids
+    decode to the text CLIP's tokenizer encodes."""
+    pair = paper_captioner()
+    with torch.no_grad():
+        pair.captioner.head_bias[clip_load.EOT] += 100.0  # the end token at once, for every pair
+    b, a = pair_images(3)
+    out = pair.caption(before=b, after=a)
+    assert out.tolist() == [[clip_load.EOT]] * 3
+    vocab = caption.build_vocab([], "clip")
+    the, cube = clip_load.encode("the cube")
+    assert caption.to_text([the, cube, clip_load.EOT, the, 0], vocab) == "the cube"
+    assert caption.to_text([the, 0, cube, clip_load.EOT], vocab) == "the"  # their cut at the first "!"
+    assert caption.to_text([the, cube] * 16, vocab) == "the cube" * 1 + " the cube" * 15  # no end: all 32
+    for text in ("The small red metal cube turned blue.", "there is no change", "a big cyan sphere has been added",
+                 "the man's car is gone", "two people walk to the left"):
+        ids = clip_load.encode(text)
+        back = caption.to_text(ids, vocab)
+        assert clip_load.encode(back) == ids and metrics.tokenize(back) == metrics.tokenize(text)
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda d: (d / "f").write_bytes(os.urandom(3000)), "could not read"),
+    (lambda d: tiny_encoder(d / "f", d), "is not a captioner but an adapted encoder"),
+    (lambda d: save_archive(M.CLIP(TINY), d / "f"), "is not a captioner but a CLIP"),
+    (lambda d: torch.save({f"clip.{k}": v for k, v in M.CLIP(TINY).state_dict().items()}, d / "f"),
+     "is not a captioner but a CLIP"),  # the authors' stage-1 file
+    (lambda d: torch.save({"model": M.CLIP(TINY).state_dict(), "stage": "caption", "captioner": {}}, d / "f"),
+     "from before .* changed its layout: evaluate it after `git checkout fe39aa0`"),  # ours, before the change
+], ids=["random bytes", "adapted.pt", "OpenAI archive", "their stage 1", "older captioner.pt"])
+def test_what_is_not_a_captioner_is_one_line_naming_the_file(tmp_path, make, what):
+    make(tmp_path)
+    with pytest.raises(SystemExit, match=what) as e:
+        caption.load_captioner(tmp_path / "f")
+    assert str(tmp_path / "f") in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_readme_command_evaluates_the_authors_checkpoint(tmp_path):
+    """README's command on their released layout: `python caption.py --ckpt pytorch_model.bin.clevr --data clevr
+    --data-root DIR` says first that it found the authors' captioner, never trains, captions the test split with
+    their greedy decoding, scores it and writes captions.json; --beam works on it."""
+    tiny_clevr(tmp_path / "clevr")
+    torch.save(authors_layout(paper_captioner(clip_cfg=M.CLIPConfig(**{**PAPER_CLIP.__dict__, "image_resolution": 32}))),
+               tmp_path / "pytorch_model.bin.clevr")
+    for extra in ([], ["--beam", "2"]):
+        out = subprocess.run([sys.executable, "caption.py", "--ckpt", str(tmp_path / "pytorch_model.bin.clevr"),
+                              "--data", "clevr", "--data-root", str(tmp_path / "clevr"), "--amp", "off", *CPU,
+                              "--workers", "0", "--results", str(tmp_path / "captions.json"), *extra],
+                             capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines()[0].endswith("the authors' CLIP4IDC captioner (clip.* and decoder.* keys): "
+                                                   "evaluated, never trained")
+        assert "epoch" not in out.stdout and not (tmp_path / "captioner.pt").exists()
+        results = json.loads((tmp_path / "captions.json").read_text())
+        assert len(results["predictions"]) == 8 and "CIDEr-D" in results["scores"]
+        assert all("!" not in p["caption"] and "<|" not in p["caption"] for p in results["predictions"])
+
+
+STORED_LOGITS = {  # at fe39aa0, before the authors' captioner came in: (sum, sum of |.|, 4 logits), after 3 steps
+    ("mini", 0): (10.605, 244.7341, [-0.10311, -0.48886, -0.05349, -0.13456]),
+    ("mini", 1): (-2.8463, 254.7186, [-0.45552, -0.16964, 0.04307, -0.18791]),
+    ("mini", 2): (9.5918, 241.252, [0.03958, -0.66627, -0.19898, -0.16038]),
+    ("compare", 0): (13.5823, 245.412, [-0.34669, -1.06862, 0.03215, -0.55581]),
+    ("compare", 1): (2.8102, 273.7468, [-0.39444, -0.51212, 0.316, 0.17853]),
+    ("compare", 2): (-17.6684, 235.1774, [-0.24325, -0.14519, -0.21988, -0.13414]),
+}
+
+
+@pytest.mark.parametrize("preset, seed", list(STORED_LOGITS))
+def test_mini_and_compare_captioners_are_the_ones_of_before(preset, seed):
+    """The mini and compare presets' captioners, built as caption.py builds them (preset, seed, the shipped CLIP),
+    trained 3 steps with dropout and read: the logits they gave before the authors' captioner came in (stored at
+    fe39aa0). So README's and RESULTS.md's figures made through caption.py still hold at HEAD."""
+    args = caption.get_args(["--ckpt", "mini12-synth", "--preset", preset, "--seed", str(seed), *CPU])
+    caption.apply_preset(args, {})
+    ctx = train_utils.setup(seed, "cpu", "off")
+    clip = load_clip("mini12-synth", "cpu", args.n_inter)
+    captions = ["the small red cube moved", "there is no change", "a big blue sphere was added",
+                "the cylinder turned green"]
+    vocab = caption.build_vocab(captions)
+    cap = caption.new_model(args, {}, vocab, ctx, clip).captioner
+    memory = torch.randn(4, cap.cfg.memory_len, cap.cfg.memory_dim, generator=torch.Generator().manual_seed(123))
+    ids = caption.encode_captions([SimpleNamespace(captions=[c]) for c in captions], vocab, caption.MAX_LEN)[:, :8]
+    opt = torch.optim.AdamW(cap.parameters(), lr=1e-3)
+    cap.train()
+    for _ in range(3):
+        loss = caption.caption_loss(cap(memory, ids[:, :-1]), ids[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        logits = cap.eval()(memory, ids[:, :-1]).double()
+    total, absolute, values = STORED_LOGITS[preset, seed]
+    assert abs(logits.sum().item() - total) < 2e-3 and abs(logits.abs().sum().item() - absolute) < 2e-3
+    assert_close(logits[0, 1, :4].float(), torch.tensor(values), atol=2e-5)
+
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -2694,7 +3012,8 @@ def test_caption_loss_is_the_mean_over_words_not_padding():
 def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     """caption.py's training settings come from its preset unless a flag says otherwise (weight decay and warmup,
     the same in both presets, from their flags' defaults: the authors' 0.01 and 0.1); its rule: the captioner at
-    --lr, the text tower never, the pair encoder frozen or at --encoder-lr, e1/e2/p/ln_mid frozen for 12 + 0."""
+    --lr, the text tower never, the pair encoder frozen or at --encoder-lr but its input embeddings, e1/e2/p/ln_mid
+    frozen for 12 + 0, the tied word embeddings frozen but on Spot-the-Diff."""
     for preset in caption.PRESETS.values():
         assert {"lr", "encoder_lr", "freeze_encoder", "batch_size", "epochs"} <= set(preset)
     args = caption.get_args(["--ckpt", A_FILE])
@@ -2703,11 +3022,20 @@ def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     args = caption.get_args(["--ckpt", "mini-synth", "--warmup", "0.3", "--weight-decay", "0.5"])
     assert caption.apply_preset(args, {}) == "mini" and (args.warmup, args.weight_decay) == (0.3, 0.5)
     assert args.epochs == caption.PRESETS["mini"]["epochs"]
-    rule = caption.lr_rule(caption.get_args(["--ckpt", A_FILE, "--lr", "2e-4", "--encoder-lr", "1e-6",
-                                             "--no-freeze-encoder"]), 0)
-    assert rule("captioner.decoder.0.attn.q_proj.weight") == 2e-4 and rule("clip.transformer.ln_1") is None
-    assert rule("clip.visual.conv1.weight") == 1e-6 and rule("clip.visual.bef_embedding") is None
     assert caption.lr_rule(args, 3)("clip.visual.bef_embedding") is None  # frozen encoder (the mini preset)
+    # the paper preset: the authors' rule (main_task_caption.py 640-667, --freeze_layer_num 0)
+    args = caption.get_args(["--ckpt", A_FILE, "--lr", "2e-4", "--encoder-lr", "1e-6", "--data", "clevr"])
+    caption.apply_preset(args, {})
+    rule = caption.lr_rule(args, 0)  # 12 + 0
+    assert rule("captioner.decoder.0.attn.q_proj.weight") == 2e-4 == rule("captioner.head_bias")
+    assert rule("clip.visual.transformer.resblocks.0.attn.in_proj_weight") == 1e-6 == rule("clip.visual.proj")
+    assert all(rule("clip." + k) is None for k in ("visual.conv1.weight", "visual.class_embedding",
+                                                    "visual.positional_embedding", "visual.ln_pre.bias"))
+    assert rule("clip.visual.bef_embedding") is None and rule("clip.transformer.resblocks.0.ln_1.weight") is None
+    assert rule("clip.token_embedding.weight") is None is rule("clip.positional_embedding")  # the tied words, CLEVR
+    args.data = "spot"  # the authors train the word embeddings there, at the CLIP's rate
+    assert caption.lr_rule(args, 3)("clip.token_embedding.weight") == 1e-6 == rule("clip.visual.ln_post.weight")
+    assert caption.lr_rule(args, 3)("clip.visual.bef_embedding") == 1e-6
     # after adapt.py --preset compare: mini without after minus before (the inter blocks compare)
     args = caption.get_args(["--ckpt", "mini-synth"])
     assert caption.apply_preset(args, {"args": {"preset": "compare"}}) == "compare" and args.mem_diff is False
@@ -3121,7 +3449,7 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     moved = max_change(adapted, start, start)
     clip_moved = []
     for k, d in moved.items():
-        if k.startswith(adapt.FROZEN):  # the authors' frozen input embeddings: bit-identical
+        if k.startswith(M.INPUT_EMBEDDINGS):  # the authors' frozen input embeddings: bit-identical
             assert d == 0, k
         elif k.startswith(M.PAIR_KEYS):  # e1, e2, p, ln_mid at 1e-4
             assert 1e-5 < d <= 2 * steps * 1e-4, (k, d)
@@ -3140,6 +3468,7 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     steps = torch.load(train_utils.last_path(cap), weights_only=False)["step"]
     moved = max_change(trained["model"], adapted, adapted)
     assert all(d == 0 for k, d in moved.items() if not k.startswith("visual."))  # the text tower takes no part
+    assert all(d == 0 for k, d in moved.items() if k.startswith(M.INPUT_EMBEDDINGS))  # the authors' frozen ones
     visual = [d for k, d in moved.items() if k.startswith("visual.")]
     assert 0 < max(visual) <= 2 * steps * 1e-6 and sum(d > 0 for d in visual) > 0.9 * len(visual)
     history = trained["metrics"]["history"]
@@ -3168,9 +3497,9 @@ def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch,
     assert adapted["config"]["vision_patch_size"] == 8 and adapted["config"]["vision_width"] // 64 == 2  # heads
     assert adapted["args"]["draw_captions"] is True
     adapted = adapted["model"]
-    frozen = [k for k in start if k.startswith(adapt.FROZEN)]  # the authors' frozen input embeddings
+    frozen = [k for k in start if k.startswith(M.INPUT_EMBEDDINGS)]  # the authors' frozen input embeddings
     assert len(frozen) == 7 and all(torch.equal(adapted[k], start[k]) for k in frozen)
-    trained = [k for k in start if not k.startswith(adapt.FROZEN + M.PAIR_KEYS) and k != "logit_scale"]
+    trained = [k for k in start if not k.startswith(M.INPUT_EMBEDDINGS + M.PAIR_KEYS) and k != "logit_scale"]
     assert all(not torch.equal(adapted[k], start[k]) for k in trained)  # CLIP's other weights learn, slowly:
     steps = torch.load(train_utils.last_path(out), weights_only=False)["step"]  # at the authors' 1e-7, Adam moves
     assert max(max_change(adapted, start, trained).values()) <= 2 * steps * 1e-7  # a weight by about lr a step
