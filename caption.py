@@ -58,8 +58,7 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
 MAX_LEN = 32  # most tokens a caption gets, the end token included (the authors' --max_words)
 CHANGE_TYPES = ("color", "material", "move", "add", "drop", "distractor")
-FORMAT = 2  # captioner.pt's layout: 2 since the authors' captioner became model.Captioner (1: before, no "format")
-FORMAT_COMMIT = "the authors' captioner commit"  # the commit that changed it (named in the error for older files)
+FORMAT, FORMAT_COMMIT = 2, "aa7f13b"  # captioner.pt's layout, and the commit that made it (the authors' captioner)
 
 
 # -----------------------------------------------------------------------------
@@ -167,8 +166,8 @@ def load_captioner(path, device="cpu"):
     model.Captioner's defaults with CLIP's words, heads = width / 64 as their 8 at 512, n_inter 3 as their 9 + 3)."""
     sd, extra = clip_load.read_state_dict(path := clip_load.resolve(path))
     if extra.get("stage") == "caption" and extra.get("format") != FORMAT:
-        raise SystemExit(f"{path} is a captioner.pt from before {FORMAT_COMMIT} changed its layout: evaluate it "
-                         f"after `git checkout fe39aa0`, or train a captioner again")
+        raise SystemExit(f"{path} is a captioner.pt from before commit {FORMAT_COMMIT} changed its layout: evaluate "
+                         f"it after `git checkout fe39aa0`, or train a captioner again")
     if extra.get("stage") != "caption" and not extra.get("decoder"):
         raise SystemExit(f"{path} is not a captioner but {'an adapted encoder' if extra.get('stage') else 'a CLIP'} "
                          f"(no decoder in it): train one on it with `python caption.py --ckpt {path}`")
@@ -366,8 +365,8 @@ def get_args(argv=None):
                    "embeddings tied in (the authors'); words: its own, of the training captions (a small softmax for "
                    f"a CPU; the mini CLIP's 64-wide embeddings would not fit its 128-wide memory) {pre('vocab')}")
     p.add_argument("--post-ln", action=argparse.BooleanOptionalAction, default=None, help="BERT's post-LN layers, "
-                   "decoder layer i reading encoder layer i (the authors'); else pre-LN layers reading the last (they "
-                   f"train at 1e-3 without a tuned warmup) {pre('post_ln')}")
+                   "decoder layer i reading encoder layer i (the authors'); else pre-LN layers reading the last (the mini "
+                   f"preset's figures were made so) {pre('post_ln')}")
     p.add_argument("--mem-proj", action=argparse.BooleanOptionalAction, default=None, help="not the authors': a "
                    f"learned projection and position per memory token (where --width differs from it) {pre('mem_proj')}")
     p.add_argument("--mem-image", action=argparse.BooleanOptionalAction, default=None,
@@ -524,13 +523,12 @@ def resolve_sizes(args, clip):
     resolve_mem_pool(args, clip)
     args.width = args.width or clip.cfg.transformer_width
     args.heads = args.heads or max(1, args.width // 64)
-    for flag, bad, why in (("--width", args.vocab == "clip" and args.width != clip.cfg.transformer_width,
-                            f"--vocab clip: the CLIP's word embeddings are {clip.cfg.transformer_width} wide"),
-                           ("--mem-proj", not args.mem_proj and args.width != clip.cfg.embed_dim,
-                            f"{args.ckpt}'s tokens are {clip.cfg.embed_dim} wide, the captioner {args.width}: pass it"),
-                           ("--heads", args.width % args.heads, f"{args.heads} heads do not divide {args.width}")):
-        if bad:
-            flag_error(flag, why)
+    if args.vocab == "clip" and args.width != clip.cfg.transformer_width:
+        flag_error("--width", f"--vocab clip: the CLIP's word embeddings are {clip.cfg.transformer_width} wide")
+    if not args.mem_proj and args.width != clip.cfg.embed_dim:
+        flag_error("--mem-proj", f"{args.ckpt}'s tokens are {clip.cfg.embed_dim} wide, the captioner {args.width}")
+    if args.width % args.heads:
+        flag_error("--heads", f"{args.heads} heads do not divide the width {args.width} (--width)")
 
 
 def new_model(args, ckpt_info, vocab, ctx, clip):

@@ -24,7 +24,10 @@ heads in both towers:
 - both stages, as real processes killed (SIGKILL) mid-epoch or halfway through writing a checkpoint, resume to the
   weights and the chosen model of a run never stopped;
 - greedy decoding (with and without the cache) and beam search equal plain references written per pair (a
-  textbook beam search, exhaustive search), and every bad value of every entry point's flags is one argparse line.
+  textbook beam search, exhaustive search), and every bad value of every entry point's flags is one argparse line;
+- the paper preset's captioner is the authors': built from their code (../shared/reference/authors_clip4idc) and
+  saved as their trainer saves it, it gives our load_captioner the same tokens, logits and greedy captions; their
+  released layout, written out key by key, evaluates through README's command.
 On a GPU the cuda group adds: both stages under bf16 autocast (the mini CLIP, and a random ViT-B/32 through the
 paper preset), checkpoints written there holding CPU tensors and captioning alike on the CPU, --before/--after,
 greedy decoding in fp32, --compile, the step captured as a CUDA graph (--cuda-graphs).
@@ -1036,7 +1039,7 @@ def test_greedy_stops_at_the_end_token_and_text_is_cut_as_theirs():
     (lambda d: torch.save({f"clip.{k}": v for k, v in M.CLIP(TINY).state_dict().items()}, d / "f"),
      "is not a captioner but a CLIP"),  # the authors' stage-1 file
     (lambda d: torch.save({"model": M.CLIP(TINY).state_dict(), "stage": "caption", "captioner": {}}, d / "f"),
-     "from before .* changed its layout: evaluate it after `git checkout fe39aa0`"),  # ours, before the change
+     "from before commit aa7f13b changed its layout: evaluate it after `git checkout fe39aa0`"),  # ours, before
 ], ids=["random bytes", "adapted.pt", "OpenAI archive", "their stage 1", "older captioner.pt"])
 def test_what_is_not_a_captioner_is_one_line_naming_the_file(tmp_path, make, what):
     make(tmp_path)
