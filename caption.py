@@ -184,7 +184,8 @@ def load_captioner(path, device="cpu"):
     try:
         captioner.load_state_dict(state)
     except RuntimeError as e:  # the keys missing, unexpected or of another shape, in one line
-        raise SystemExit(f"{path}: its captioner does not fit model.Captioner: {' '.join(str(e).split())[:400]}") from None
+        why = " ".join(str(e).split())[:400]
+        raise SystemExit(f"{path}: its captioner does not fit model.Captioner: {why}") from None
     return PairCaptioner(clip, captioner).to(device).eval(), vocab
 
 
@@ -365,10 +366,10 @@ def get_args(argv=None):
                    "embeddings tied in (the authors'); words: its own, of the training captions (a small softmax for "
                    f"a CPU; the mini CLIP's 64-wide embeddings would not fit its 128-wide memory) {pre('vocab')}")
     p.add_argument("--post-ln", action=argparse.BooleanOptionalAction, default=None, help="BERT's post-LN layers, "
-                   "decoder layer i reading encoder layer i (the authors'); else pre-LN layers reading the last (the mini "
-                   f"preset's figures were made so) {pre('post_ln')}")
+                   "decoder layer i reading encoder layer i (the authors'); else pre-LN layers reading the last (the "
+                   f"mini preset's figures were made so) {pre('post_ln')}")
     p.add_argument("--mem-proj", action=argparse.BooleanOptionalAction, default=None, help="not the authors': a "
-                   f"learned projection and position per memory token (where --width differs from it) {pre('mem_proj')}")
+                   f"learned projection and position per memory token (for a --width not its own) {pre('mem_proj')}")
     p.add_argument("--mem-image", action=argparse.BooleanOptionalAction, default=None,
                    help=f"not the authors': a learned vector per image added to its memory tokens {pre('mem_image')}")
     p.add_argument("--mem-diff", action=argparse.BooleanOptionalAction, default=None,

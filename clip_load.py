@@ -177,15 +177,16 @@ def build_clip(sd, extra, path, n_inter=None):
     return model
 
 
-# the authors' captioner (their modules/module_decoder.py, BERT's names) -> ours (model.Captioner), name part by name
-# part, in this order; their separate key and value projections are one kv_proj here (concatenated)
-AUTHORS_NAMES = (("decoder.layer.", "decoder."), ("encoder.layer.", "encoder."), ("slf_attn.att.query", "attn.q_proj"),
-                 ("slf_attn.output.dense", "attn.out_proj"), ("slf_attn.output.LayerNorm", "ln_1"),
-                 ("enc_attn.att.query", "cross_attn.q_proj"), ("enc_attn.output.dense", "cross_attn.out_proj"),
-                 ("enc_attn.output.LayerNorm", "ln_x"), ("intermediate.dense", "mlp.c_fc"), ("output.dense", "mlp.c_proj"),
-                 ("output.LayerNorm", "ln_2"), ("embeddings.LayerNorm", "ln_emb"), ("classifier.cls.predictions.transform.dense",
-                 "head.dense"), ("classifier.cls.predictions.transform.LayerNorm", "head.ln"),
-                 ("classifier.cls.predictions.bias", "head_bias"), ("slf_attn.att.", "attn."), ("enc_attn.att.", "cross_attn."))
+# the authors' captioner (their modules/module_decoder.py, BERT's names) -> ours (model.Captioner): each name part
+# replaced, in this order; their key and value projections become one kv_proj (concatenated, authors_captioner)
+AUTHORS_NAMES = (
+    ("decoder.layer.", "decoder."), ("encoder.layer.", "encoder."), ("slf_attn.att.query", "attn.q_proj"),
+    ("slf_attn.output.dense", "attn.out_proj"), ("slf_attn.output.LayerNorm", "ln_1"),
+    ("enc_attn.att.query", "cross_attn.q_proj"), ("enc_attn.output.dense", "cross_attn.out_proj"),
+    ("enc_attn.output.LayerNorm", "ln_x"), ("slf_attn.att.", "attn."), ("enc_attn.att.", "cross_attn."),
+    ("intermediate.dense", "mlp.c_fc"), ("output.dense", "mlp.c_proj"), ("output.LayerNorm", "ln_2"),
+    ("embeddings.LayerNorm", "ln_emb"), ("classifier.cls.predictions.transform.dense", "head.dense"),
+    ("classifier.cls.predictions.transform.LayerNorm", "head.ln"), ("classifier.cls.predictions.bias", "head_bias"))
 AUTHORS_TIED = {"embeddings.word_embeddings.weight": "token_embedding.weight",  # the CLIP's own, in their file thrice
                 "classifier.cls.predictions.decoder.weight": "token_embedding.weight",
                 "embeddings.position_embeddings.weight": "positional_embedding"}
