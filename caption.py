@@ -169,8 +169,9 @@ def load_captioner(path, device="cpu"):
         raise SystemExit(f"{path} is a captioner.pt from before commit {FORMAT_COMMIT} changed its layout: evaluate "
                          f"it after `git checkout fe39aa0`, or train a captioner again")
     if extra.get("stage") != "caption" and not extra.get("decoder"):
-        raise SystemExit(f"{path} is not a captioner but {'an adapted encoder' if extra.get('stage') else 'a CLIP'} "
-                         f"(no decoder in it): train one on it with `python caption.py --ckpt {path}`")
+        what = "an adapted encoder" if extra.get("stage") or "decoder" in extra else "a CLIP"
+        raise SystemExit(f"{path} is not a captioner but {what} (no decoder in it): train one on it with `python "
+                         f"caption.py --ckpt {path}`")
     clip = clip_load.build_clip(sd, extra, path)
     if "decoder" in extra:  # the authors'
         state, enc, dec = clip_load.authors_captioner(extra["decoder"], sd, path)
@@ -190,16 +191,17 @@ def load_captioner(path, device="cpu"):
 
 
 def read_ckpt_info(path):
-    """The non-model entries of our own checkpoints, {"stage": "caption", "authors": True} for the authors'
-    captioners (a state dict with decoder.* keys), {} for OpenAI's archive or another bare state dict. mmap:
-    reading the small entries of a big file costs nothing."""
+    """The non-model entries of our own checkpoints; {"stage": "caption" or "adapt", "authors": True} for the
+    authors' captioners (a state dict with decoder.* keys) and encoders (clip.* alone); {} for OpenAI's archive or
+    another bare state dict. mmap: reading the small entries of a big file costs nothing."""
     path = clip_load.resolve(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # TorchScript archives and legacy files: clip_load.load_clip reads them (or explains why not)
         return {}
-    if isinstance(obj, dict) and any(str(k).removeprefix("module.").startswith("decoder.") for k in obj):
-        return {"stage": "caption", "authors": True}
+    keys = [str(k).removeprefix("module.") for k in obj] if isinstance(obj, dict) and "model" not in obj else []
+    if any(k.startswith(("decoder.", "clip.")) for k in keys):  # the authors' captioner, or their stage-1 encoder
+        return {"stage": "caption" if any(k.startswith("decoder.") for k in keys) else "adapt", "authors": True}
     return {k: v for k, v in obj.items() if k != "model"} if isinstance(obj, dict) and "model" in obj else {}
 
 
@@ -411,7 +413,7 @@ def get_args(argv=None):
         p.error("--explain draws one pair: give --before and --after too")
     if not os.path.isfile(args.ckpt) and args.ckpt not in clip_load.MODELS and args.ckpt not in clip_load.SHIPPED:
         p.error(f"argument --ckpt: no file at {args.ckpt}. Run `python adapt.py` first (it writes adapted.pt), or "
-                f"pass a CLIP file / 'ViT-B/32' / 'mini12-synth' for the no-adaptation ablation")
+                f"pass a CLIP file / 'ViT-B/32' / 'mini12-synth' for the no-adaptation ablation, or a captioner")
     for flag in ("--before", "--after"):
         path = getattr(args, flag[2:])
         if path and not os.path.isfile(path):
@@ -482,10 +484,13 @@ def evaluate_captioner(args, ckpt_info):
 
 
 def data_source(args, ckpt_info):
-    """Dataset name and directory: the flags, else what the encoder was adapted on."""
+    """Dataset name and directory: the flags, else what the encoder was adapted on. The authors' weights are for
+    real data: no synthetic set stands in for a missing one."""
     info = ckpt_info.get("data") or {}
     name = args.data or info.get("name", "clevr")
     root = args.data_root or (info.get("root") if info.get("name") == name else None)
+    if ckpt_info.get("authors") and root is None and not os.path.exists(data.ROOTS[name]):
+        flag_error("--data-root", f"no {name} dataset at {data.ROOTS[name]} for the authors' weights: give its folder")
     return name, data.resolve_root(name, root)
 
 
@@ -703,9 +708,9 @@ def train(args, ckpt_info):
 def main(argv=None):
     args = get_args(argv)
     ckpt_info = read_ckpt_info(args.ckpt)
-    found = ("the authors' CLIP4IDC captioner (clip.* and decoder.* keys): evaluated, never trained"
-             if ckpt_info.get("authors") else "a captioner (caption.py's): evaluated" if ckpt_info.get("stage") ==
-             "caption" else "an encoder, no captioner in it: a captioner is trained on it")
+    whose = "the authors' CLIP4IDC" if ckpt_info.get("authors") else "caption.py's"
+    found = (f"{whose} captioner: evaluated, never trained" if ckpt_info.get("stage") == "caption" else
+             "an encoder, no captioner in it: a captioner is trained on it")
     print(f"--ckpt {args.ckpt}: {found}", file=sys.stderr if args.before else sys.stdout, flush=True)  # --before:
     # stdout holds the caption alone
     if args.before:

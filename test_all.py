@@ -868,7 +868,7 @@ def pair_images(n=5, size=56, seed=1):
     return images[:, 0], images[:, 1]
 
 
-def test_the_authors_layout_loads_key_for_key(tmp_path, capsys):
+def test_the_authors_layout_loads_key_for_key(tmp_path, capsys, monkeypatch):
     """load_captioner on a file in the authors' layout (their key names and shapes, literally; one leading
     `module.` as a DistributedDataParallel wrapper saves it): every key read, the same logits and greedy captions
     as the model it was written from, CLIP's vocabulary in id order, the tied copies checked."""
@@ -880,6 +880,14 @@ def test_the_authors_layout_loads_key_for_key(tmp_path, capsys):
     torch.save({"module." + k: v for k, v in sd.items()}, tmp_path / "pytorch_model.bin.clevr")
     ours, vocab = caption.load_captioner(tmp_path / "pytorch_model.bin.clevr")
     assert len(vocab) == 49408 and vocab[clip_load.SOT] == "<|startoftext|>" and vocab[518] == "the</w>"
+    torch.save({k: v for k, v in sd.items() if k.startswith("clip.")}, tmp_path / "pytorch_model.bin.stage1")
+    # caption.py evaluates a file with decoder.* keys, never trains it; clip.* alone is an encoder to train on
+    assert caption.read_ckpt_info(tmp_path / "pytorch_model.bin.clevr") == {"stage": "caption", "authors": True}
+    assert caption.read_ckpt_info(tmp_path / "pytorch_model.bin.stage1") == {"stage": "adapt", "authors": True}
+    monkeypatch.chdir(tmp_path)  # no data/clevr_change here: no synthetic set stands in for real data
+    with pytest.raises(SystemExit):
+        caption.main([*CPU, "--ckpt", str(tmp_path / "pytorch_model.bin.clevr")])
+    assert "--data-root: no clevr dataset at data/clevr_change for the authors' weights" in capsys.readouterr().err
     assert ours.captioner.token_embedding.weight is ours.clip.token_embedding.weight  # tied, not a copy
     before, after = pair_images()
     ids = torch.cat([torch.full((5, 1), clip_load.SOT), torch.randint(1, 49406, (5, 9))], 1)
@@ -1039,7 +1047,7 @@ def test_greedy_stops_at_the_end_token_and_text_is_cut_as_theirs():
     (lambda d: tiny_encoder(d / "f", d), "is not a captioner but an adapted encoder"),
     (lambda d: save_archive(M.CLIP(TINY), d / "f"), "is not a captioner but a CLIP"),
     (lambda d: torch.save({f"clip.{k}": v for k, v in M.CLIP(TINY).state_dict().items()}, d / "f"),
-     "is not a captioner but a CLIP"),  # the authors' stage-1 file
+     "is not a captioner but an adapted encoder"),  # the authors' stage-1 file
     (lambda d: torch.save({"model": M.CLIP(TINY).state_dict(), "stage": "caption", "captioner": {}}, d / "f"),
      "from before commit aa7f13b changed its layout: evaluate it after `git checkout fe39aa0`"),  # ours, before
 ], ids=["random bytes", "adapted.pt", "OpenAI archive", "their stage 1", "older captioner.pt"])
@@ -1065,8 +1073,7 @@ def test_readme_command_evaluates_the_authors_checkpoint(tmp_path):
                               "--workers", "0", "--results", str(tmp_path / "captions.json"), *extra],
                              capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent)
         assert out.returncode == 0, out.stderr[-2000:]
-        assert out.stdout.splitlines()[0].endswith("the authors' CLIP4IDC captioner (clip.* and decoder.* keys): "
-                                                   "evaluated, never trained")
+        assert out.stdout.splitlines()[0].endswith("the authors' CLIP4IDC captioner: evaluated, never trained")
         assert "epoch" not in out.stdout and not (tmp_path / "captioner.pt").exists()
         results = json.loads((tmp_path / "captions.json").read_text())
         assert len(results["predictions"]) == 8 and "CIDEr-D" in results["scores"]
