@@ -206,14 +206,11 @@ def read_ckpt_info(path):
 
 
 def lr_rule(args, n_inter):
-    """The learning-rate rule, parameter name -> learning rate (None: frozen); the authors' is main_task_caption.py
-    640-667 with --freeze_layer_num 0. The captioner's own layers train from scratch at --lr; the pair encoder at
-    --encoder-lr (authors: 1e-4 x 1e-3), unless --freeze-encoder (mini: its tokens computed once, before training),
-    but for CLIP's input embeddings (as the authors keep them) and, in 6 + 0 and 12 + 0, the unused e1, e2, p,
-    ln_mid; the text tower and the logit scale take no part. With CLIP's words (a tied Parameter has one name, the
-    CLIP's) the decoder's word embeddings and output projection stay frozen, but on Spot-the-Diff, where the
-    authors train them at the pair encoder's rate. Weight decay (--weight-decay) applies to the matrices only, never
-    to 1-D tensors (train_utils.param_groups)."""
+    """The learning-rate rule, parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py
+    640-667, --freeze_layer_num 0): the captioner's own layers at --lr; the pair encoder at --encoder-lr unless
+    --freeze-encoder (mini: its tokens computed once), but for CLIP's input embeddings and, in N + 0, the unused e1,
+    e2, p, ln_mid; the text tower never. CLIP's word embeddings, tied into the decoder (a tied Parameter is named
+    once, as the CLIP's), train on Spot-the-Diff only. Weight decay: matrices only (train_utils.param_groups)."""
     unused = PAIR_KEYS if n_inter == 0 else ()
 
     def lr(name):
@@ -368,8 +365,8 @@ def get_args(argv=None):
                    "embeddings tied in (the authors'); words: its own, of the training captions (a small softmax for "
                    f"a CPU; the mini CLIP's 64-wide embeddings would not fit its 128-wide memory) {pre('vocab')}")
     p.add_argument("--post-ln", action=argparse.BooleanOptionalAction, default=None, help="BERT's post-LN layers, "
-                   "decoder layer i reading encoder layer i (the authors'); else pre-LN layers reading the last (the "
-                   f"mini preset's figures were made so) {pre('post_ln')}")
+                   "decoder layer i reading encoder layer i (the authors'); else pre-LN layers reading the last "
+                   f"(in the mini preset's 15 epochs they learn faster: RESULTS.md) {pre('post_ln')}")
     p.add_argument("--mem-proj", action=argparse.BooleanOptionalAction, default=None, help="not the authors': a "
                    f"learned projection and position per memory token (for a --width not its own) {pre('mem_proj')}")
     p.add_argument("--mem-image", action=argparse.BooleanOptionalAction, default=None,

@@ -431,8 +431,8 @@ class Captioner(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
             if isinstance(m, nn.Linear):
                 nn.init.zeros_(m.bias)
-        for p, std in ((self.mem_pos, 0.01), (self.mem_image, 0.02)) + (() if cfg.clip_words else
-                                                                          ((self.positional_embedding, 0.01),)):
+        for p, std in ((self.mem_pos, 0.01), (self.mem_image, 0.02),
+                       (None if cfg.clip_words else self.positional_embedding, 0.01)):  # CLIP's stay as they are
             if p is not None:
                 nn.init.normal_(p, std=std)
 
