@@ -464,8 +464,8 @@ def evaluate_captioner(args, ckpt_info):
     predictions (and --gallery) of that model. Under bf16 the authors' weights are also decoded in fp32, their
     reference (--amp off), and the captions that differ counted."""
     ctx = setup(args.seed, args.device, args.amp)
+    name, root = data_source(args, ckpt_info)  # a missing dataset says so before the weights are read
     model, vocab = load_captioner(args.ckpt, ctx.device)
-    name, root = data_source(args, ckpt_info)
     train_items, test_items = (data.load_items(name, root, s, "total", args.skip_missing) for s in ("train", "test"))
     loader = loader_for(data.ImageDataset(test_items, model.clip.cfg.image_resolution), args, ctx)
     results = final_test(model, loader, train_items, test_items, vocab, args, ctx, name, root)
