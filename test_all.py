@@ -1,5 +1,5 @@
-"""clip4idc test suite: `pytest test_all.py -rs` (all, about 6 minutes on 2 CPU cores) or `pytest test_all.py -rs
--m "not slow"` (the fast subset, under a minute). Tiny models and data the tests make themselves (or the real files
+"""clip4idc test suite: `pytest test_all.py -rs` (all, about 5 minutes on 2 CPU cores) or `pytest test_all.py -rs
+-m "not slow"` (the fast subset, about a minute; README "Tests" gives the measured times). Tiny models and data the tests make themselves (or the real files
 in ../shared/, skipped cleanly when absent).
 
 Devices: every test but the cuda group runs on the CPU on any machine. Each stage run names `--device cpu` (CPU,
