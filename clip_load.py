@@ -3,7 +3,8 @@
 - `load_clip` reads OpenAI's released TorchScript archive (fp16 weights), a plain `torch.save`d state dict,
   the authors' CLIP4IDC checkpoints (keys prefixed `clip.`) or our own `adapted.pt`, and returns the fp32 model
   from `model.py` in eval mode. "ViT-B/32" resolves to ~/.cache/clip/ViT-B-32.pt (downloaded, SHA256 checked).
-- `tokenize`: OpenAI's byte-level BPE (same ids as `clip.tokenize`); the vocabulary ships in
+  `authors_captioner` renames the `decoder.*` keys of the authors' released captioners onto `model.Captioner`.
+- `tokenize` / `decode`: OpenAI's byte-level BPE (same ids as `clip.tokenize`); the vocabulary ships in
   `assets/bpe_simple_vocab_16e6.txt.gz` (MIT licence, from openai/CLIP) and is checksummed on load.
 - `preprocess`: PIL + numpy, no torchvision. A bicubic squash to the model's input size (the CLIP4IDC authors'
   choice: a change at the border survives), then CLIP's mean/std.
