@@ -1,7 +1,7 @@
 """Stage 1 of CLIP4IDC: adapt CLIP to image *pairs* by contrastive pair <-> text retrieval (paper Sec. 3.2).
 
     python adapt.py --data clevr                 # writes adapted.pt
-    python adapt.py --data clevr --n-inter 0     # all blocks intra, none inter (paper Table 7's 12 + 0)
+    python adapt.py --data clevr --n-inter 0     # all blocks intra, none inter (Table 7: 12 + 0; the mini: 6 + 0)
 
 The pair encoder (model.py) turns (before, after) into a vector v; CLIP's text tower turns the caption into g;
 the symmetric InfoNCE loss over the batch (eq. 6-8) pulls each pair to its own caption. Retrieval (R@1/5/10,
@@ -191,7 +191,7 @@ def lr_rule(args):
     (train_utils.param_groups)."""
     def lr(name):
         if name.startswith(PAIR_KEYS):  # e1, e2, p, ln_mid
-            return args.lr_new if args.n_inter > 0 else None  # 12 + 0: e1, e2, p, ln_mid are never used
+            return args.lr_new if args.n_inter > 0 else None  # N + 0: e1, e2, p, ln_mid are never used
         first = name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < args.freeze_blocks
         if (args.clip and name.startswith(INPUT_EMBEDDINGS)) or first:
             return None  # --freeze-blocks: the first blocks keep what pretraining taught them (compare: the intra)

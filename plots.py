@@ -170,7 +170,7 @@ def attention_weights(attn, x):
 def inter_attention(visual, before, after):
     """The last inter block's attention weights on these pairs (B, heads, 2(n+1), 2(n+1)): a hook reads the
     block's input during visual.forward_pair and takes attention_weights of it."""
-    assert visual.n_inter > 0, "the attention maps are the inter blocks': a 12 + 0 encoder has none"
+    assert visual.n_inter > 0, "the attention maps are the inter blocks': an N + 0 encoder has none"
     weights = []
     keep = lambda attn, inputs: weights.append(attention_weights(attn, inputs[0]))  # inputs[0]: ln_1(x)
     hook = visual.transformer.resblocks[-1].attn.register_forward_pre_hook(keep)
