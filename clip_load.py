@@ -110,7 +110,8 @@ def download(url, path, expected):
     except OSError as e:  # URLError, timeouts, disk full
         tmp.unlink(missing_ok=True)
         raise SystemExit(f"could not download {url} ({e}). Offline? Download ViT-B-32.pt on a machine with "
-                         f"internet and copy it to {path}, or pass --clip PATH; see {WEIGHTS}.") from None
+                         f"internet and copy it to {path}, or give its path (adapt.py --clip, caption.py --ckpt); see "
+                         f"{WEIGHTS}.") from None
     if (got := sha256(tmp)) != expected:
         tmp.unlink()
         raise SystemExit(f"downloaded {url} but its SHA256 is {got}, expected {expected}: try again")
@@ -130,8 +131,9 @@ def read_state_dict(path):
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # zip/pickle/jit errors all mean the same thing to the user
-        raise SystemExit(f"could not read {what}: {type(e).__name__}: {str(e).splitlines()[0][:200]}. The file is "
-                         f"truncated, corrupt, or not a PyTorch checkpoint: download it again ({WEIGHTS}).") from None
+        why = (str(e).splitlines() or [""])[0][:200]  # an empty file's EOFError has no message
+        raise SystemExit(f"could not read {what}: {type(e).__name__}: {why}. The file is truncated, corrupt, or not a "
+                         f"PyTorch checkpoint: download it again ({WEIGHTS}).") from None
     extra = {}
     if isinstance(sd, dict) and isinstance(sd.get("model"), dict):  # our adapted.pt / captioner.pt
         extra = {k: v for k, v in sd.items() if k != "model"}
@@ -173,7 +175,7 @@ def build_clip(sd, extra, path, n_inter=None):
         model = build_model(sd, n_inter=n_inter)
         model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
     except (RuntimeError, KeyError, ValueError, AssertionError) as e:
-        raise SystemExit(f"{path} does not fit the CLIP ViT architecture: {str(e).splitlines()[0][:300]} ... "
+        raise SystemExit(f"{path} does not fit the CLIP ViT architecture: {(str(e).splitlines() or [''])[0][:300]} ... "
                          f"(is it a CLIP ViT checkpoint? see {WEIGHTS})") from None
     return model
 

@@ -1,6 +1,6 @@
 """clip4idc test suite: `pytest test_all.py -rs` (all, about 5 minutes on 2 CPU cores) or `pytest test_all.py -rs
--m "not slow"` (the fast subset, about a minute; README "Tests" gives the measured times). Tiny models and data the tests make themselves (or the real files
-in ../shared/, skipped cleanly when absent).
+-m "not slow"` (the fast subset, about a minute; README "Tests" gives the measured times). Tiny models and data the
+tests make themselves (or the real files in ../shared/, skipped cleanly when absent).
 
 Devices: every test but the cuda group runs on the CPU on any machine. Each stage run names `--device cpu` (CPU,
 below), and the entry points' bad-flag cases run with CUDA hidden (CUDA_VISIBLE_DEVICES=), where `--device cuda`
@@ -1047,13 +1047,14 @@ def test_greedy_stops_at_the_end_token_and_text_is_cut_as_theirs():
 
 @pytest.mark.parametrize("make, what", [
     (lambda d: (d / "f").write_bytes(os.urandom(3000)), "could not read"),
+    (lambda d: (d / "f").write_bytes(b""), "could not read"),  # an empty download
     (lambda d: tiny_encoder(d / "f", d), "is not a captioner but an adapted encoder"),
     (lambda d: save_archive(M.CLIP(TINY), d / "f"), "is not a captioner but a CLIP"),
     (lambda d: torch.save({f"clip.{k}": v for k, v in M.CLIP(TINY).state_dict().items()}, d / "f"),
      "is not a captioner but an adapted encoder"),  # the authors' stage-1 file
     (lambda d: torch.save({"model": M.CLIP(TINY).state_dict(), "stage": "caption", "captioner": {}}, d / "f"),
      "from before commit aa7f13b changed its layout: evaluate it after `git checkout fe39aa0`"),  # ours, before
-], ids=["random bytes", "adapted.pt", "OpenAI archive", "their stage 1", "older captioner.pt"])
+], ids=["random bytes", "empty", "adapted.pt", "OpenAI archive", "their stage 1", "older captioner.pt"])
 def test_what_is_not_a_captioner_is_one_line_naming_the_file(tmp_path, make, what):
     make(tmp_path)
     with pytest.raises(SystemExit, match=what) as e:
@@ -1070,8 +1071,8 @@ def test_readme_command_evaluates_the_authors_checkpoint(tmp_path):
     tiny_clevr(tmp_path / "clevr")
     small = M.CLIPConfig(**{**PAPER_CLIP.__dict__, "image_resolution": 32})  # a 4x4 grid: quicker
     torch.save(authors_layout(paper_captioner(clip_cfg=small)), tmp_path / "pytorch_model.bin.clevr")
-    args = ["--ckpt", str(tmp_path / "pytorch_model.bin.clevr"), "--data", "clevr", "--data-root",
-            str(tmp_path / "clevr"), "--amp", "off", *CPU, "--workers", "0", "--results", str(tmp_path / "captions.json")]
+    args = ["--ckpt", str(tmp_path / "pytorch_model.bin.clevr"), "--data", "clevr", "--amp", "off", *CPU, "--workers",
+            "0", "--data-root", str(tmp_path / "clevr"), "--results", str(tmp_path / "captions.json")]
     out = subprocess.run([sys.executable, "caption.py", *args], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent)
     assert out.returncode == 0, out.stderr[-2000:]
