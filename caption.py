@@ -45,8 +45,8 @@ PRESETS = {
     "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                  freeze_encoder=True, epochs=15, reverse=None, mem_diff=True, mem_pool=None, vocab="words",
                  post_ln=False, mem_proj=True, mem_image=True),
-    # the authors' (their code and scripts/caption_clevr.sh): their captioner (model.Captioner's defaults), CLIP's
-    # BPE words tied in, the pair encoder fine-tuned at 1e-4 x 1e-3
+    # the authors' (their code and scripts/caption_clevr.sh): their captioner (model.Captioner: post-LN, CLIP's BPE
+    # words tied in, as wide as CLIP's text tower), the pair encoder fine-tuned at 1e-4 x 1e-3
     "paper": dict(width=None, heads=None, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
                   freeze_encoder=False, epochs=50, reverse=False, mem_diff=False, mem_pool=1, vocab="clip",
                   post_ln=True, mem_proj=False, mem_image=False),

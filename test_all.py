@@ -952,7 +952,9 @@ def test_the_authors_captioner_equals_theirs_on_the_same_weights(tmp_path, monke
         mask = torch.ones(5, tokens.shape[1])
         want = theirs.decoder_caption(tokens, mask, ids, torch.ones_like(ids), shaped=True, get_logits=True)
         got = ours(ids, before=before, after=after)
-        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()  # the target: 1e-4; measured: 8e-7
+        # BERT's LayerNorm eps (1e-12) moves these logits by less than the tolerance: checked apart
+        assert {m.eps for m in ours.captioner.modules() if isinstance(m, torch.nn.LayerNorm)} == {1e-12}
         x = torch.full((5, 1), clip_load.SOT)
         for _ in range(32):  # their greedy_decode (main_task_caption.py 541-556)
             scores = theirs.decoder_caption(tokens, mask, x, torch.ones_like(x), shaped=True, get_logits=True)
