@@ -99,6 +99,10 @@ def get_args(argv=None):
                    help="with --eval-only: a CLIP checkpoint (default: --out)")
     p.add_argument("--clevr-root", default=None, help="with --eval-only: also read every image of this set of "
                    "CLEVR's own renders (with CLEVR's scene records), the probes trained on --root's objects")
+    p.add_argument("--probe-pairs", nargs="+", default=None, metavar="ADAPTED", help="linear probes of these pair "
+                   "encoders (adapt.py's --out) on --pairs-root's change pairs, a table each, and stop (probe_pairs)")
+    p.add_argument("--pairs-root", default=synth.SYNTH_ROOT, help="with --probe-pairs: a synthetic CLEVR-Change set "
+                   "(adapt.py's on no real data)")
     p.add_argument("--export", default=None, help="write --out's weights as the shipped fp16 file at this path "
                                                   "and stop")
     p.add_argument("--seed", type=int, default=0, help="random seed (initialization, order, wording)")
@@ -120,6 +124,9 @@ def get_args(argv=None):
                 f"CLEVR-Change's generator writes them): give a set rendered by it")
     if args.resume and (missing := no_state(args.out)):
         p.error(f"argument --resume: {missing}")
+    if args.probe_pairs and not synth.is_synthetic(args.pairs_root):
+        p.error(f"argument --pairs-root: {args.pairs_root} is no synthetic set with scene records (synth.py "
+                f"writes one: python synth.py, or run adapt.py once without real data)")
     for flag, wants in (("--export", args.export), ("--eval-only", args.eval_only and not args.ckpt)):
         if wants and not os.path.isfile(args.out):
             p.error(f"argument {flag}: no run's weights at --out {args.out}: give the --out a run wrote"
@@ -329,6 +336,76 @@ def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
     return out
 
 
+# -----------------------------------------------------------------------------
+# probes of a pair encoder (adapt.py's output): what its tokens carry of the change (RESULTS.md "What stage 1
+# teaches the encoder"), linear probes on change pairs of a synthetic set, trained on train, read on val
+
+PAIR_FEATURES = ("v", "tokens, mean", "intra, at the change", "output, at the change", "after - before there")
+PAIR_TARGETS = ("type", "new color", "new material", "shape", "color", "where")
+
+
+def pair_labels(scene, u, v):
+    """A change pair's scene record and the changed object's place (u, v) -> its labels: the change type, the new
+    colour or material (None for other types), the changed object's shape and colour, and where it is (3x3 cells)."""
+    kind, k = scene["type"], scene["changed"]
+    obj, new = (scene["after"] if kind == "add" else scene["before"])[k], scene["after"][k] if kind != "drop" else {}
+    return {"type": kind, "new color": new["color"] if kind == "color" else None,
+            "new material": new["material"] if kind == "material" else None, "shape": obj["shape"],
+            "color": obj["color"], "where": 3 * min(2, int(3 * v)) + min(2, int(3 * u))}
+
+
+@torch.no_grad()
+def pair_features(visual, items, root, ctx, batch=64):
+    """Change pairs -> ({feature: (N, dim)}, {target: [N labels]}). Features: the pair vector v (eq. 5); each
+    image's output patch tokens averaged (before, after); at the patch under the changed object's centre (on the
+    image that shows it: after for "add", else before) both images' tokens after the intra blocks and at the
+    output (ln_post and proj on both), and after minus before there (what the mini captioner's --mem-diff adds)."""
+    scenes, size = synth.read_scenes(root), visual.input_resolution
+    grid = size // visual.conv1.kernel_size[0]
+    feats, labels = {f: [] for f in PAIR_FEATURES}, {t: [] for t in PAIR_TARGETS}
+    for i in range(0, len(items), batch):
+        chunk, B = items[i:i + batch], len(items[i:i + batch])
+        places = []
+        for it in chunk:
+            region = synth.changed_region(root, it.id)
+            x0, y0, x1, y1 = region["before"] or region["after"]
+            places.append(((x0 + x1) / 2, (y0 + y1) / 2))
+            for t, y in pair_labels(scenes[it.id], *places[-1]).items():
+                labels[t].append(y)
+        pairs = torch.stack([clip_load.load_image(p, size) for it in chunk for p in (it.before, it.after)])
+        before, after = pairs[0::2].to(ctx.device), pairs[1::2].to(ctx.device)
+        with ctx.amp:
+            x = visual.intra(visual.stem(torch.cat([before, after])))  # forward_pair, its intra output kept
+            out = visual.inter(torch.cat([x[:B], x[B:]], dim=1))
+            intra = visual.ln_post(x) @ visual.proj
+        tok, intra, n1 = out.tokens.float().cpu(), intra.float().cpu(), x.shape[1]
+        c = torch.tensor([cell(u, v, grid) for u, v in places])
+        at = lambda t: t[torch.arange(B), c]  # (B, n+1, D) -> the token at each pair's changed patch (B, D)
+        ob, oa = at(tok[:, :n1]), at(tok[:, n1:])
+        feats["v"].append(out.vector.float().cpu())
+        feats["tokens, mean"].append(torch.cat([tok[:, 1:n1].mean(1), tok[:, n1 + 1:].mean(1)], 1))
+        feats["intra, at the change"].append(torch.cat([at(intra[:B]), at(intra[B:])], 1))
+        feats["output, at the change"].append(torch.cat([ob, oa], 1))
+        feats["after - before there"].append(oa - ob)
+    return {f: torch.cat(v) for f, v in feats.items()}, labels
+
+
+def probe_pairs(path, root, ctx, n_train=2000):
+    """One adapted.pt -> {(feature, target): val accuracy %} and {target: (the majority class's val share %, val
+    pairs)}: a linear probe per feature and target (linear_probe), on the pairs the target applies to."""
+    visual = clip_load.load_clip(path, ctx.device).visual.eval()
+    (xtr, ytr), (xte, yte) = (pair_features(visual, data.load_items("clevr", root, split, "semantic")[:n_train],
+                                            root, ctx) for split in ("train", "val"))
+    table, chance = {}, {}
+    for t in PAIR_TARGETS:
+        tr, te = ([j for j, y in enumerate(ys[t]) if y is not None] for ys in (ytr, yte))
+        held = [yte[t][j] for j in te]
+        chance[t] = (100 * max(held.count(y) for y in set(held)) / len(held), len(held))
+        for f in PAIR_FEATURES:
+            table[f, t] = linear_probe(xtr[f][tr], [ytr[t][j] for j in tr], xte[f][te], held)
+    return table, chance
+
+
 def fmt(m):
     probes = " ".join(f"{a[:3]} {m[f'probe {a}']:.0f}" for a in PROBE_ATTRS)
     return (f"hard-neg R@1 {m['hard-negative R@1']:.1f} | img->txt R@1 {m['image->text R@1']:.1f} txt->img "
@@ -387,6 +464,14 @@ def main(argv=None):
     if args.export:
         return export(args)
     ctx = setup(args.seed, args.device, args.amp)
+    if args.probe_pairs:
+        for path in args.probe_pairs:
+            table, chance = probe_pairs(path, args.pairs_root, ctx)
+            log(f"{path}: linear probes, val accuracy % (chance: the majority class)\n| feature | "
+                + " | ".join(PAIR_TARGETS) + " |\n" + "".join(f"| {f} | " + " | ".join(
+                    f"{table[f, t]:.0f}" for t in PAIR_TARGETS) + " |\n" for f in PAIR_FEATURES)
+                + "| chance (val pairs) | " + " | ".join(f"{c:.0f} ({n})" for c, n in chance.values()) + " |")
+        return table
     if args.eval_only:  # the file first: a bad one says so before any scene is rendered
         model = clip_load.load_clip(args.ckpt or args.out, ctx.device)
         args.image_size, args.context_length = model.cfg.image_resolution, model.cfg.context_length
