@@ -2597,6 +2597,31 @@ def test_compare_recipe_trains_the_inter_blocks_alone(adapt_synth, tmp_path, mon
 
 
 @pytest.mark.slow
+def test_compare_preset_computes_the_fixed_intra_blocks_once(adapt_synth, tmp_path, monkeypatch, capsys):
+    """CPU. adapt.py --preset compare on the shipped mini CLIP (4 frozen intra blocks, 2 heads, a 12x12 grid, 290
+    joint tokens): the training pairs' intra-block tokens computed once (fixed_intra) train the same model as the
+    images through the blocks every step, to float rounding; with a distractor swap, or an intra block training, the
+    images go through."""
+    argv = ["--data-root", str(adapt_synth), "--preset", "compare", *FAST, "--epochs", "2"]
+    adapt.main(argv + ["--out", str(tmp_path / "a.pt")])
+    assert "computed once (fixed_intra)" in capsys.readouterr().out
+    cached = torch.load(tmp_path / "a.last.pt", weights_only=False)
+    real, calls = adapt.fixed_intra, []
+    monkeypatch.setattr(adapt, "fixed_intra", lambda *a: calls.append(real(*a)))  # -> None: through the images
+    adapt.main(argv + ["--out", str(tmp_path / "b.pt")])
+    plain = torch.load(tmp_path / "b.last.pt", weights_only=False)
+    assert calls[0].shape == (len(data.load_items("clevr", adapt_synth, "train", "semantic")), 2, 145, 128)
+    assert "computed once" not in capsys.readouterr().out and cached["step"] == plain["step"] >= 4
+    shipped = load_clip("mini12-synth").state_dict()
+    trained = max_change(plain["model"], shipped, ["visual.transformer.resblocks.5.mlp.c_fc.weight"])
+    assert min(trained.values()) > 2e-4  # the inter blocks learned: an equality of two untrained models proves nothing
+    assert max(max_change(cached["model"], plain["model"], plain["model"]).values()) < 2e-5, "cached != plain"
+    for extra in (["--swap-prob", "0.5"], ["--freeze-blocks", "3"]):
+        args = adapt.get_args(argv + extra)
+        assert real(adapt.new_model(args), [], args, train_utils.setup(0, "cpu", "off"), None) is None, extra
+
+
+@pytest.mark.slow
 def test_a_diverged_evaluation_stops_the_run(adapt_synth, tmp_path, monkeypatch):
     """Weights gone NaN in epoch 2 (the loss of its steps still finite): NaN similarities would rank every pair
     first (R@mean 100) and be saved as the best model. The run stops instead, and epoch 1's model stays chosen."""
