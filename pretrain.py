@@ -124,9 +124,6 @@ def get_args(argv=None):
                 f"CLEVR-Change's generator writes them): give a set rendered by it")
     if args.resume and (missing := no_state(args.out)):
         p.error(f"argument --resume: {missing}")
-    if args.probe_pairs and not synth.is_synthetic(args.pairs_root):
-        p.error(f"argument --pairs-root: {args.pairs_root} is no synthetic set with scene records (synth.py "
-                f"writes one: python synth.py, or run adapt.py once without real data)")
     for flag, wants in (("--export", args.export), ("--eval-only", args.eval_only and not args.ckpt)):
         if wants and not os.path.isfile(args.out):
             p.error(f"argument {flag}: no run's weights at --out {args.out}: give the --out a run wrote"
@@ -465,6 +462,9 @@ def main(argv=None):
         return export(args)
     ctx = setup(args.seed, args.device, args.amp)
     if args.probe_pairs:
+        if not synth.is_synthetic(args.pairs_root):  # here, not in get_args: the default is a folder made on first use
+            raise SystemExit(f"argument --pairs-root: {args.pairs_root} is no synthetic set with scene records "
+                             f"(synth.py writes one: python synth.py, or run adapt.py once without real data)")
         for path in args.probe_pairs:
             table, chance = probe_pairs(path, args.pairs_root, ctx)
             log(f"{path}: linear probes, val accuracy % (chance: the majority class)\n| feature | "
