@@ -179,8 +179,8 @@ class PairText(torch.nn.Module):
 def fixed_intra(model, items, args, ctx, cache):
     """When nothing before the inter blocks trains (the compare preset: CLIP's input embeddings and its intra blocks
     frozen, no distractor swap), eq. (2) gives each training pair the same tokens every epoch: computed here once,
-    (pairs, 2, n+1, width) on the CPU, an epoch then costs the inter blocks and the text tower (the intra blocks' 4 of
-    6 forwards were 40 % of a step); None when something before the inter blocks trains."""
+    (pairs, 2, n+1, width) on the CPU, an epoch then costs the inter blocks and the text tower (1.5x faster on the
+    mini CLIP: RESULTS.md "The compare preset"); None when something before the inter blocks trains."""
     n_intra = model.cfg.vision_layers - model.cfg.n_inter
     if not (args.clip and args.freeze_blocks >= n_intra and args.swap_prob == 0 and model.cfg.n_inter):
         return None
