@@ -30,9 +30,9 @@ import clip_load
 import data
 import plots
 from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, share_joint_positions_
-from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, check_sizes, device_arg, freeze, interrupted,
-                         last_path, load_resume, log, make_optimizer, no_state, param_groups, policy_table, restore,
-                         rng_state, save_atomic, setup, train_epoch, warmup_cosine, where)
+from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, check_resume, check_sizes, freeze, interrupted,
+                         last_path, load_resume, log, make_optimizer, param_groups, policy_table, restore, rng_state,
+                         run_flags, save_atomic, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
@@ -40,12 +40,11 @@ from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, check_s
 PRESETS = {
     "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, batch_size=128, epochs=12, lr_new=1e-4, lr_clip=1e-7,
                   weight_decay=0.2, workers=8, draw_captions=False),
-    # mini (the default without OpenAI's weights): the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px,
-    # a 12x12 grid of 8-px patches, so that an object spans several), 4 intra + 2 inter blocks (the paper's last
-    # quarter of 12 is 3; of 6, 1.5 rounded up). The authors' policy scaled down: CLIP's input embeddings frozen,
-    # the new pair parameters at a high rate, CLIP's weights at the authors' 1e-7 (so the captions keep what
-    # pretraining saw), the authors' random p; one epoch of one caption drawn per pair (RESULTS.md "The
-    # quickstart's default").
+    # mini (the default without OpenAI's weights): the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px, a
+    # 12x12 grid of 8-px patches, so that an object spans several), 4 intra + 2 inter blocks (the paper's last quarter
+    # of 12 is 3; of 6, 1.5 rounded up). The authors' policy scaled down: CLIP's input embeddings frozen, the new pair
+    # parameters at a high rate, CLIP's weights at the authors' 1e-7 (so the captions keep what pretraining saw), the
+    # authors' random p; one epoch of one caption drawn per pair (RESULTS.md "The quickstart's default").
     "mini": dict(clip="mini12-synth", n_inter=2, image_size=96, batch_size=32, epochs=1, lr_new=1e-3, lr_clip=1e-7,
                  weight_decay=0.05, workers=0, draw_captions=True),
     # scratch (the from-scratch ablation): ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6
@@ -66,8 +65,7 @@ def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     # data
     p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier", "levir"], help="dataset")
-    p.add_argument("--data-root", default=None,
-                   help="dataset directory (default data/<name>; clevr falls back to a synthetic set when absent)")
+    p.add_argument("--data-root", help="dataset directory (default data/<name>; clevr: a synthetic set when absent)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing (counted)")
     p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None,
                    help="CLEVR: probability of replacing the before image by its non-semantic version (default: "
@@ -84,12 +82,10 @@ def get_args(argv=None):
                    help="auto: paper when OpenAI's weights are found (or --clip names a file), else mini (the "
                         "small CLIP pretrained on synthetic scenes, in assets/); compare: mini whose inter blocks "
                         "learn to compare (not the paper's); scratch: a small model from nothing")
-    p.add_argument("--clip", type=clip_load.weights_arg, default=None,
-                   help=f"CLIP weights: a path, ViT-B/32 (downloaded) or a shipped {' or '.join(clip_load.SHIPPED)} "
-                        f"{pre('clip')}")
+    p.add_argument("--clip", type=clip_load.weights_arg, default=None, help="CLIP weights: a path, ViT-B/32 "
+                   f"(downloaded) or a shipped {' or '.join(clip_load.SHIPPED)} {pre('clip')}")
     p.add_argument("--n-inter", type=at_least(0), default=None, help=f"inter blocks (the rest intra) {pre('n_inter')}")
-    p.add_argument("--image-size", type=at_least(1), default=None,
-                   help=f"input size (a CLIP file has its own) {pre('image_size')}")
+    p.add_argument("--image-size", type=at_least(1), help=f"input size (a CLIP file has its own) {pre('image_size')}")
     p.add_argument("--context-length", type=at_least(2), default=32, help="caption tokens incl. start/end")
     p.add_argument("--shared-p", type=at_least(0.0, float), default=None,
                    help="not the paper's: initialize p alike for a patch's position in both images, each position's "
@@ -108,35 +104,25 @@ def get_args(argv=None):
                         f"blocks to compare\"); the other presets: 0 {pre('freeze_blocks')}")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
                    help=f"AdamW weight decay, matrices only {pre('weight_decay')}")
-    p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=0.1,
-                   help="fraction of the steps of linear warmup, then cosine")
-    p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
     # run
+    run_flags(p)
     p.add_argument("--out", default="adapted.pt", help="best-on-val checkpoint; resumable state in *.last.pt")
-    p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the training step (CUDA), static shapes: captions padded to --context-length")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="capture the training step (forward, backward, clip, AdamW) as one CUDA graph replayed each "
                         "step (train_utils.GraphedStep; static shapes; not on a CPU): default on for the paper preset")
-    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
-                   help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
     p.add_argument("--eval-batch-size", type=at_least(1), default=256, help="pairs per batch when encoding for eval")
-    p.add_argument("--log-every", type=at_least(1), default=20, help="steps between progress lines")
     args = p.parse_args(argv)
     if args.preset == "auto":
         # the paper's settings for any CLIP file, or OpenAI's found in the cache; the mini CLIP's own otherwise
         cached = args.clip is None and (clip_load.CACHE / "ViT-B-32.pt").is_file()
         args.preset = "paper" if args.clip not in (None, *clip_load.SHIPPED) or cached else "mini"
-    for k, v in {"shared_p": 0.0, "freeze_blocks": 0, **PRESETS[args.preset]}.items():  # a flag given wins
-        if getattr(args, k, None) is None:
-            setattr(args, k, v)
+    vars(args).update({k: v for k, v in {"shared_p": 0.0, "freeze_blocks": 0, **PRESETS[args.preset]}.items()
+                       if getattr(args, k, None) is None})  # a flag given wins
     # each flag's own range is checked by its argparse type; what is left depends on two flags (a CLIP file's
     # sizes are checked against --n-inter when it is read: clip_load.load_clip)
-    if args.resume and (missing := no_state(args.out)):
-        p.error(f"argument --resume: {missing}")
+    check_resume(p, args)
     if not args.clip:
         check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                            "--text-width": args.text_width})
@@ -196,29 +182,28 @@ def fixed_intra(model, items, args, ctx, cache):
 
 
 def contrastive_loss(v, g, logit_scale):
-    """eq. (6)-(8): InfoNCE over the batch, pair -> text and text -> pair, averaged.
-    v: pair vectors (B, D), g: caption features (B, D); row i of each belongs together. Computed in fp32 with
-    autocast off: at logit scale 100, bf16's 8-bit mantissa would shift the logits (BENCHMARKS.md)."""
+    """eq. (6)-(8): InfoNCE over the batch, pair -> text and text -> pair, averaged. v: pair vectors (B, D), g:
+    caption features (B * (1 + K), D): row i of g belongs to row i of v; rows B.. are hard negatives (pretrain.py's
+    K per image; here none), competing in v -> g only. Computed in fp32 with autocast off: at logit scale 100,
+    bf16's 8-bit mantissa would shift the logits (BENCHMARKS.md)."""
     with torch.autocast(v.device.type, enabled=False):
         v, g = F.normalize(v.float(), dim=-1), F.normalize(g.float(), dim=-1)
         scale = logit_scale.float().clamp(max=math.log(100)).exp()  # temperature >= 0.01, as the authors clamp it
-        logits = scale * v @ g.t()  # (B, B) cosine similarities
-        labels = torch.arange(len(logits), device=logits.device)
-        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+        logits = scale * v @ g.t()  # (B, B(1+K)) cosine similarities
+        labels = torch.arange(len(v), device=v.device)
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits[:, :len(v)].t(), labels)) / 2
 
 
 def lr_rule(args):
     """The learning-rate rule, parameter name -> learning rate (None: frozen): the new pair parameters at lr_new,
     CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and the first --freeze-blocks image
-    blocks. Weight decay (--weight-decay) applies to the matrices only, never to 1-D tensors
-    (train_utils.param_groups)."""
+    blocks. Weight decay applies to the matrices only (train_utils.param_groups)."""
     def lr(name):
         if name.startswith(PAIR_KEYS):  # e1, e2, p, ln_mid
             return args.lr_new if args.n_inter > 0 else None  # N + 0: e1, e2, p, ln_mid are never used
+        # --freeze-blocks: the first blocks keep what pretraining taught them (compare: the intra)
         first = name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < args.freeze_blocks
-        if (args.clip and name.startswith(INPUT_EMBEDDINGS)) or first:
-            return None  # --freeze-blocks: the first blocks keep what pretraining taught them (compare: the intra)
-        return args.lr_clip
+        return None if (args.clip and name.startswith(INPUT_EMBEDDINGS)) or first else args.lr_clip
     return lr
 
 
@@ -287,9 +272,7 @@ def evaluate(model, items, args, ctx, cache=None):
     """Retrieval figures on `items`, or None when the features are not finite (a diverged model: a NaN similarity
     would rank first, R@1 100, and be saved as the best)."""
     v, g, owner = encode_split(model, items, args, ctx, cache)
-    if not (torch.isfinite(v).all() and torch.isfinite(g).all()):
-        return None
-    return retrieval_metrics(v @ g.t(), owner)
+    return retrieval_metrics(v @ g.t(), owner) if torch.isfinite(v).all() and torch.isfinite(g).all() else None
 
 
 def diverged(epoch):
@@ -311,18 +294,17 @@ def fmt(m):
 def banner(ctx, args):
     """What is being adapted, said plainly, and every setting."""
     log(f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
+    paper = f"For the paper's results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip ({clip_load.WEIGHTS})."
     if args.preset in ("mini", "compare") and args.clip in clip_load.SHIPPED:
         log(f"   no OpenAI weights given or found: adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that "
             f"ships in assets/ ({clip_load.SHIPPED[args.clip][0]}, made by pretrain.py; the paper in miniature, "
-            f"a CPU demo; --preset scratch trains a small model from nothing instead). For the paper's results "
-            f"put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip ({clip_load.WEIGHTS}).")
+            f"a CPU demo; --preset scratch trains a small model from nothing instead). {paper}")
     elif args.preset == "mini":
         log(f"   adapting the CLIP in {args.clip} with the settings made for the small CLIPs pretrained on "
             f"synthetic scenes (--preset mini; for OpenAI's ViT-B-32.pt use --preset paper)")
     if args.preset == "scratch":
         log("   training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo, the from-scratch ablation; the "
-            "default adapts the small CLIP pretrained on synthetic scenes). For the paper's results put "
-            f"OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip ({clip_load.WEIGHTS}).")
+            f"default adapts the small CLIP pretrained on synthetic scenes). {paper}")
     log("   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
 
 
@@ -332,7 +314,6 @@ def load_data(args, root, ctx, model):
     the pairs' intra-block tokens in place of their images where those blocks are fixed (fixed_intra)."""
     split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
     splits = {s: split(s) for s in ("train", "val", "test")}
-    # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
     cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache)
     intra = fixed_intra(model, splits["train"], args, ctx, cache)
     samples = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
@@ -376,10 +357,9 @@ def test_best(model, test_items, args, ctx, cache, history, t_start):
     save_atomic(ckpt, args.out)
     log(f"test (best val epoch {ckpt['metrics']['epoch']}): {fmt(test)}")
     log(f"chance:   {fmt(chance)}")
-    r1 = {d: f"{test[d + ' R@1']:.1f} ({test[d + ' R@1'] / chance[d + ' R@1']:.0f}x chance)"
-          for d in ("text->pair", "pair->text")}
-    log(f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx)}): test text->pair R@1 "
-        f"{r1['text->pair']}, pair->text R@1 {r1['pair->text']} -> {args.out}")
+    r1 = ", ".join(f"{d} R@1 {test[d + ' R@1']:.1f} ({test[d + ' R@1'] / chance[d + ' R@1']:.0f}x chance)"
+                   for d in ("text->pair", "pair->text"))
+    log(f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx)}): test {r1} -> {args.out}")
 
 
 def main(argv=None):
@@ -391,10 +371,8 @@ def main(argv=None):
     root = data.resolve_root(args.data, args.data_root)
     # the authors' 0.5; off on the synthetic set, where a distractor's camera moves further than a change's, so a
     # swapped pair teaches the encoder to disregard the view (RESULTS.md "Tried, did not help")
-    if args.swap_prob is None:
-        args.swap_prob = 0.0 if (root / "synth.json").is_file() else 0.5
-    if args.data != "clevr":
-        args.swap_prob = 0.0  # only CLEVR-Change has distractor images to swap in
+    if args.swap_prob is None or args.data != "clevr":  # only CLEVR-Change has distractor images to swap in
+        args.swap_prob = 0.5 if args.data == "clevr" and not (root / "synth.json").is_file() else 0.0
     banner(ctx, args)
     if args.clip and args.image_size != model.cfg.image_resolution:
         log(f"   {args.clip} takes {model.cfg.image_resolution}px images: --image-size {args.image_size} -> "
@@ -402,7 +380,6 @@ def main(argv=None):
         args.image_size = model.cfg.image_resolution
     splits, cache, loader = load_data(args, root, ctx, model)
 
-    # what trains at which rate (lr_rule, above), the optimizer (fp32 master weights; bf16 autocast on CUDA), schedule
     rule = lr_rule(args)
     freeze(model.named_parameters(), rule)
     log("   what trains:\n" + policy_table(model.named_parameters(), rule))
@@ -426,7 +403,6 @@ def main(argv=None):
         ids = clip_load.trim(batch["ids"], static=static).to(ctx.device, non_blocking=True)
         if "features" in batch:  # fixed_intra's tokens
             return contrastive_loss(*net(None, None, ids, batch["features"].to(ctx.device))), len(ids)
-        # uint8 -> CLIP's input, on the device
         before, after = (clip_load.normalize(batch[k].to(ctx.device, non_blocking=True)) for k in ("before", "after"))
         return contrastive_loss(*net(before, after, ids)), len(ids)
     params = [p for g in optimizer.param_groups for p in g["params"]]

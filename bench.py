@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
-from train_utils import (GraphedStep, HelpFormatter, at_least, autocast, device_arg, freeze, make_optimizer,
-                         matmul_gflops, param_groups, train_step, warmup_cosine)
+from train_utils import (GraphedStep, HelpFormatter, at_least, device_arg, freeze, make_optimizer, matmul_gflops,
+                         param_groups, setup, train_step, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
@@ -51,8 +51,7 @@ def timed(fn, device, repeats):
 
 def bench_decode(args):
     device, amp, where = device_and_amp(args)
-    print(f"greedy decoding, batch {args.batch}, {args.max_len} tokens per caption, {where}, torch "
-          f"{torch.__version__}")
+    print(f"greedy decoding, batch {args.batch}, {args.max_len} tokens per caption, {where}, torch {torch.__version__}")
     print(f"{'captioner':<44} {'cache':>5} {'captions/s':>11} {'ms/step':>8} {'speedup':>8}")
     torch.manual_seed(0)
     for name in args.sizes:
@@ -61,12 +60,9 @@ def bench_decode(args):
         model = Captioner(cfg).to(device).eval()
         memory = torch.randn(args.batch, cfg.memory_len, cfg.memory_dim, device=device)
         label = f"{name}: {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide, {cfg.vocab_size} words"
-        results = {}
-        for use_kv_cache in (True, False):
-            def run():
-                with amp:  # eos = -1: never stops early, every caption takes max_len steps
-                    return model.generate(memory, bos=1, eos=-1, use_kv_cache=use_kv_cache)
-            results[use_kv_cache] = timed(run, device, args.repeats)
+        with amp:  # eos = -1: never stops early, every caption takes max_len steps
+            results = {c: timed(lambda: model.generate(memory, bos=1, eos=-1, use_kv_cache=c), device, args.repeats)
+                       for c in (True, False)}
         for use_kv_cache in (True, False):
             seconds = results[use_kv_cache][0]
             speedup = f"{results[False][0] / seconds:.1f}x" if use_kv_cache else "1.0x"
@@ -86,21 +82,11 @@ def bench_decode(args):
 # pair / adapt: the full-size ViT-B/32 pair encoder (random weights: speed does not depend on their values)
 
 
-def vit_b32(device, n_inter=3):
-    torch.manual_seed(0)
-    return CLIP(CLIPConfig(n_inter=n_inter)).to(device)
-
-
 def device_and_amp(args):
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
-    amp = autocast(device)  # as the stages: bf16 on CUDA, fp32 on a CPU
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as train_utils.setup
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"CPU, {torch.get_num_threads()} threads, {matmul_gflops():.0f} GFLOP/s fp32"
-    return device, amp, where
+    ctx = setup(0, args.device)  # as the stages: bf16 autocast and TF32 on CUDA, fp32 on a CPU
+    return ctx.device, ctx.amp, where(ctx)
 
 
 # ---- FLOPs and the GPU's peak: what MFU is measured against
@@ -111,8 +97,7 @@ def transformer_flops(seqs, length, width, layers, causal=False):
     multiply-add): q/k/v/out projections 4 w^2 and the MLP 8 w^2 per token, attention scores and values
     2 * length^2 * w per sequence each. Causal attention is counted in full, as SDPA's math reference computes
     it (flash kernels skip about half of it). LayerNorm, softmax, GELU and residual adds are left out."""
-    per_layer = seqs * length * 2 * 12 * width ** 2 + seqs * 2 * 2 * length ** 2 * width
-    return layers * per_layer
+    return layers * (seqs * length * 2 * 12 * width ** 2 + seqs * 2 * 2 * length ** 2 * width)
 
 
 def adapt_step_flops(cfg, batch, text_len):
@@ -135,11 +120,9 @@ DATASHEET_BF16 = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200
 
 def gpu_peak(device):
     """(datasheet dense bf16 FLOP/s or None, measured bf16 FLOP/s of an 8192^3 matmul)."""
-    name = torch.cuda.get_device_name(device)
-    sheet = next((v for k, v in DATASHEET_BF16.items() if k in name), None)
+    sheet = next((v for k, v in DATASHEET_BF16.items() if k in torch.cuda.get_device_name(device)), None)
     a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
-    seconds = throughput(lambda: a @ b, device, steps=20, warmup=3)
-    return sheet, 2 * 8192 ** 3 / seconds
+    return sheet, 2 * 8192 ** 3 / throughput(lambda: a @ b, device, steps=20, warmup=3)
 
 
 def throughput(fn, device, steps=10, warmup=3):
@@ -172,7 +155,8 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
     from adapt import PairText, contrastive_loss, lr_rule
     import clip_load
     args = paper_adapt_args()
-    model = (CLIP(cfg).to(device) if cfg else vit_b32(device)).train()
+    torch.manual_seed(0)  # random weights (speed does not depend on their values), the same in every run
+    model = CLIP(cfg or CLIPConfig()).to(device).train()
     size = model.cfg.image_resolution
     net = torch.compile(PairText(model)) if compile else PairText(model)
     freeze(model.named_parameters(), lr_rule(args))
@@ -196,13 +180,11 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
         graphed = GraphedStep(ctx, loss_fn, optimizer, scheduler, params, args.grad_clip)
         return model, lambda b=None: graphed(b if b is not None else {"before": images[0], "after": images[1],
                                                                       "ids": ids})[0]
-    step = lambda b=None: train_step(ctx, b, loss_fn, optimizer, scheduler, params, args.grad_clip)[0]
-    return model, step
+    return model, lambda b=None: train_step(ctx, b, loss_fn, optimizer, scheduler, params, args.grad_clip)[0]
 
 
 def random_ids(batch, text_len, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 49000, (batch, text_len), generator=g)
+    ids = torch.randint(1, 49000, (batch, text_len), generator=torch.Generator().manual_seed(seed))
     ids[:, 0], ids[:, 20], ids[:, 21:] = 49406, 49407, 0  # <start> 19 words <end>, padding
     return ids.to(device)
 
@@ -248,9 +230,8 @@ def bench_adapt(args):
         compiled, graphs = ADAPT_IMPLS[name]
         model, step = our_adapt_step(device, amp, compiled, args.batch, args.text_len, graphs)
         how = ", compiled" * compiled + ", one CUDA graph" * graphs
-        label = f"ours (fp32 weights, bf16 autocast{how})"
         seconds = throughput(step, device, args.repeats, warmup=5 if compiled else 3)
-        report_step(label, seconds, args.batch, flops, peaks, device)
+        report_step(f"ours (fp32 weights, bf16 autocast{how})", seconds, args.batch, flops, peaks, device)
         if args.profile and name in args.profile:  # where its GPU time goes: CUDA time by kernel, largest first
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -286,9 +267,7 @@ def loop_rate(loader, step, device, batches, warmup=1):
             sync(device)
             thread.start()
             t0 = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:
+        if (batch := next(it, None)) is None:  # the loader's next pass
             it = iter(loader)
             batch = next(it)
         if step is None:

@@ -33,9 +33,9 @@ import metrics
 import plots
 import synth
 from model import INPUT_EMBEDDINGS, PAIR_KEYS, Captioner, CaptionerConfig
-from train_utils import (HelpFormatter, Progress, at_least, device_arg, flag_error, fmt_time, freeze, interrupted,
-                         last_path, load_resume, log, make_optimizer, no_state, param_groups, policy_table, restore,
-                         rng_state, save_atomic, setup, train_epoch, warmup_cosine, where)
+from train_utils import (HelpFormatter, Progress, at_least, check_resume, flag_error, fmt_time, freeze, interrupted,
+                         last_path, load_resume, log, make_optimizer, param_groups, policy_table, restore, rng_state,
+                         run_flags, save_atomic, setup, train_epoch, warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoders (mini, scratch), frozen: its tokens are computed once per pair. A 2-layer
@@ -70,9 +70,7 @@ def words(sentence):
 
 
 def build_vocab(captions, kind="words"):
-    if kind == "clip":
-        return clip_load.bpe_tokens()  # CLIP's 49,408 tokens in id order
-    return SPECIALS + sorted({w for c in captions for w in words(c)})
+    return clip_load.bpe_tokens() if kind == "clip" else SPECIALS + sorted({w for c in captions for w in words(c)})
 
 
 def is_bpe(vocab):
@@ -84,13 +82,10 @@ def encode_captions(items, vocab, max_len):
     end, padding 0 (the authors' dataloader_clevr_caption.py 152-172, there with CLIP's BPE)."""
     index = {w: i for i, w in enumerate(vocab)}
     start, end = (clip_load.SOT, clip_load.EOT) if is_bpe(vocab) else (BOS, EOS)
-    rows = []
-    for it in items:
-        for c in it.captions:
-            ids = clip_load.encode(c) if is_bpe(vocab) else [index.get(w, UNK) for w in words(c)]
-            ids = [start] + ids[:max_len - 1] + [end]
-            rows.append(ids + [PAD] * (max_len + 1 - len(ids)))
-    return torch.tensor(rows)
+    ids = [clip_load.encode(c) if is_bpe(vocab) else [index.get(w, UNK) for w in words(c)]
+           for it in items for c in it.captions]
+    rows = [[start] + r[:max_len - 1] + [end] for r in ids]
+    return torch.tensor([r + [PAD] * (max_len + 1 - len(r)) for r in rows])
 
 
 def to_text(ids, vocab):
@@ -123,8 +118,7 @@ class PairCaptioner(nn.Module):
         per pair, before training: encode_all). both_ways: (after, before) too, as rows B..2B-1 (--reverse)."""
         if tokens is not None:
             return tokens
-        pair = self.clip.visual.forward_both_ways if both_ways else self.clip.encode_pair
-        return self.captioner.pool(pair(before, after).tokens.float())
+        return self.captioner.pool(self.clip.visual.forward_pair(before, after, both_ways).tokens.float())
 
     def forward(self, ids, **inputs):
         return self.captioner(self.memory(**inputs), ids)  # (B, T, vocab)
@@ -326,28 +320,22 @@ def get_args(argv=None):
     pre = lambda k: "[" + ", ".join(f"{n}: {v[k]}" for n, v in PRESETS.items()) + "]"  # the presets' values
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     # input, output
-    p.add_argument("--ckpt", default="adapted.pt",
-                   help="adapted.pt (train a captioner on it); a raw CLIP file or 'ViT-B/32' (the no-adaptation "
-                        "ablation); or a captioner, ours (captioner.pt) or the authors' released one "
-                        "(pytorch_model.bin.clevr): evaluate it, caption images")
+    p.add_argument("--ckpt", default="adapted.pt", help="adapted.pt (train a captioner on it); a raw CLIP file or "
+                   "'ViT-B/32' (the no-adaptation ablation); or a captioner, ours (captioner.pt) or the authors' "
+                   "released one (pytorch_model.bin.clevr): evaluate it, caption images")
     p.add_argument("--out", default="captioner.pt", help="where the best captioner goes (+ .last.pt to resume)")
     p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
-    p.add_argument("--resume", action="store_true", help="continue the run that writes --out from its last epoch")
     p.add_argument("--preset", choices=["auto", "mini", "compare", "paper"], default="auto", help="defaults for the "
                    "flags left unset: auto = compare after adapt.py --preset compare, mini for its other small "
                    "encoders, paper for ViT-B/32")
-    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
-    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
-                   help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
     # data
     p.add_argument("--data", choices=["clevr", "spot", "ier", "levir"], default=None,
                    help="dataset (default: the one the checkpoint was adapted on, else clevr)")
     p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's, else data/...)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
-    p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None,
-                   help="also train on every pair the other way round, captioned backwards (an addition becomes a "
-                        "removal): needs a synthetic set's scene records (default: on for one in the mini and compare "
-                        "presets)")
+    p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None, help="also train on every pair "
+                   "the other way round, captioned backwards (an addition becomes a removal): needs a synthetic set's "
+                   "scene records (default: on for one in the mini and compare presets)")
     p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="decode every image once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/"
@@ -373,10 +361,9 @@ def get_args(argv=None):
                    help=f"not the authors': a learned vector per image added to its memory tokens {pre('mem_image')}")
     p.add_argument("--mem-diff", action=argparse.BooleanOptionalAction, default=None,
                    help=f"not the authors': each memory token also gets after minus before {pre('mem_diff')}")
-    p.add_argument("--mem-pool", type=at_least(1), default=None,
-                   help="not the authors': the captioner reads each image's patch tokens averaged over k x k cells "
-                        "(the grid must divide by k) [mini, compare: 2 on an even grid of 12x12 or more, else 1; "
-                        "paper: 1]")
+    p.add_argument("--mem-pool", type=at_least(1), default=None, help="not the authors': the captioner reads each "
+                   "image's patch tokens averaged over k x k cells (the grid must divide by k) [mini, compare: 2 on an "
+                   "even grid of 12x12 or more, else 1; paper: 1]")
     p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout (paper 0.1)")
     # optimization
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
@@ -387,13 +374,9 @@ def get_args(argv=None):
     p.add_argument("--freeze-encoder", action=argparse.BooleanOptionalAction, default=None,
                    help=f"keep the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=0.01, help="AdamW weight decay, matrices only")
-    p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=0.1,
-                   help="fraction of the steps of linear warmup, then cosine")
-    p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="gradient-norm clip (0: off)")
+    run_flags(p, log_every=50)
     p.add_argument("--patience", type=at_least(1), default=10,
                    help="stop after this many epochs without val CIDEr-D gain")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
-    p.add_argument("--log-every", type=at_least(1), default=50, help="steps between progress lines")
     # decoding, output figures
     p.add_argument("--beam", type=at_least(1), default=1, help="beam size (1: greedy, as the paper)")
     p.add_argument("--eval-batch-size", type=at_least(1), default=64, help="pairs per decoding batch")
@@ -411,12 +394,10 @@ def get_args(argv=None):
     if not os.path.isfile(args.ckpt) and args.ckpt not in clip_load.MODELS and args.ckpt not in clip_load.SHIPPED:
         p.error(f"argument --ckpt: no file at {args.ckpt}. Run `python adapt.py` first (it writes adapted.pt), or "
                 f"pass a CLIP file / 'ViT-B/32' / 'mini12-synth' for the no-adaptation ablation, or a captioner")
-    for flag in ("--before", "--after"):
-        path = getattr(args, flag[2:])
+    for flag, path in (("--before", args.before), ("--after", args.after)):
         if path and not os.path.isfile(path):
             p.error(f"argument {flag}: no image at {path}")
-    if args.resume and (missing := no_state(args.out)):
-        p.error(f"argument --resume: {missing}")
+    check_resume(p, args)
     return args
 
 
@@ -426,9 +407,7 @@ def apply_preset(args, ckpt_info):
     small = args.ckpt in clip_load.SHIPPED or ckpt_info.get("config", {}).get("vision_width", 768) < 768  # raw mini
     compare = ckpt_info.get("args", {}).get("preset") == "compare"  # adapted with adapt.py --preset compare
     name = args.preset if args.preset != "auto" else ("compare" if compare else "mini" if small else "paper")
-    for k, v in PRESETS[name].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    vars(args).update({k: v for k, v in PRESETS[name].items() if getattr(args, k) is None})  # a flag given wins
     if not args.freeze_encoder and args.encoder_lr <= 0:
         flag_error("--encoder-lr", f"--no-freeze-encoder needs --encoder-lr > 0 (preset {name} has "
                                    f"{args.encoder_lr:g})")
@@ -541,11 +520,10 @@ def new_model(args, ckpt_info, vocab, ctx, clip):
         log(f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
             f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")
     m = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // resolve_mem_pool(args, clip)) ** 2
-    cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (m + 1),
-                          width=args.width, heads=args.heads, enc_layers=args.enc_layers, dec_layers=args.dec_layers,
-                          max_len=MAX_LEN, dropout=args.dropout, post_ln=args.post_ln, clip_words=args.vocab == "clip",
-                          mem_proj=args.mem_proj, mem_image=args.mem_image, mem_diff=args.mem_diff,
-                          mem_pool=args.mem_pool)
+    flags = ("width", "heads", "enc_layers", "dec_layers", "dropout", "post_ln", "mem_proj", "mem_image", "mem_diff",
+             "mem_pool")  # the flags of the same names
+    cfg = CaptionerConfig(vocab_size=len(vocab), memory_dim=clip.cfg.embed_dim, memory_len=2 * (m + 1), max_len=MAX_LEN,
+                          clip_words=args.vocab == "clip", **{k: getattr(args, k) for k in flags})
     return PairCaptioner(clip, Captioner(cfg, clip)).to(ctx.device)
 
 
@@ -562,9 +540,8 @@ def describe(ctx, model, rule, optimizer, args):
 
 
 def loader_for(dataset, args, ctx, shuffle=False, batch=None):
-    """Batches of `dataset` in order, or (for training) shuffled as a function of (seed, epoch) by an EpochSampler,
-    so that a resumed run sees the same batches (call data.set_epoch(loader, e) before each epoch). Image-loading
-    processes only when there are images to load."""
+    """Batches of `dataset` in order, or (for training) shuffled by (seed, epoch) (data.EpochSampler: call
+    data.set_epoch(loader, e) before each epoch). Image-loading processes only when there are images to load."""
     workers = 0 if dataset.features is not None else args.workers
     return data.make_loader(dataset, batch or args.eval_batch_size, shuffle, workers, ctx.device,
                             drop_last=shuffle and len(dataset) > (batch or 1), seed=args.seed)
@@ -580,10 +557,8 @@ def loaders(model, splits, caption_ids, args, ctx):
     if args.freeze_encoder:
         t0 = time.time()
         for s, items in splits.items():
-            n = len(items)
-            if s == "train" and args.reverse:  # the training pairs, then the same pairs reversed (load_data)
-                n //= 2
-                assert all(b.id == a.id + "_r" for a, b in zip(items[:n], items[n:])), "reversed pairs out of order"
+            n = len(items) // 2 if s == "train" and args.reverse else len(items)  # then the same pairs reversed
+            assert all(b.id == a.id + "_r" for a, b in zip(items[:n], items[n:])), "reversed pairs out of order"
             loader = loader_for(data.ImageDataset(items[:n], size, cache), args, ctx)
             feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
         log(f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
@@ -653,7 +628,6 @@ def train(args, ckpt_info):
     args.data = name  # lr_rule reads it
     scenes = synth.read_scenes(root) if name == "clevr" else None  # the synthetic set's record of each change
 
-    # model, what trains at which rate (lr_rule, above), optimizer, loaders, schedule
     model = new_model(args, ckpt_info, vocab, ctx, clip)
     source = {"name": name, "root": str(root), "image_size": model.clip.cfg.image_resolution}  # saved with it
     rule = lr_rule(args, model.clip.cfg.n_inter)
@@ -666,8 +640,7 @@ def train(args, ckpt_info):
     run, stop = resume_from(resume, model, optimizer, scheduler, args)
 
     def loss_fn(batch):  # word-level cross entropy on each pair's drawn caption (B, T)
-        ids = batch["ids"]
-        ids = ids[:, :int((ids != PAD).sum(1).max())].to(ctx.device)  # trim the shared padding
+        ids = batch["ids"][:, :int((batch["ids"] != PAD).sum(1).max())].to(ctx.device)  # the shared padding cut
         logits = model(ids[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))
         return caption_loss(logits, ids[:, 1:]), len(ids)  # pairs, for the pairs/s
 
@@ -712,9 +685,7 @@ def main(argv=None):
     # stdout holds the caption alone
     if args.before:
         return caption_images(args, ckpt_info)
-    if ckpt_info.get("stage") == "caption":
-        return evaluate_captioner(args, ckpt_info)
-    return train(args, ckpt_info)
+    return evaluate_captioner(args, ckpt_info) if ckpt_info.get("stage") == "caption" else train(args, ckpt_info)
 
 
 if __name__ == "__main__":

@@ -77,11 +77,10 @@ def resolve(name_or_path):
                              f"(downloaded to {CACHE}) or the shipped {list(SHIPPED)}; see {WEIGHTS}.")
         return path
     url = MODELS[name_or_path]
-    expected = url.split("/")[-2]
-    path = CACHE / Path(url).name
-    if path.is_file() and sha256(path) == expected:
-        return path
+    path, expected = CACHE / Path(url).name, url.split("/")[-2]
     if path.is_file():
+        if sha256(path) == expected:
+            return path
         print(f"{path} has the wrong SHA256 (truncated or corrupt download?): downloading it again")
     return download(url, path, expected)
 
@@ -156,17 +155,15 @@ def read_state_dict(path):
 
 
 def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
-    """Load CLIP (+ the CLIP4IDC pair parameters when the file has them; `model.build_model` sizes it from the
-    tensors) in fp32, eval mode. n_inter: how many of the last vision blocks run on the joint pair sequence (None:
-    the file's own value when it stores one, else 3)."""
+    """Load CLIP (+ the CLIP4IDC pair parameters the file has; `model.build_model` sizes it from the tensors) in fp32,
+    eval mode. n_inter: its inter blocks (None: the file's own value when it stores one, else 3)."""
     path = resolve(path_or_name)
     return build_clip(*read_state_dict(path), path, n_inter).to(device).eval()
 
 
 def build_clip(sd, extra, path, n_inter=None):
     """read_state_dict's (state dict, extra) of the file at `path` -> the fp32 CLIP (load_clip)."""
-    if n_inter is None:
-        n_inter = extra.get("config", {}).get("n_inter", 3)
+    n_inter = extra.get("config", {}).get("n_inter", 3) if n_inter is None else n_inter
     layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
     if not 0 <= n_inter <= layers:
         raise SystemExit(f"--n-inter {n_inter}: {path} has {layers} vision blocks, so 0 to {layers} of them can be "
@@ -228,14 +225,8 @@ PAT = re.compile(r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[
 def bytes_to_unicode():
     """Every byte -> a printable unicode character, so BPE works on bytes without whitespace/control chars."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
+    rest = [b for b in range(256) if b not in bs]  # the others, in order, to the characters from 256 on
+    return dict(zip(bs + rest, map(chr, bs + [256 + n for n in range(len(rest))])))
 
 
 @lru_cache(maxsize=1)
@@ -244,8 +235,7 @@ def vocab():
     if not BPE_PATH.is_file() or sha256(BPE_PATH) != BPE_SHA256:
         raise SystemExit(f"{BPE_PATH} is missing or corrupt (SHA256 must be {BPE_SHA256}): restore it from git "
                          f"or from the openai-clip package (clip/bpe_simple_vocab_16e6.txt.gz)")
-    merges = gzip.open(BPE_PATH).read().decode("utf-8").split("\n")
-    merges = [tuple(m.split()) for m in merges[1:49152 - 256 - 2 + 1]]
+    merges = [tuple(m.split()) for m in gzip.open(BPE_PATH).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]]
     tokens = list(bytes_to_unicode().values())
     tokens = tokens + [t + "</w>" for t in tokens] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
     return {t: i for i, t in enumerate(tokens)}, {m: i for i, m in enumerate(merges)}
@@ -257,41 +247,34 @@ def bpe(word):
     ranks = vocab()[1]
     parts = list(word[:-1]) + [word[-1] + "</w>"]
     while len(parts) > 1:
-        pairs = {(a, b) for a, b in zip(parts, parts[1:])}
-        best = min(pairs, key=lambda p: ranks.get(p, float("inf")))
+        best = min(zip(parts, parts[1:]), key=lambda p: ranks.get(p, float("inf")))
         if best not in ranks:
             break
         merged, i = [], 0
-        while i < len(parts):
-            if i < len(parts) - 1 and (parts[i], parts[i + 1]) == best:
-                merged.append(parts[i] + parts[i + 1])
-                i += 2
-            else:
-                merged.append(parts[i])
-                i += 1
+        while i < len(parts):  # every occurrence of the best pair merged, left to right
+            n = 2 if tuple(parts[i:i + 2]) == best else 1
+            merged.append("".join(parts[i:i + n]))
+            i += n
         parts = merged
     return parts
 
 
 def encode(text):
     """A string -> BPE ids without start/end tokens, the text cleaned as OpenAI's tokenizer cleans it."""
-    encoder = vocab()[0]
-    byte_encoder = bytes_to_unicode()
+    encoder, byte_encoder = vocab()[0], bytes_to_unicode()
     text = re.sub(r"\s+", " ", html.unescape(html.unescape(ftfy.fix_text(text))).strip()).strip().lower()
     ids = []
     for word in re.findall(PAT, text):
         if word in ("<|startoftext|>", "<|endoftext|>"):  # special tokens written in the text stay whole
             ids.append(encoder[word])
-            continue
-        word = "".join(byte_encoder[b] for b in word.encode("utf-8"))
-        ids.extend(encoder[piece] for piece in bpe(word))
+        else:
+            ids.extend(encoder[piece] for piece in bpe("".join(byte_encoder[b] for b in word.encode("utf-8"))))
     return ids
 
 
 def decode(ids):
     """BPE ids -> text, as OpenAI's (and the authors') tokenizer decodes: pieces joined, `</w>` a space."""
-    tokens = bpe_tokens()
-    text = "".join(tokens[i] for i in ids)
+    text = "".join(bpe_tokens()[i] for i in ids)
     byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
     return bytearray(byte_decoder[c] for c in text).decode("utf-8", errors="replace").replace("</w>", " ")
 
@@ -304,8 +287,7 @@ def bpe_tokens():
 
 def tokenize(texts, context_length=77, truncate=False):
     """Like `clip.tokenize`: LongTensor [N, context_length] = SOT, ids, EOT, zero padding."""
-    if isinstance(texts, str):
-        texts = [texts]
+    texts = [texts] if isinstance(texts, str) else texts
     out = torch.zeros(len(texts), context_length, dtype=torch.long)
     for i, text in enumerate(texts):
         ids = [SOT] + encode(text) + [EOT]

@@ -85,13 +85,9 @@ def reversed_pairs(items, root):
         raise SystemExit(f"--reverse needs the synthetic set's scene records ({Path(root) / 'scenes.json'}): real "
                          f"datasets have no record of what changed to caption a pair backwards; pass --no-reverse")
     style = json.loads((Path(root) / "synth.json").read_text()).get("caption_style", "ours")
-    out = []
-    for it in items:
-        same = it.change_type == "distractor"
-        out.append(Item(it.id + "_r", it.after, it.before,
-                        it.captions if same else synth.reversed_captions(scenes[it.id], it.id, style),
-                        "distractor" if same else synth.reverse(scenes[it.id])["type"]))
-    return out
+    return [Item(it.id + "_r", it.after, it.before, it.captions, "distractor") if it.change_type == "distractor" else
+            Item(it.id + "_r", it.after, it.before, synth.reversed_captions(scenes[it.id], it.id, style),
+                 synth.reverse(scenes[it.id])["type"]) for it in items]
 
 
 def _nonempty_captions(items, name, split):
@@ -105,13 +101,16 @@ def _nonempty_captions(items, name, split):
     return [it for it in kept if it.captions]
 
 
-def _read_json(path, what):
+def _read_json(path, what, valid=lambda obj: True):
+    """An annotation file, of the shape `valid` checks (_expect)."""
     if not path.is_file():
         raise SystemExit(f"missing {path}: expected {what} there, {SEE}")
     try:
-        return json.loads(path.read_text())
+        obj = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SystemExit(f"{path} is not valid JSON ({e}): expected {what}") from None
+    _expect(valid(obj), path, what)
+    return obj
 
 
 def _expect(ok, path, what):
@@ -129,8 +128,7 @@ def _clevr(root, split, setting):
         raise SystemExit(f"CLEVR-Change at {root} lacks {', '.join(missing)}: expected {', '.join(CLEVR_FILES)} "
                          f"there, {SEE}")
     want = 'split ids {"train": [0, 3, ...], "val": [...], "test": [...]}'
-    splits = _read_json(root / "splits.json", want)
-    _expect(isinstance(splits, dict), root / "splits.json", want)
+    splits = _read_json(root / "splits.json", want, lambda obj: isinstance(obj, dict))
     if split not in splits:
         raise SystemExit(f"{root / 'splits.json'} has no {split!r} list (it has {list(splits)})")
     ids = splits[split]
@@ -138,14 +136,11 @@ def _clevr(root, split, setting):
             root / "splits.json", f"{split!r}: a list of integer image ids, got {str(ids)[:60]}")
     ids = [int(i) for i in ids]
     want = 'captions {"CLEVR_default_000000.png": ["a caption", ...], ...}'
-    change, same = (_read_json(root / f, want) for f in ("change_captions.json", "no_change_captions.json"))
-    for f, caps in (("change_captions.json", change), ("no_change_captions.json", same)):
-        _expect(isinstance(caps, dict) and all(_captions_ok(c) for c in caps.values()), root / f, want)
+    valid = lambda caps: isinstance(caps, dict) and all(_captions_ok(c) for c in caps.values())
+    change, same = (_read_json(root / f, want, valid) for f in ("change_captions.json", "no_change_captions.json"))
     want = 'change type -> image files {"color": ["000000.png", ...], ...}'
-    mapping = _read_json(root / "type_mapping.json", want)
-    _expect(isinstance(mapping, dict) and all(isinstance(v, list) and all(isinstance(f, str) and f[:6].isdigit()
-                                                                          for f in v) for v in mapping.values()),
-            root / "type_mapping.json", want)
+    mapping = _read_json(root / "type_mapping.json", want, lambda obj: isinstance(obj, dict) and all(
+        isinstance(v, list) and all(isinstance(f, str) and f[:6].isdigit() for f in v) for v in obj.values()))
     types = {int(f[:6]): t for t, files in mapping.items() for f in files}
     items = []
     for i in ids:
@@ -169,9 +164,9 @@ def _spot(root, split):
     ann = _first_dir(root, ["annotations", "data/annotations"]) / f"{split}.json"
     images = _first_dir(root, ["resized_images", "images", "data/resized_images"])
     want = 'Spot-the-Diff annotations [{"img_id": 12, "sentences": ["...", ...]}, ...]'
-    entries = _read_json(ann, want)
-    _expect(isinstance(entries, list) and all(isinstance(d, dict) and isinstance(d.get("img_id"), (int, str)) and
-                                              _captions_ok(d.get("sentences")) for d in entries), ann, want)
+    entries = _read_json(ann, want, lambda obj: isinstance(obj, list) and all(
+        isinstance(d, dict) and isinstance(d.get("img_id"), (int, str)) and _captions_ok(d.get("sentences"))
+        for d in obj))
     merged = {}  # an img_id can repeat: its sentences are merged, in file order
     for d in entries:
         merged.setdefault(str(d["img_id"]), []).extend(d["sentences"])
@@ -183,10 +178,9 @@ def _ier(root, split):
     ann = _first_dir(root, ["data"]) / f"{split}.json"
     images = _first_dir(root, ["images"])
     want = 'Image-Editing-Request annotations [{"img0": "a.jpg", "img1": "b.jpg", "sents": ["...", ...], "uid": ...}]'
-    entries = _read_json(ann, want)
-    _expect(isinstance(entries, list) and all(
+    entries = _read_json(ann, want, lambda obj: isinstance(obj, list) and all(
         isinstance(d, dict) and all(isinstance(d.get(k), str) for k in ("img0", "img1")) and
-        isinstance(d.get("uid"), (str, int)) and _captions_ok(d.get("sents")) for d in entries), ann, want)
+        isinstance(d.get("uid"), (str, int)) and _captions_ok(d.get("sents")) for d in obj))
     return [Item(str(d["uid"]), str(images / d["img0"]), str(images / d["img1"]), d["sents"]) for d in entries]
 
 
@@ -195,12 +189,10 @@ def _levir(root, split):
     ann = root / "LevirCCcaptions.json"
     want = ('LEVIR-CC captions {"images": [{"filename": "train_000016.png", "split": "train", "sentences": '
             '[{"raw": "..."}, ...]}, ...]}')
-    obj = _read_json(ann, want)
-    entries = obj.get("images") if isinstance(obj, dict) else None
-    _expect(isinstance(entries, list) and all(
+    entries = _read_json(ann, want, lambda obj: isinstance(obj, dict) and isinstance(obj.get("images"), list) and all(
         isinstance(d, dict) and isinstance(d.get("filename"), str) and d.get("split") in ("train", "val", "test")
         and isinstance(d.get("sentences"), list) and all(isinstance(s, dict) and isinstance(s.get("raw"), str)
-                                                         for s in d["sentences"]) for d in entries), ann, want)
+                                                         for s in d["sentences"]) for d in obj["images"]))["images"]
     images = _first_dir(root, ["images"])
     return [Item(Path(d["filename"]).stem, str(images / split / "A" / d["filename"]),
                  str(images / split / "B" / d["filename"]), [s["raw"].strip() for s in d["sentences"]])
@@ -208,8 +200,7 @@ def _levir(root, split):
 
 
 class BadImage(OSError):
-    """An image that cannot be decoded; its message names the file and what to do. The stages turn it into a clean
-    exit (`exit_message`), also when a DataLoader worker raised it."""
+    """An image that cannot be decoded; its message names the file and what to do (the stages exit with it)."""
 
 
 def exit_message(error):
@@ -248,16 +239,15 @@ def _check_files(items, name, root, split, skip_missing):
 # torch datasets: the same three classes serve all datasets
 
 
-def _decode_uint8_tensor(path, size):
-    """The one decoding rule of every path (streamed, cached): squash-resize to size x size, uint8 [3, S, S]."""
-    return resize_uint8(open_image(path), size)
-
-
 def _decode_uint8(path, size):
+    """The one decoding rule of every path (streamed, cached): squash-resize to size x size, uint8 [3, S, S] (numpy).
+    An unreadable file raises BadImage: a DataLoader worker must raise an Exception for the loader to re-raise it, and
+    in a Pool worker a SystemExit ends the worker and the pool waits for it forever."""
     try:
-        return _decode_uint8_tensor(path, size).numpy()
-    except SystemExit as e:  # in a Pool worker a SystemExit ends the worker and the pool waits for it forever
-        raise BadImage(str(e)) from None
+        return resize_uint8(open_image(path), size).numpy()
+    except SystemExit as e:
+        raise BadImage(f"{e}: replace that file with a readable image, or pass --skip-missing to drop its pair "
+                       f"({SEE})") from None
 
 
 def image_paths(items):
@@ -303,9 +293,8 @@ class ImageCache:
         key = hashlib.sha1(json.dumps(stamp).encode()).hexdigest()[:16]
         self.folder = cache_dir(directory) / f"{len(paths)}x{size}px-{key}"
         self.index = {p: i for i, p in enumerate(paths)}
-        self.rate, self.built = None, not (self.folder / "images.npy").is_file()
-        if self.built:
-            self.rate = _build_cache(self.folder, paths, size, workers, log_every)
+        self.built = not (self.folder / "images.npy").is_file()
+        self.rate = _build_cache(self.folder, paths, size, workers, log_every) if self.built else None  # images/s
         # copy-on-write: a writable view for torch (nothing writes to it), pages shared between processes
         self.array = np.load(self.folder / "images.npy", mmap_mode="c")
         if self.array.shape != (len(paths), 3, size, size):
@@ -340,9 +329,8 @@ def _build_cache(folder, paths, size, workers, log_every):
                         rate = (i + 1) / (time.time() - t0)
                         print(f"   decoding images into {folder}: {i + 1}/{len(paths)}, {rate:.0f} images/s, ETA "
                               f"{(len(paths) - i - 1) / rate:.0f}s", flush=True)
-            except OSError as e:
-                raise SystemExit(f"{e}: replace that file with a readable image, or pass --skip-missing to drop "
-                                 f"its pair ({SEE})") from None
+            except OSError as e:  # BadImage: its message says what to do
+                raise SystemExit(str(e)) from None
         array.flush()
         del array
         (tmp / "paths.json").write_text(json.dumps(paths))
@@ -407,13 +395,7 @@ class _Pairs(torch.utils.data.Dataset):
         self.items, self.size, self.cache, self.features = items, size, cache, features
 
     def image(self, path):
-        if self.cache is not None:
-            return self.cache[path]
-        try:
-            return _decode_uint8_tensor(path, self.size)
-        except SystemExit as e:  # a worker must raise an Exception for the DataLoader to re-raise it
-            raise BadImage(f"{e}: replace that file with a readable image, or pass --skip-missing to drop its "
-                           f"pair ({SEE})") from None
+        return self.cache[path] if self.cache is not None else torch.from_numpy(_decode_uint8(path, self.size))
 
     def pair(self, i, before, **rest):
         """Sample fields of item i: {name: path} of its two images (before: the path to use) and `rest`, or no

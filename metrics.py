@@ -120,9 +120,7 @@ def _bleu_from_counts(correct, guess, test_len, ref_len, tiny=1e-15, small=1e-9)
         prod *= (correct[k] + tiny) / (guess[k] + small)
         scores.append(prod ** (1.0 / (k + 1)))  # geometric mean of the first k+1 precisions
     ratio = (test_len + tiny) / (ref_len + small)
-    if ratio < 1:  # brevity penalty exp(1 - r/c)
-        scores = [s * math.exp(1 - 1 / ratio) for s in scores]
-    return scores
+    return [s * math.exp(1 - 1 / ratio) for s in scores] if ratio < 1 else scores  # brevity penalty exp(1 - r/c)
 
 
 # -----------------------------------------------------------------------------
@@ -335,13 +333,8 @@ def meteor_data():
     folders = [Path(os.environ["METEOR_DATA"])] if os.environ.get("METEOR_DATA") else []
     spec = importlib.util.find_spec("pycocoevalcap")
     folders += [Path(p) / "meteor" for p in spec.submodule_search_locations or ()] if spec else []
-    found = {"jar": None, "paraphrase": None}
-    for d in folders:
-        for key, name in (("jar", JAR), ("paraphrase", PARAPHRASE)):
-            for f in (d / name, d / "data" / name):
-                if found[key] is None and f.is_file():
-                    found[key] = f
-    return found
+    first = lambda name: next((f for d in folders for f in (d / name, d / "data" / name) if f.is_file()), None)
+    return {"jar": first(JAR), "paraphrase": first(PARAPHRASE)}
 
 
 @lru_cache(maxsize=None)

@@ -44,9 +44,8 @@ def attention(q, k, v, causal=False, dropout=0.0):
     on the attention probabilities (BERT's; the caller passes 0 outside training)."""
     Tq, Tk = q.shape[2], k.shape[2]
     assert not causal or Tq <= Tk, f"causal attention needs the {Tq} queries among the {Tk} key positions"
-    mask = None
-    if causal and Tq > 1:  # one query (the usual cached step) sees every key: no mask
-        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)  # aligned at the end
+    # aligned at the end; one query (the usual cached step) sees every key: no mask
+    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq) if causal and Tq > 1 else None
     if USE_SDPA:
         if mask is not None and Tq == Tk:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # the fused kernels
@@ -72,8 +71,7 @@ class MultiheadAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))  # (B, h, T, hs)
-        y = attention(q, k, v, causal).transpose(1, 2).reshape(B, T, C)
-        return self.out_proj(y)
+        return self.out_proj(attention(q, k, v, causal).transpose(1, 2).reshape(B, T, C))
 
 
 class ResidualAttentionBlock(nn.Module):
@@ -109,8 +107,7 @@ class Transformer(nn.Module):
 
 
 class PairEncoding(NamedTuple):
-    """The pair encoder's output: all 2(n+1) tokens (B, 2(n+1), embed_dim), the captioner's memory, and the pair
-    vector v (B, embed_dim) of eq. (5), the mean of the two [CLS] tokens, for retrieval."""
+    """The pair encoder's output: its 2(n+1) tokens (the captioner's memory) and the pair vector v (retrieval)."""
     tokens: torch.Tensor
     vector: torch.Tensor
 
@@ -136,9 +133,8 @@ class VisionTransformer(nn.Module):
         self.ln_mid = LayerNorm(width)
 
     def patches(self, x):
-        """(B, 3, H, W) -> (B, n, width): conv1 (kernel = stride = patch size) computed as one matmul over the
-        flattened patches, in row-major patch order. The same numbers as the convolution, and faster on a GPU
-        (BENCHMARKS.md)."""
+        """(B, 3, H, W) -> (B, n, width): conv1 (kernel = stride = patch size) as one matmul over the flattened
+        patches, in row-major patch order: the convolution's numbers, faster on a GPU (BENCHMARKS.md)."""
         B, C, H, W = x.shape
         P = self.conv1.kernel_size[0]
         x = x[:, :, :H // P * P, :W // P * P].reshape(B, C, H // P, P, W // P, P)  # a remainder is dropped, as conv
@@ -149,20 +145,20 @@ class VisionTransformer(nn.Module):
         """(B, 3, H, W) -> (B, n+1, width): patches, [CLS], positional embedding, ln_pre."""
         x = self.patches(x)  # (B, n, width)
         cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)
-        x = torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)  # (B, n+1, width)
-        return self.ln_pre(x)
+        return self.ln_pre(torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype))  # (B, n+1, width)
 
     def forward(self, x):
         """Plain CLIP image features: (B, 3, H, W) -> (B, output_dim)."""
-        x = self.transformer(self.stem(x))
-        return self.ln_post(x[:, 0]) @ self.proj
+        return self.ln_post(self.transformer(self.stem(x))[:, 0]) @ self.proj
 
-    def forward_pair(self, before, after):
+    def forward_pair(self, before, after, both_ways=False):
         """The pair encoder, eq. (2)-(5): (B, 3, H, W) x2 -> PairEncoding: tokens (B, 2(n+1), output_dim), the pair
-        vector v (B, output_dim)."""
+        vector v (B, output_dim). both_ways (caption.py --reverse): (after, before) too, as rows B..2B-1, the intra
+        blocks run once for both orders (they see each image alone)."""
         B = before.shape[0]
         x = self.intra(self.stem(torch.cat([before, after])))  # eq. (2): each image alone, both in one batch
-        return self.inter(torch.cat([x[:B], x[B:]], dim=1))  # eq. (3)-(5) on the joint sequence (B, 2(n+1), width)
+        pairs = [torch.cat([x[:B], x[B:]], dim=1)] + ([torch.cat([x[B:], x[:B]], dim=1)] if both_ways else [])
+        return self.inter(torch.cat(pairs))  # eq. (3)-(5) on the joint sequence (B, 2(n+1), width)
 
     def intra(self, x):
         """eq. (2): the first N_intra blocks, each image's tokens (B, n+1, width) alone."""
@@ -179,15 +175,7 @@ class VisionTransformer(nn.Module):
             for block in self.transformer.resblocks[-self.n_inter:]:  # full attention over both images
                 x = block(x)
         tokens = self.ln_post(x) @ self.proj  # all 2(n+1) tokens go to the captioner: (B, 2(n+1), output_dim)
-        v = (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2  # eq. (5): mean of the two [CLS] tokens
-        return PairEncoding(tokens, v)
-
-    def forward_both_ways(self, before, after):
-        """A speed path for caption.py --reverse: forward_pair of (before, after) as rows 0..B-1 and of (after,
-        before) as rows B..2B-1, the intra blocks run once for both orders (they see each image alone)."""
-        B = before.shape[0]
-        x = self.intra(self.stem(torch.cat([before, after])))
-        return self.inter(torch.cat([torch.cat([x[:B], x[B:]], dim=1), torch.cat([x[B:], x[:B]], dim=1)]))
+        return PairEncoding(tokens, (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2)  # eq. (5): the [CLS]s' mean
 
 
 # -----------------------------------------------------------------------------
@@ -243,35 +231,20 @@ class CLIP(nn.Module):
 
     def encode_text(self, text):
         """(B, L) token ids, L <= context_length -> (B, embed_dim), features at the end-of-text token."""
-        L = text.shape[1]
-        x = self.token_embedding(text) + self.positional_embedding[:L]  # (B, L, width)
+        x = self.token_embedding(text) + self.positional_embedding[:text.shape[1]]  # (B, L, width)
         x = self.ln_final(self.transformer(x, causal=True))
         eot = text.argmax(dim=-1)  # the end-of-text id (49407) is the largest id
         return x[torch.arange(x.shape[0], device=x.device), eot] @ self.text_projection
 
     def forward(self, image, text):
         """OpenAI's logits_per_image, logits_per_text (its archive's traced module needs a forward)."""
-        img = F.normalize(self.encode_image(image), dim=-1)
-        txt = F.normalize(self.encode_text(text), dim=-1)
+        img, txt = F.normalize(self.encode_image(image), dim=-1), F.normalize(self.encode_text(text), dim=-1)
         logits = self.logit_scale.exp() * img @ txt.t()
         return logits, logits.t()
 
     def encode_pair(self, before, after):
         """The CLIP4IDC pair encoder -> PairEncoding(tokens (B, 2(n+1), embed_dim), vector (B, embed_dim))."""
         return self.visual.forward_pair(before, after)
-
-
-def config_from_state_dict(sd, n_inter=3):
-    """Read OpenAI's build arguments off the tensors' shapes (openai/CLIP `build_model`)."""
-    vision_width = sd["visual.conv1.weight"].shape[0]
-    vision_layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
-    grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
-    patch = sd["visual.conv1.weight"].shape[-1]
-    width = sd["ln_final.weight"].shape[0]
-    layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
-    return CLIPConfig(sd["text_projection"].shape[1], patch * grid, vision_layers, vision_width, patch,
-                      sd["positional_embedding"].shape[0], sd["token_embedding.weight"].shape[0], width,
-                      max(1, width // 64), layers, n_inter)
 
 
 # CLIP's input embeddings (token and positional embeddings, the patchify conv, [CLS], ln_pre): the authors keep them
@@ -297,13 +270,18 @@ def share_joint_positions_(visual, norm):
 
 
 def build_model(sd, n_inter=3):
-    """A CLIP whose sizes match the state dict `sd`. Its pair parameters (absent from OpenAI's release) are
-    added to `sd` freshly initialized so that `load_state_dict(sd, strict=True)` checks every other key."""
-    model = CLIP(config_from_state_dict(sd, n_inter))
-    own = model.state_dict()
-    for k in PAIR_KEYS:
-        if k not in sd:
-            sd[k] = own[k]
+    """A CLIP whose sizes are read off the state dict `sd`'s shapes (as openai/CLIP's `build_model`). Its pair
+    parameters (absent from OpenAI's release) are added to `sd` freshly initialized, so that
+    `load_state_dict(sd, strict=True)` checks every other key."""
+    vision_width, patch = sd["visual.conv1.weight"].shape[0], sd["visual.conv1.weight"].shape[-1]
+    vision_layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
+    grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
+    width = sd["ln_final.weight"].shape[0]
+    layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
+    model = CLIP(CLIPConfig(sd["text_projection"].shape[1], patch * grid, vision_layers, vision_width, patch,
+                            sd["positional_embedding"].shape[0], sd["token_embedding.weight"].shape[0], width,
+                            max(1, width // 64), layers, n_inter))
+    sd.update({k: v for k, v in model.state_dict().items() if k in PAIR_KEYS and k not in sd})
     return model
 
 
@@ -366,10 +344,9 @@ class Attention(nn.Module):
 
 
 class CaptionBlock(nn.Module):
-    """Encoder block (self-attention, MLP) or, with cross=True, decoder block (causal self-attention,
-    cross-attention to the memory, MLP). post_ln: BERT's layer, the authors', each sublayer f as
-    LN(x + dropout(f(x))) (LayerNorm eps 1e-12, dropout on the attention probabilities too); else pre-LN,
-    x + dropout(f(LN(x)))."""
+    """Encoder block (self-attention, MLP) or, with cross=True, decoder block (causal self-attention, cross-attention
+    to the memory, MLP). post_ln: BERT's layer, the authors', each sublayer f as LN(x + dropout(f(x))) (LayerNorm
+    eps 1e-12, dropout on the attention probabilities too); else pre-LN, x + dropout(f(LN(x)))."""
 
     def __init__(self, width, heads, dropout, cross=False, post_ln=False):
         super().__init__()
@@ -384,9 +361,7 @@ class CaptionBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x, memory=None, kv_cache=None):
-        c_self = c_cross = None
-        if kv_cache is not None:
-            c_self, c_cross = kv_cache.setdefault("self", {}), kv_cache.setdefault("cross", {})
+        c_self, c_cross = (None if kv_cache is None else kv_cache.setdefault(k, {}) for k in ("self", "cross"))
         sublayers = [(self.ln_1, lambda h: self.attn(h, causal=self.cross_attn is not None, kv_cache=c_self))]
         if self.cross_attn is not None:  # the query and the residual: the self-attention's output
             sublayers.append((self.ln_x, lambda h: self.cross_attn(h, memory, kv_cache=c_cross)))
@@ -437,10 +412,9 @@ class Captioner(nn.Module):
                 nn.init.normal_(p, std=std)
 
     def pool(self, memory):
-        """Not the authors' (caption.py --mem-pool; caption.PairCaptioner.memory calls it): pair-encoder tokens
-        (B, 2(n+1), D) -> (B, 2(m+1), D), each image's g x g patch tokens averaged over k x k cells (k = cfg.mem_pool;
-        m = (g/k)^2), its [CLS] kept. What the captioner reads per step is what it costs: 290 memory tokens at a
-        12x12 grid, 74 pooled 2x2."""
+        """Not the authors' (caption.py --mem-pool): pair-encoder tokens (B, 2(n+1), D) -> (B, 2(m+1), D), each image's
+        g x g patch tokens averaged over k x k cells (k = cfg.mem_pool; m = (g/k)^2), its [CLS] kept. What the
+        captioner reads per step is what it costs: 290 memory tokens at a 12x12 grid, 74 pooled 2x2."""
         k = self.cfg.mem_pool
         if k == 1:
             return memory
@@ -468,9 +442,7 @@ class Captioner(nn.Module):
         for block in self.encoder:
             x = block(x)
             outs.append(x)
-        if self.ln_enc is not None:
-            return [self.ln_enc(x)]
-        return outs or [x]
+        return (outs or [x]) if self.ln_enc is None else [self.ln_enc(x)]
 
     def decode(self, tokens, mems, kv_caches=None, start=0):
         """Token ids (B, T) at positions start..start+T-1, encode's list -> next-token logits (B, T, vocab), the
@@ -494,16 +466,12 @@ class Captioner(nn.Module):
         prefix, as the authors decode (they run all 32 steps and cut at the end token: the same words)."""
         max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
         mem = self.encode(memory)
-        B = memory.shape[0]
-        out = torch.full((B, 1), bos, dtype=torch.long, device=memory.device)
+        out = torch.full((len(memory), 1), bos, dtype=torch.long, device=memory.device)
         kv_caches = [{} for _ in self.decoder] if use_kv_cache else None
-        done = torch.zeros(B, dtype=torch.bool, device=memory.device)
+        done = torch.zeros(len(memory), dtype=torch.bool, device=memory.device)
         for t in range(max_len):
-            if use_kv_cache:
-                logits = self.decode(out[:, -1:], mem, kv_caches, start=t)[:, -1]
-            else:
-                logits = self.decode(out, mem)[:, -1]
-            nxt = logits.argmax(-1).masked_fill(done, 0)  # (B,)
+            step, start = (out[:, -1:], t) if use_kv_cache else (out, 0)  # the newest token, or the whole prefix
+            nxt = self.decode(step, mem, kv_caches, start)[:, -1].argmax(-1).masked_fill(done, 0)  # (B,)
             out = torch.cat([out, nxt[:, None]], dim=1)
             done |= nxt == eos
             if done.all():
@@ -519,21 +487,19 @@ class Captioner(nn.Module):
         out = torch.full((B * K, 1), bos, dtype=torch.long, device=dev)
         scores = torch.full((B, K), float("-inf"), device=dev)
         scores[:, 0] = 0  # all beams start equal: keep one so the first step gives K different words
-        done = torch.zeros(B * K, dtype=torch.bool, device=dev)
-        lengths = torch.zeros(B * K, device=dev)
+        done, lengths = torch.zeros(B * K, dtype=torch.bool, device=dev), torch.zeros(B * K, device=dev)
         kv_caches = [{} for _ in self.decoder]
         for t in range(max_len):
             logp = self.decode(out[:, -1:], mem, kv_caches, start=t)[:, -1].float().log_softmax(-1)  # (B*K, V)
             V = logp.shape[-1]
             logp[done] = float("-inf")
             logp[done, 0] = 0  # a finished beam continues with padding at no cost
-            top, idx = (scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=-1)  # (B, K)
+            scores, idx = (scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=-1)  # (B, K)
             src = (idx // V + torch.arange(B, device=dev)[:, None] * K).view(-1)  # the beam each came from
             nxt = (idx % V).view(-1)
             out = torch.cat([out[src], nxt[:, None]], dim=1)
             lengths = lengths[src] + (~done[src]).float()
             done = done[src] | (nxt == eos)
-            scores = top
             for c in kv_caches:  # the prefix's keys/values follow their beam; the memory's is the same for all beams
                 c["self"]["k"], c["self"]["v"] = c["self"]["k"][src], c["self"]["v"][src]
             if done.all():

@@ -51,10 +51,8 @@ def overlay(image, heat, alpha=0.55):
     """A PIL image with a (grid, grid) map blended over it: the map scaled to its own maximum, upsampled to the
     image (bilinear), coloured along RAMP."""
     h = np.asarray(heat, dtype=np.float64)
-    h = h / max(h.max(), 1e-12)
-    up = Image.fromarray((h * 255).astype(np.uint8), "L").resize(image.size, Image.BILINEAR)
-    colour = Image.fromarray(colormap(np.asarray(up) / 255.0))
-    return Image.blend(image.convert("RGB"), colour, alpha)
+    up = Image.fromarray((h / max(h.max(), 1e-12) * 255).astype(np.uint8), "L").resize(image.size, Image.BILINEAR)
+    return Image.blend(image.convert("RGB"), Image.fromarray(colormap(np.asarray(up) / 255.0)), alpha)
 
 
 def _fit(image, height):
@@ -74,8 +72,7 @@ def explain(path, before, after, caption, maps, height=192):
                          "(attention, mean over heads; bright = more)"], max(40, w // 7))
     top = 14 * len(lines) + 10
     sheet = Image.new("RGB", (w, top + 2 * height + 12), "white")
-    draw = ImageDraw.Draw(sheet)
-    draw.multiline_text((4, 4), "\n".join(lines), fill="black", spacing=4)
+    ImageDraw.Draw(sheet).multiline_text((4, 4), "\n".join(lines), fill="black", spacing=4)
     for row, pics in enumerate((ims, heats)):
         x = 4
         for im in pics:
@@ -122,8 +119,7 @@ def curves(path, history, metric, size=(640, 240)):
     draw = ImageDraw.Draw(sheet)
     epochs = [e["epoch"] for e in history]
     for panel, (name, best_is) in enumerate((("loss", min), (metric, max))):
-        values = [e.get(name) for e in history]
-        pts = [(x, v) for x, v in zip(epochs, values) if v is not None]
+        pts = [(e["epoch"], e[name]) for e in history if e.get(name) is not None]
         left, top, right, bottom = panel * w + 60, 28, panel * w + w - 20, h - 36
         draw.text((panel * w + 60, 6), f"{name} by epoch", fill="black")
         draw.line([(left, top), (left, bottom), (right, bottom)], fill="black")
@@ -190,8 +186,7 @@ def encoder_maps(model, pairs, size, device, batch=64):
     for i in range(0, len(pairs), batch):
         b, a = (torch.stack([clip_load.load_image(p, size) for p in paths]).to(device)
                 for paths in zip(*pairs[i:i + batch]))
-        weights = inter_attention(model.clip.visual, b, a).float().cpu()
-        out += [pair_maps(w, grid) for w in weights]
+        out += [pair_maps(w, grid) for w in inter_attention(model.clip.visual, b, a).float().cpu()]
     return out
 
 
@@ -218,9 +213,8 @@ def draw_gallery(path, items, preds, model=None, size=None, device="cpu", n=8):
     """Test pairs, one per row: before | after | (their heat maps, when the encoder has inter blocks) | the
     generated and the first reference caption."""
     picks = items[:: max(1, len(items) // n)][:n]
-    maps = [None] * len(picks)
-    if model is not None and model.clip.cfg.n_inter > 0:
-        maps = encoder_maps(model, [(it.before, it.after) for it in picks], size, device)
+    maps = (encoder_maps(model, [(it.before, it.after) for it in picks], size, device)
+            if model is not None and model.clip.cfg.n_inter > 0 else [None] * len(picks))
     rows = [{"before": rgb(it.before), "after": rgb(it.after), "maps": m,
              "lines": [f"[{it.change_type or it.id}]", f"generated: {preds[it.id]}", f"reference: {it.captions[0]}"]}
             for it, m in zip(picks, maps)]

@@ -42,8 +42,8 @@ import clip_load
 import data
 import synth
 from model import PAIR_KEYS
-from train_utils import (HelpFormatter, Progress, at_least, check_sizes, device_arg, fmt_time, freeze, last_path,
-                         load_resume, log, make_optimizer, no_state, param_groups, restore, rng_state, save_atomic,
+from train_utils import (HelpFormatter, Progress, at_least, check_resume, check_sizes, fmt_time, freeze, last_path,
+                         load_resume, log, make_optimizer, param_groups, restore, rng_state, run_flags, save_atomic,
                          setup, train_epoch, warmup_cosine, where)
 
 ROOT = "data/clevr_pretrain"
@@ -53,7 +53,6 @@ DEFAULTS = dict(scenes=12000, image_size=96, patch_size=8, vision_width=128, vis
                 text_layers=4, embed_dim=128, context_length=77, batch_size=128, negatives=1, lr=5e-4,
                 weight_decay=0.1, warmup=0.02, samples=300_000, eval_every=150)
 CLEVR = dict(samples=150_000, eval_every=300)  # --world clevr: the shipped mini12-clevr's recipe
-PROBE_ATTRS = synth.ATTRS  # size, color, material, shape
 
 
 def get_args(argv=None):
@@ -72,18 +71,16 @@ def get_args(argv=None):
     for name, what in sizes.items():
         low = {"negatives": 0, "context-length": 2}.get(name, 1)
         p.add_argument(f"--{name}", type=at_least(low), default=d[name.replace("-", "_")], help=what)
-    for name, what, kind in (("lr", "peak learning rate (AdamW)", at_least(0.0, float)),
-                             ("weight-decay", "AdamW weight decay (matrices)", at_least(0.0, float)),
-                             ("warmup", "fraction of the steps of linear warmup, then cosine",
-                              at_least(0.0, float, below=1.0))):
-        p.add_argument(f"--{name}", type=kind, default=d[name.replace("-", "_")], help=what)
+    p.add_argument("--lr", type=at_least(0.0, float), default=d["lr"], help="peak learning rate (AdamW)")
+    p.add_argument("--weight-decay", type=at_least(0.0, float), default=d["weight_decay"],
+                   help="AdamW weight decay (matrices)")
+    run_flags(p, warmup=d["warmup"])
     p.add_argument("--object-loss", type=at_least(0.0, float), default=1.0,
                    help="weight of the per-object loss (0: off): the patch token under each object must pick its "
                         f"phrase among all {len(OBJECTS)} objects CLEVR has")
     p.add_argument("--mimetic-init", action=argparse.BooleanOptionalAction, default=True, help="initialize the "
                    "image tower's attention mimetically (Trockman and Kolter 2023): each token first attends to "
                    "tokens like itself")
-    p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
     p.add_argument("--samples", type=at_least(1), default=argparse.SUPPRESS, help="training images seen in all (the "
                    f"schedule) (default: {d['samples']:,}; {CLEVR['samples']:,} for --world clevr)")
     p.add_argument("--eval-every", type=at_least(1), default=argparse.SUPPRESS, help="steps between held-out "
@@ -91,30 +88,21 @@ def get_args(argv=None):
                    f"{d['eval_every']}; {CLEVR['eval_every']} for --world clevr)")
     p.add_argument("--eval-images", type=at_least(1), default=1000, help="held-out images evaluated")
     p.add_argument("--out", default="pretrained.pt", help="the run's weights (fp32); resumable state in *.last.pt")
-    p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
     p.add_argument("--time-limit", type=at_least(0.0, float), default=None,
                    help="minutes: stop after the first evaluation past this (the state is saved; --resume continues)")
     p.add_argument("--eval-only", action="store_true", help="evaluate --ckpt on the held-out scenes and stop")
-    p.add_argument("--ckpt", type=clip_load.weights_arg, default=None,
-                   help="with --eval-only: a CLIP checkpoint (default: --out)")
+    p.add_argument("--ckpt", type=clip_load.weights_arg, help="with --eval-only: a CLIP checkpoint (default: --out)")
     p.add_argument("--clevr-root", default=None, help="with --eval-only: also read every image of this set of "
                    "CLEVR's own renders (with CLEVR's scene records), the probes trained on --root's objects")
     p.add_argument("--probe-pairs", nargs="+", default=None, metavar="ADAPTED", help="linear probes of these pair "
                    "encoders (adapt.py's --out) on --pairs-root's change pairs, a table each, and stop (probe_pairs)")
     p.add_argument("--pairs-root", default=synth.SYNTH_ROOT, help="with --probe-pairs: a synthetic CLEVR-Change set "
                    "(adapt.py's on no real data)")
-    p.add_argument("--export", default=None, help="write --out's weights as the shipped fp16 file at this path "
-                                                  "and stop")
-    p.add_argument("--seed", type=int, default=0, help="random seed (initialization, order, wording)")
-    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"], help="auto: bf16 on CUDA")
-    p.add_argument("--workers", type=at_least(1), default=None,
-                   help="rendering/decoding processes (default: all cores)")
-    p.add_argument("--log-every", type=at_least(1), default=20, help="steps between progress lines")
+    p.add_argument("--export", default=None, help="write --out's weights as a shipped fp16 file at this path and stop")
+    p.add_argument("--workers", type=at_least(1), default=None, help="render/decode processes (default: all cores)")
     args = p.parse_args(argv)
-    for k in ("samples", "eval_every"):
-        if getattr(args, k, None) is None:
-            setattr(args, k, (CLEVR if args.world == "clevr" else d)[k])
+    vars(args).update({k: (CLEVR if args.world == "clevr" else d)[k] for k in ("samples", "eval_every")
+                       if getattr(args, k, None) is None})
     check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                       "--text-width": args.text_width})
     if args.clevr_root and not args.eval_only:
@@ -122,8 +110,7 @@ def get_args(argv=None):
     if args.clevr_root and not (Path(args.clevr_root) / "scenes.json").is_file():  # before any scene is rendered
         p.error(f"argument --clevr-root: no scenes.json in {args.clevr_root} (CLEVR's scene records, as "
                 f"CLEVR-Change's generator writes them): give a set rendered by it")
-    if args.resume and (missing := no_state(args.out)):
-        p.error(f"argument --resume: {missing}")
+    check_resume(p, args)
     for flag, wants in (("--export", args.export), ("--eval-only", args.eval_only and not args.ckpt)):
         if wants and not os.path.isfile(args.out):
             p.error(f"argument {flag}: no run's weights at --out {args.out}: give the --out a run wrote"
@@ -229,18 +216,7 @@ class Steps:
 
 
 # -----------------------------------------------------------------------------
-# the loss: CLIP's, with each image's hard negatives among its texts
-
-
-def clip_loss(img, txt, logit_scale):
-    """img (B, D), txt (B * (1 + K), D): row i of txt describes image i, rows B.. are hard negatives. Image -> text
-    cross entropy over all texts (the negatives compete with the other images' descriptions), text -> image over
-    the images for the B true descriptions; averaged, as CLIP's symmetric loss."""
-    B = img.shape[0]
-    img, txt = F.normalize(img.float(), dim=-1), F.normalize(txt.float(), dim=-1)
-    logits = logit_scale.float().clamp(max=math.log(100)).exp() * img @ txt.t()  # (B, B(1+K))
-    labels = torch.arange(B, device=img.device)
-    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits[:, :B].t(), labels)) / 2
+# the losses: CLIP's (adapt.contrastive_loss, each image's hard negatives among its texts), and the objects'
 
 
 def object_loss(obj, phrases, target, logit_scale):
@@ -264,7 +240,7 @@ def encode_images(model, images, cache, size, ctx, batch=256):
     """One pass over the images -> their CLIP features (N, D) normalized (token 0 is encode_image's output), the
     patch token under each object's centre (N_objects, D) and the objects' attributes {attr: [N_objects]}."""
     grid = size // model.visual.conv1.kernel_size[0]
-    clip_feats, feats, attrs = [], [], {a: [] for a in PROBE_ATTRS}
+    clip_feats, feats, attrs = [], [], {a: [] for a in synth.ATTRS}
     for i in range(0, len(images), batch):
         chunk = images[i:i + batch]
         with torch.no_grad(), ctx.amp:
@@ -274,7 +250,7 @@ def encode_images(model, images, cache, size, ctx, batch=256):
         for b, (_, objs) in enumerate(chunk):
             for o, (u, v) in objs:
                 feats.append(tok[b, cell(u, v, grid)])
-                for a in PROBE_ATTRS:
+                for a in synth.ATTRS:
                     attrs[a].append(o[a])
     return torch.cat(clip_feats), torch.stack(feats), attrs
 
@@ -284,8 +260,7 @@ def linear_probe(x_train, y_train, x_test, y_test, steps=300):
     classes = sorted(set(y_train))
     ytr = torch.tensor([classes.index(y) for y in y_train])
     yte = torch.tensor([classes.index(y) if y in classes else -1 for y in y_test])
-    mu, sd = x_train.mean(0), x_train.std(0) + 1e-6
-    xtr, xte = (x_train - mu) / sd, (x_test - mu) / sd
+    xtr, xte = ((x - x_train.mean(0)) / (x_train.std(0) + 1e-6) for x in (x_train, x_test))
     with torch.enable_grad():
         head = torch.nn.Linear(xtr.shape[1], len(classes))
         opt = torch.optim.Adam(head.parameters(), lr=1e-2, weight_decay=1e-4)
@@ -310,15 +285,12 @@ def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
         seed = rng.randrange(2 ** 31)
         own.append(synth.description(objs, seed))
         negs += [synth.description(synth.hard_negative(rng, objs), seed) for _ in range(negatives)]
-    txt = []
-    for texts in (own, negs):
-        feats = []
-        for i in range(0, len(texts), 512):
-            with ctx.amp:
-                ids = clip_load.tokenize(texts[i:i + 512], args.context_length, truncate=True).to(ctx.device)
-                feats.append(F.normalize(model.encode_text(ids).float(), dim=-1).cpu())
-        txt.append(torch.cat(feats))
-    own_t, neg_t = txt
+
+    def encode(texts):  # -> (N, D), normalized, 512 at a time
+        ids = [clip_load.tokenize(texts[i:i + 512], args.context_length, True) for i in range(0, len(texts), 512)]
+        with ctx.amp:
+            return torch.cat([F.normalize(model.encode_text(t.to(ctx.device)).float(), dim=-1).cpu() for t in ids])
+    own_t, neg_t = encode(own), encode(negs)
     N = len(img)
     pos = (img * own_t).sum(-1)  # (N,)
     neg = torch.einsum("nd,nkd->nk", img, neg_t.view(N, negatives, -1))
@@ -327,7 +299,7 @@ def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
            "image->text R@1": 100 * (sim.argmax(1) == torch.arange(N)).float().mean().item(),
            "text->image R@1": 100 * (sim.argmax(0) == torch.arange(N)).float().mean().item()}
     _, xtr, ytr = encode_images(model, probe_train, cache, args.image_size, ctx)
-    for a in PROBE_ATTRS:
+    for a in synth.ATTRS:
         out[f"probe {a}"] = linear_probe(xtr, ytr[a], xte, yte[a])
         out[f"chance {a}"] = 100 * max(yte[a].count(v) for v in set(yte[a])) / len(yte[a])
     return out
@@ -359,7 +331,7 @@ def pair_features(visual, items, root, ctx, batch=64):
     output (ln_post and proj on both), and after minus before there (what the mini captioner's --mem-diff adds)."""
     scenes, size = synth.read_scenes(root), visual.input_resolution
     grid = size // visual.conv1.kernel_size[0]
-    feats, labels = {f: [] for f in PAIR_FEATURES}, {t: [] for t in PAIR_TARGETS}
+    feats, rows = {f: [] for f in PAIR_FEATURES}, []  # rows: each pair's labels
     for i in range(0, len(items), batch):
         chunk, B = items[i:i + batch], len(items[i:i + batch])
         places = []
@@ -367,8 +339,7 @@ def pair_features(visual, items, root, ctx, batch=64):
             region = synth.changed_region(root, it.id)
             x0, y0, x1, y1 = region["before"] or region["after"]
             places.append(((x0 + x1) / 2, (y0 + y1) / 2))
-            for t, y in pair_labels(scenes[it.id], *places[-1]).items():
-                labels[t].append(y)
+            rows.append(pair_labels(scenes[it.id], *places[-1]))
         pairs = torch.stack([clip_load.load_image(p, size) for it in chunk for p in (it.before, it.after)])
         before, after = pairs[0::2].to(ctx.device), pairs[1::2].to(ctx.device)
         with ctx.amp:
@@ -384,7 +355,7 @@ def pair_features(visual, items, root, ctx, batch=64):
         feats["intra, at the change"].append(torch.cat([at(intra[:B]), at(intra[B:])], 1))
         feats["output, at the change"].append(torch.cat([ob, oa], 1))
         feats["after - before there"].append(oa - ob)
-    return {f: torch.cat(v) for f, v in feats.items()}, labels
+    return {f: torch.cat(v) for f, v in feats.items()}, {t: [r[t] for r in rows] for t in PAIR_TARGETS}
 
 
 def probe_pairs(path, root, ctx, n_train=2000):
@@ -404,7 +375,7 @@ def probe_pairs(path, root, ctx, n_train=2000):
 
 
 def fmt(m):
-    probes = " ".join(f"{a[:3]} {m[f'probe {a}']:.0f}" for a in PROBE_ATTRS)
+    probes = " ".join(f"{a[:3]} {m[f'probe {a}']:.0f}" for a in synth.ATTRS)
     return (f"hard-neg R@1 {m['hard-negative R@1']:.1f} | img->txt R@1 {m['image->text R@1']:.1f} txt->img "
             f"{m['text->image R@1']:.1f} | probe % {probes}")
 
@@ -437,21 +408,12 @@ def mimetic_init_(visual, a1=0.7, b1=0.7, a2=0.4, b2=0.4):
             attn.out_proj.bias.zero_()
 
 
-def lr_rule(args):
-    """The learning-rate rule: everything at one rate, but CLIP4IDC's pair parameters are frozen: single images
-    never use them, and the shipped file leaves them out (as OpenAI's release has none)."""
-    return lambda name: None if name.startswith(PAIR_KEYS) else args.lr
-
-
-def shipped(state_dict):
-    """A CLIP state dict as the shipped file holds it: fp16 tensors, OpenAI's keys, no pair parameters."""
-    return {k: v.half() for k, v in state_dict.items() if not k.startswith(PAIR_KEYS)}
-
-
 def export(args):
+    """--out's weights as the shipped file holds them: fp16 tensors, OpenAI's keys, no pair parameters."""
     ckpt = torch.load(args.out, map_location="cpu", weights_only=False)
     meta = {k: ckpt[k] for k in ("args", "history") if k in ckpt}
-    save_atomic({"model": shipped(ckpt["model"]), "pretrain": meta}, args.export)
+    model = {k: v.half() for k, v in ckpt["model"].items() if not k.startswith(PAIR_KEYS)}
+    save_atomic({"model": model, "pretrain": meta}, args.export)
     size = os.path.getsize(args.export) / 2 ** 20
     print(f"{args.out} -> {args.export} ({size:.1f} MiB, fp16), SHA256 {clip_load.sha256(args.export)}")
 
@@ -481,8 +443,7 @@ def main(argv=None):
     log(f"== pretrain.py: a small CLIP pretrained on single synthetic scenes, on {where(ctx)} ==")
     log("   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
     train = scene_images(root, "train", args.workers)
-    held_out = scene_images(root, "val", args.workers) + scene_images(root, "test", args.workers)
-    held_out = held_out[:args.eval_images]
+    held_out = (scene_images(root, "val", args.workers) + scene_images(root, "test", args.workers))[:args.eval_images]
     probe_train = train[:2 * args.eval_images]
     clevr = clevr_images(args.clevr_root) if args.eval_only and args.clevr_root else []
     items = [data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(train + held_out + clevr)]
@@ -494,7 +455,7 @@ def main(argv=None):
         for name, images in (("held out", held_out), (f"CLEVR's renders in {args.clevr_root}", clevr)):
             if images:
                 m = evaluate(model, images, probe_train, cache, args, ctx)
-                chance = " ".join(f"{a[:3]} {m[f'chance {a}']:.0f}" for a in PROBE_ATTRS)
+                chance = " ".join(f"{a[:3]} {m[f'chance {a}']:.0f}" for a in synth.ATTRS)
                 log(f"{path} on {name} ({len(images)} images): {fmt(m)} | chance: hard-neg R@1 "
                     f"{100 / 9:.1f}, probe % {chance}")
         return m
@@ -505,7 +466,9 @@ def main(argv=None):
     if args.mimetic_init:
         mimetic_init_(model.visual)
     model = model.to(ctx.device)
-    rule = lr_rule(args)
+    # everything at one rate, but CLIP4IDC's pair parameters frozen: single images never use them, and the shipped
+    # file leaves them out (as OpenAI's release has none)
+    rule = lambda name: None if name.startswith(PAIR_KEYS) else args.lr
     freeze(model.named_parameters(), rule)
     groups = param_groups(model.named_parameters(), rule, args.weight_decay)
     optimizer = make_optimizer(groups, ctx.device)
@@ -525,13 +488,13 @@ def main(argv=None):
         log(f"   resumed from {last_path(args.out)} at step {step}")
 
     def loss_fn(batch):
-        images, ids = batch["images"], batch["ids"]
-        ids = clip_load.trim(ids)  # up to the longest text's end token
-        images, ids = clip_load.normalize(images.to(ctx.device)), ids.to(ctx.device)
+        images = clip_load.normalize(batch["images"].to(ctx.device))
+        ids = clip_load.trim(batch["ids"]).to(ctx.device)  # up to the longest text's end token
+        tokens = image_tokens(model.visual, images) if args.object_loss else None  # token 0 is encode_image's output
+        img = model.encode_image(images) if tokens is None else tokens[:, 0]
+        loss = adapt.contrastive_loss(img, model.encode_text(ids), model.logit_scale)
         if not args.object_loss:
-            return clip_loss(model.encode_image(images), model.encode_text(ids), model.logit_scale), len(images)
-        tokens = image_tokens(model.visual, images)  # token 0 is encode_image's output
-        loss = clip_loss(tokens[:, 0], model.encode_text(ids), model.logit_scale)
+            return loss, len(images)
         objects, phrases = batch["objects"].to(ctx.device), clip_load.trim(batch["phrases"]).to(ctx.device)
         loss = loss + args.object_loss * object_loss(tokens[objects[:, 0], objects[:, 1]], model.encode_text(phrases),
                                                      objects[:, 2], model.logit_scale)

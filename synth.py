@@ -176,8 +176,7 @@ def intersect(o, org, d, w=OURS):
         zs = org[2] + ts * d[:, 2]
         side = (disc > 0) & (zs > 0) & (zs < hgt)
         t[side] = ts[side]
-        p = org + ts[:, None] * d
-        n[:, :2] = (p[:, :2] - c[:2]) / a
+        n[:, :2] = ((org + ts[:, None] * d)[:, :2] - c[:2]) / a
         tt = (hgt - org[2]) / np.minimum(d[:, 2], -1e-9)
         pt = org[:2] + tt[:, None] * d[:, :2]
         top = ~side & (((pt - c[:2]) ** 2).sum(1) < a * a)
@@ -281,8 +280,7 @@ def floor(objs, cam, lt, w, h, wo=OURS):
         mid, reach = (c[:2] + tip) / 2, r + 0.5 * np.linalg.norm(tip - c[:2])
         box = _box(cam, [(mid[0] + a * (reach + r), mid[1] + b * (reach + r), 0) for a in (-1, 1) for b in (-1, 1)],
                    w2, h2)
-        dist = np.sqrt(((p[box] - mid) ** 2).sum(-1))
-        g[box] *= 1 - shadow * np.clip((reach - dist) / (0.5 * r), 0, 1)
+        g[box] *= 1 - shadow * np.clip((reach - np.sqrt(((p[box] - mid) ** 2).sum(-1))) / (0.5 * r), 0, 1)
     fog = np.exp(-np.maximum(t - 12, 0) / np.float32(10))
     g = g * lt["power"] * power * fog + horizon * (1 - fog)
     return np.asarray(Image.fromarray(g.astype(np.float32), "F").resize((w, h), Image.BILINEAR))
@@ -495,11 +493,8 @@ def description(objs, seed):
     r = random.Random(seed)
     frame, order = FRAMES[int(r.random() * len(FRAMES))], sorted(range(len(objs)), key=lambda _: r.random())
     pick = lambda word: SAY.get(word, (word,))[int(r.random() * len(SAY.get(word, (word,))))]
-    phrases = []
-    for k in order:
-        words = [pick(objs[k][a]) for a in ATTRS]
-        article = "an" if words[0][0] in "aeiou" else "a"
-        phrases.append(f"{article} {' '.join(words)}")
+    phrases = [" ".join(pick(objs[k][a]) for a in ATTRS) for k in order]
+    phrases = [("an " if p[0] in "aeiou" else "a ") + p for p in phrases]
     objs_text = ", ".join(phrases[:-1]) + " and " + phrases[-1] if len(phrases) > 1 else phrases[0]
     return frame.format(objs=objs_text, n=NUMBERS.get(len(objs), len(objs)))
 
@@ -530,16 +525,12 @@ def views(i, seed, world="ours", size=IMAGE_SIZE):
     with (u, v) the object's centre as fractions of the image's width and height (only `size`'s aspect matters: the
     focal length is in widths, so the height's fraction depends on it; the frame tests assume 3:2), or None for an
     image in which an object is cut by the frame or hidden (its description would name what cannot be seen)."""
-    out = {}
-    w = WORLDS[world]
+    out, w = {}, WORLDS[world]
     for name, (objs, jc, _) in _scene(i, seed, world)[5].items():
         cam = camera(jc, w)
-        seen = visibility(objs, cam, w)
-        if min(seen.values()) < 0.4 or not all(_in_frame(o, cam, w) for o in objs):
-            out[name] = None
-            continue
-        out[name] = [(o, tuple(float(t / s) for t, s in zip(project(cam, geometry(o, w)[0], *size)[:2], size)))
-                     for o in objs]
+        hidden = min(visibility(objs, cam, w).values()) < 0.4 or not all(_in_frame(o, cam, w) for o in objs)
+        out[name] = None if hidden else [
+            (o, tuple(float(t / s) for t, s in zip(project(cam, geometry(o, w)[0], *size)[:2], size))) for o in objs]
     return out
 
 
@@ -588,17 +579,14 @@ def changed_region(root, scene_id):
     meta = json.loads((Path(root) / "synth.json").read_text())
     _, kind, before, after, k, views = _scene(int(scene_id), **scene_options(meta))
     wo, (w, h) = WORLDS[meta.get("world", "ours")], meta["size"]
-    out = {}
-    for side, name, present in (("before", "images/CLEVR_default", kind != "add"),
-                                ("after", "sc_images/CLEVR_semantic", kind != "drop")):
+
+    def box(name):  # the changed object's bounding disc in that image
         objs, jc, _ = views[name]
-        if not present:
-            out[side] = None
-            continue
         c, r = geometry(objs[k], wo)
         u, v, s = project(camera(jc, wo), c, w, h)
-        out[side] = ((u - r * s) / w, (v - r * s) / h, (u + r * s) / w, (v + r * s) / h)
-    return out
+        return (u - r * s) / w, (v - r * s) / h, (u + r * s) / w, (v + r * s) / h
+    return {"before": box("images/CLEVR_default") if kind != "add" else None,
+            "after": box("sc_images/CLEVR_semantic") if kind != "drop" else None}
 
 
 def scene_options(meta):
@@ -640,7 +628,6 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
     print(f"synthetic CLEVR-Change: {pairs} triples ({size[0]}x{size[1]}) in {out} in {dt:.1f}s, "
           f"{pairs / dt:.0f} triples/s")
     return out
-
 
 
 # -----------------------------------------------------------------------------
@@ -699,16 +686,11 @@ def _parse(phrase):
     return None if attrs is None or None in refs else (attrs, [(how, a) for (how, _), a in zip(links, refs)])
 
 
-def _grammatical(phrase):
-    return _parse(phrase) is not None
-
-
 def _holds(how, o, p):
     if isinstance(how, tuple):  # ("same", attribute)
         return o[how[1]] == p[how[1]]
-    if "relations" in p:  # a CLEVR scene record: its own relations, computed by CLEVR's generator
-        return o["index"] in p["relations"][how]
-    return RELATIONS[how](o, p)
+    # a CLEVR scene record has its own relations, computed by CLEVR's generator
+    return o["index"] in p["relations"][how] if "relations" in p else RELATIONS[how](o, p)
 
 
 def resolve(phrase, scene):
@@ -738,7 +720,7 @@ def read(caption):
                 kind = ATTR_OF.get(WORD.get(m["new"], m["new"]))
             if kind in CHANGES:
                 parsed.append((kind, m["o"]))
-    valid = [(kind, o) for kind, o in parsed if _grammatical(o)]
+    valid = [(kind, o) for kind, o in parsed if _parse(o) is not None]
     return (valid or parsed or [(None, None)])[0]  # "the cube has moved" also fits "the {o} moved": take a valid one
 
 

@@ -471,7 +471,7 @@ def test_pair_encoder_is_eq_2_to_5_and_order_matters():
     assert (t1[:, :17] - t2[:, 17:]).abs().max() > 1e-3
     # forward_both_ways (caption.py's --reverse pairs): each pair, then the same pair reversed, intra blocks shared
     with torch.no_grad():
-        t, v = model.visual.forward_both_ways(images, images.roll(1, 0))
+        t, v = model.visual.forward_pair(images, images.roll(1, 0), both_ways=True)
     assert t.shape == (6, 34, 32) and v.shape == (6, 32)
     assert_close(t, torch.cat([t1, t2]))
     assert_close(v, torch.cat([v1, v2]))

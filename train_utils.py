@@ -11,6 +11,7 @@ import os
 import random
 import sys
 import time
+import timeit
 from contextlib import nullcontext
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -82,6 +83,19 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return action.help + ("" if hidden else " (default: %(default)s)")
 
 
+def run_flags(p, log_every=20, warmup=0.1):
+    """The flags of every training stage (adapt.py, caption.py, pretrain.py), alike."""
+    p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
+    p.add_argument("--seed", type=int, default=0, help="random seed (initialization, data order, draws)")
+    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
+                   help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
+    p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=warmup,
+                   help="fraction of the steps of linear warmup, then cosine")
+    p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
+    p.add_argument("--log-every", type=at_least(1), default=log_every, help="steps between progress lines")
+
+
 def check_sizes(parser, image_size, patch_size, widths):
     """A small ViT and text tower from flags: whole patches, and widths ({flag: width}) that split into
     width // 64 heads (at least one). parser.error names the flag (exit 2)."""
@@ -114,9 +128,8 @@ def keep_freed_memory():
 
 
 def setup(seed=0, device=None, amp="auto"):
-    """The run's device (default: CUDA when there is one), its numerics and its seed. fp32 master weights
-    everywhere; autocast as `autocast(device, amp)` says. On a CPU freed memory is kept for reuse
-    (keep_freed_memory)."""
+    """The run's device (default: CUDA when there is one), its numerics and its seed. fp32 master weights everywhere;
+    autocast as `autocast(device, amp)` says. On a CPU freed memory is kept for reuse (keep_freed_memory)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         device = torch.device("cuda", device.index or 0)
@@ -136,12 +149,7 @@ def matmul_gflops(n=2048, repeats=5):
     g = torch.Generator().manual_seed(0)  # its own: measuring must not move the run's random stream
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e9
+    return 2 * n ** 3 / min(timeit.timeit(lambda: a @ b, number=1) for _ in range(repeats)) / 1e9  # the best
 
 
 def seed_everything(seed):
@@ -302,10 +310,7 @@ class GraphedStep:
                 p.copy_(w)
             for p, s in self.optimizer.state.items():
                 for k, v in s.items():
-                    if p in state:
-                        v.copy_(state[p][k])
-                    else:
-                        v.zero_()
+                    v.copy_(state[p][k] if p in state else torch.zeros_like(v))
         self.optimizer.zero_grad(set_to_none=True)  # the graph allocates the gradients it writes
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
@@ -330,11 +335,10 @@ class Progress:
 
 
 def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, grad_clip=1.0, graphed=None):
-    """One pass over `loader` (see train_step) -> mean loss. Both stages share its bookkeeping (the progress line:
-    step, loss, lr, throughput, ETA; the NaN check); their loss comes in as `loss_fn(batch) -> (loss, n_samples)`.
-    The loss is summed on the device and checked at each progress line only, so the CPU queues the next steps while
-    the GPU runs; a NaN/inf loss stops the run, naming the steps. `graphed` (a GraphedStep: batch -> (loss, n))
-    replaces train_step."""
+    """One pass over `loader` (see train_step) -> mean loss. Both stages share its bookkeeping (the progress line: step,
+    loss, lr, throughput, ETA; the NaN check); their loss comes in as `loss_fn(batch) -> (loss, n_samples)`. The loss
+    is summed on the device and checked at each progress line only, so the CPU queues the next steps while the GPU
+    runs; a NaN/inf loss stops the run, naming the steps. `graphed` (a GraphedStep) replaces train_step."""
     model.train()
     t0, seen, count, checked = time.time(), 0, 0, progress.step
     total = torch.zeros((), device=ctx.device)
@@ -343,9 +347,7 @@ def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, gra
     for batch in loader:
         loss, n = step(batch)
         total += loss.float()
-        progress.step += 1
-        seen += n
-        count += 1
+        progress.step, seen, count = progress.step + 1, seen + n, count + 1
         if progress.step % progress.log_every == 0 or count == len(loader):
             if not torch.isfinite(total):  # the one host sync per log line
                 raise SystemExit(f"loss became {loss.item()} between steps {checked + 1} and {progress.step} (epoch "
@@ -399,15 +401,15 @@ def last_path(out):
     return f"{root}.last{ext or '.pt'}"
 
 
-def no_state(out):
-    """What --resume says when the run writing `out` left no state: None when there is one."""
-    if not os.path.isfile(last_path(out)):
-        return (f"no resumable state at {last_path(out)} (written after each epoch or evaluation of a run with --out "
-                f"{out}); start without --resume")
+def check_resume(parser, args):
+    """--resume where the run writing --out left no state: argparse's one-line error (exit 2)."""
+    if args.resume and not os.path.isfile(last_path(args.out)):
+        parser.error(f"argument --resume: no resumable state at {last_path(args.out)} (written after each epoch or "
+                     f"evaluation of a run with --out {args.out}); start without --resume")
 
 
 def load_resume(out, device="cpu"):
-    path = last_path(out)  # the stages checked at parsing that it exists (no_state)
+    path = last_path(out)  # the stages checked at parsing that it exists (check_resume)
     try:
         return torch.load(path, map_location=device, weights_only=False)
     except Exception as e:
