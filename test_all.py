@@ -3109,10 +3109,12 @@ def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     args.data = "spot"  # the authors train the word embeddings there, at the CLIP's rate
     assert caption.lr_rule(args, 3)("clip.token_embedding.weight") == 1e-6 == rule("clip.visual.ln_post.weight")
     assert caption.lr_rule(args, 3)("clip.visual.bef_embedding") == 1e-6
-    # after adapt.py --preset compare: mini without after minus before (the inter blocks compare)
+    # after adapt.py --preset compare: mini without after minus before (the inter blocks compare), 30 epochs of 64
     args = caption.get_args(["--ckpt", "mini-synth"])
     assert caption.apply_preset(args, {"args": {"preset": "compare"}}) == "compare" and args.mem_diff is False
-    assert all(getattr(args, k) == v for k, v in caption.PRESETS["mini"].items() if k != "mem_diff")
+    assert (args.epochs, args.batch_size) == (30, 64)
+    assert all(getattr(args, k) == v for k, v in caption.PRESETS["mini"].items()
+               if k not in ("mem_diff", "epochs", "batch_size"))
 
 
 @pytest.mark.slow
