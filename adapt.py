@@ -314,6 +314,7 @@ def load_data(args, root, ctx, model):
     the pairs' intra-block tokens in place of their images where those blocks are fixed (fixed_intra)."""
     split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
     splits = {s: split(s) for s in ("train", "val", "test")}
+    # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
     cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache)
     intra = fixed_intra(model, splits["train"], args, ctx, cache)
     samples = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
