@@ -5,8 +5,9 @@
 
 The pair encoder (model.py) turns (before, after) into a vector v; CLIP's text tower turns the caption into g;
 the symmetric InfoNCE loss over the batch (eq. 6-8) pulls each pair to its own caption. Retrieval (R@1/5/10,
-median/mean rank, both directions) is measured on val after every epoch, where the best checkpoint is chosen;
-test is evaluated once, at the end, with the chosen weights.
+median/mean rank, both directions, ranked as the authors rank) is measured on val after every epoch, where the best
+checkpoint is chosen (paper preset: by text->pair R@1, as the authors choose on test); test is evaluated once, at the
+end, with the chosen weights. The paper preset's step is the authors' (BertAdam, their schedule and decay sets).
 
 Presets (printed in a banner, every value overridable by its flag):
 - paper: OpenAI's ViT-B/32 found (~/.cache/clip/ViT-B-32.pt or --clip PATH) -> the authors' settings.
@@ -29,29 +30,30 @@ import torch.nn.functional as F
 import clip_load
 import data
 import plots
-from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, share_joint_positions_
-from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, check_resume, check_sizes, freeze, interrupted,
-                         last_path, load_resume, log, make_optimizer, param_groups, policy_table, restore, rng_state,
-                         run_flags, save_atomic, setup, train_epoch, warmup_cosine, where)
+from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, authors_fp16_, share_joint_positions_
+from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, authors_param_groups, authors_schedule,
+                         check_resume, check_sizes, freeze, interrupted, last_path, load_resume, log, make_optimizer,
+                         param_groups, policy_table, restore, rng_state, run_flags, save_atomic, setup, train_epoch,
+                         warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
 
 PRESETS = {
     "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, batch_size=128, epochs=12, lr_new=1e-4, lr_clip=1e-7,
-                  weight_decay=0.2, workers=8, draw_captions=False),
+                  weight_decay=0.2, workers=8, draw_captions=False, optimizer="bertadam", select="text->pair R@1"),
     # mini (the default without OpenAI's weights): the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px, a
     # 12x12 grid of 8-px patches, so that an object spans several), 4 intra + 2 inter blocks (the paper's last quarter
     # of 12 is 3; of 6, 1.5 rounded up). The authors' policy scaled down: CLIP's input embeddings frozen, the new pair
     # parameters at a high rate, CLIP's weights at the authors' 1e-7 (so the captions keep what pretraining saw), the
     # authors' random p; one epoch of one caption drawn per pair (RESULTS.md "The quickstart's default").
     "mini": dict(clip="mini12-synth", n_inter=2, image_size=96, batch_size=32, epochs=1, lr_new=1e-3, lr_clip=1e-7,
-                 weight_decay=0.05, workers=0, draw_captions=True),
+                 weight_decay=0.05, workers=0, draw_captions=True, optimizer="adamw", select="R@mean"),
     # scratch (the from-scratch ablation): ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6
     # patch grid (ViT-B/32: 7x7); nothing is pretrained, so nothing is frozen and everything trains at one rate
     "scratch": dict(clip=None, n_inter=3, image_size=96, batch_size=32, epochs=3, lr_new=3e-4, lr_clip=3e-4,
                     weight_decay=0.05, workers=0, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
-                    text_layers=3, embed_dim=128, draw_captions=False),
+                    text_layers=3, embed_dim=128, draw_captions=False, optimizer="adamw", select="R@mean"),
 }
 # compare (not the paper's): mini, but stage 1 teaches the inter blocks to compare: the intra blocks frozen (they keep
 # what pretraining taught them), the rest at 3e-4, p alike for a position in both images, 12 epochs (6 name the
@@ -103,9 +105,17 @@ def get_args(argv=None):
                         "the text tower (at --lr-clip) and e1, e2, p, ln_mid train (RESULTS.md \"Teaching the inter "
                         f"blocks to compare\"); the other presets: 0 {pre('freeze_blocks')}")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
-                   help=f"AdamW weight decay, matrices only {pre('weight_decay')}")
+                   help=f"weight decay (bertadam: the authors' sets; adamw: matrices only) {pre('weight_decay')}")
+    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None,
+                   help="bertadam: the authors' update rule (Adam without bias correction), their warmup + cosine of "
+                        "the fraction of all steps and their decay sets (train_utils.BertAdam); adamw: AdamW, warmup "
+                        f"then a cosine restarted after it, no decay on 1-D tensors {pre('optimizer')}")
     # run
     run_flags(p)
+    p.add_argument("--authors-numerics", action="store_true",
+                   help="the paper's run as it ran (--optimizer bertadam): CLIP's Linear and conv weights held in fp16 "
+                        "with fp16 moments, the forward in fp16 (model.authors_fp16_), and their two GPUs' gradient, "
+                        "every one but logit_scale's half the full batch's; not the default (README)")
     p.add_argument("--out", default="adapted.pt", help="best-on-val checkpoint; resumable state in *.last.pt")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the training step (CUDA), static shapes: captions padded to --context-length")
@@ -123,6 +133,9 @@ def get_args(argv=None):
     # each flag's own range is checked by its argparse type; what is left depends on two flags (a CLIP file's
     # sizes are checked against --n-inter when it is read: clip_load.load_clip)
     check_resume(p, args)
+    if args.authors_numerics and args.optimizer != "bertadam":
+        p.error("argument --authors-numerics: their fp16 state is BertAdam's: give --optimizer bertadam (the paper "
+                "preset's)")
     if not args.clip:
         check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                            "--text-width": args.text_width})
@@ -199,8 +212,8 @@ def lr_rule(args):
     CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and the first --freeze-blocks image
     blocks. Weight decay applies to the matrices only (train_utils.param_groups)."""
     def lr(name):
-        if name.startswith(PAIR_KEYS):  # e1, e2, p, ln_mid
-            return args.lr_new if args.n_inter > 0 else None  # N + 0: e1, e2, p, ln_mid are never used
+        if name.startswith(PAIR_KEYS):  # e1, e2, p, ln_mid (at N + 0 too, as the authors')
+            return args.lr_new
         # --freeze-blocks: the first blocks keep what pretraining taught them (compare: the intra)
         first = name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < args.freeze_blocks
         return None if (args.clip and name.startswith(INPUT_EMBEDDINGS)) or first else args.lr_clip
@@ -234,37 +247,35 @@ def encode_split(model, items, args, ctx, cache=None):
 
 
 def retrieval_metrics(sim, owner):
-    """sim (P, T) pair-caption similarities; every caption of a pair counts as correct for it. Ties are ranked
-    pessimistically (a model that outputs constants gets chance-level ranks, not rank 1). Ranks are 1-based."""
+    """sim (P, T) pair-caption similarities, owner[t] caption t's pair, ranked as the authors rank (their
+    metrics.py, main_task_retrieval.py 425-438): text -> pair, where the caption's own pair ranks among all pairs;
+    pair -> text, where the pair's own caption *set* ranks among all the pairs' sets, each set scoring its best
+    caption. Ranks are 1-based, ties ranked pessimistically (a constant model gets chance-level ranks, not rank 1;
+    their argsort breaks ties arbitrarily). MdR: pair -> text np.median's (two middle ranks averaged), text -> pair
+    torch.median's (the lower), as theirs."""
     P, T = sim.shape
-    mine = owner[None, :] == torch.arange(P)[:, None]  # (P, T): caption t belongs to pair p
-    # text -> pair: where does the caption's own pair rank among all pairs?
     own = sim[owner, torch.arange(T)]  # (T,)
     t2p = (sim >= own[None, :]).sum(0)  # (T,)
-    # pair -> text: where does the best of the pair's own captions rank among the other captions?
-    best = sim.masked_fill(~mine, float("-inf")).max(1).values  # (P,)
-    p2t = (sim.masked_fill(mine, float("-inf")) >= best[:, None]).sum(1) + 1  # (P,)
+    sets = torch.full((P, P), float("-inf")).scatter_reduce(1, owner.expand(P, T), sim.float(), "amax")  # pair x set
+    p2t = (sets >= sets.diagonal()[:, None]).sum(1)  # (P,)
     out = {}
     for name, ranks in (("pair->text", p2t), ("text->pair", t2p)):
         r = ranks.float()
         out.update({f"{name} R@{k}": 100 * (r <= k).float().mean().item() for k in (1, 5, 10)})
-        out[f"{name} MdR"], out[f"{name} MnR"] = r.median().item(), r.mean().item()
+        out[f"{name} MnR"] = r.mean().item()
+        out[f"{name} MdR"] = (r.quantile(0.5) if name == "pair->text" else r.median()).item()
     out["R@mean"] = sum(out[f"{d} R@{k}"] for d in ("pair->text", "text->pair") for k in (1, 5, 10)) / 6
     return out
 
 
-def chance_metrics(owner, P):
-    """The same figures for a ranking at random (exact expectations for R@K, approximate ranks)."""
-    T = len(owner)
-    per_pair = torch.bincount(owner, minlength=P).tolist()
+def chance_metrics(P):
+    """The same figures for similarities drawn at random: R@K = K / P, mean and median ranks (P + 1) / 2, in both
+    directions. In pair -> text a set of c captions scores the best of c draws, so a pair with more captions ranks its
+    own set higher; but every ranking gives the P sets the P ranks once, so over the pairs the ranks are uniform."""
     out = {}
-    for k in (1, 5, 10):  # P(at least one of c own captions among the top k of T) = 1 - C(T-c, k) / C(T, k)
-        none = lambda c: math.prod(max(0, T - c - i) / (T - i) for i in range(min(k, T)))
-        out[f"pair->text R@{k}"] = 100 * sum(1 - none(c) for c in per_pair) / P
-        out[f"text->pair R@{k}"] = 100 * min(k, P) / P
-    out["text->pair MdR"] = out["text->pair MnR"] = (P + 1) / 2
-    # pair -> text: the best of a pair's c own captions sits above a fraction 1 - 2^(-1/c) of the T - c others
-    out["pair->text MdR"] = float(torch.tensor([(T - c) * (1 - 0.5 ** (1 / c)) + 1 for c in per_pair]).median())
+    for d in ("pair->text", "text->pair"):
+        out.update({f"{d} R@{k}": 100 * min(k, P) / P for k in (1, 5, 10)})
+        out[f"{d} MdR"] = out[f"{d} MnR"] = (P + 1) / 2
     return out
 
 
@@ -335,14 +346,15 @@ def checkpoint(model, args, root, metrics):
 
 
 def save_epoch(model, optimizer, scheduler, args, root, val, epoch, step, best, history):
-    """After an epoch: the model when val improved (--out), and always the resumable state (*.last.pt)."""
-    if val["R@mean"] > best:
-        best = val["R@mean"]
+    """After an epoch: the model when val's --select figure is at least the best so far (a tie goes to the later
+    epoch, as the authors', main_task_retrieval.py 557-560) to --out, and always the resumable state (*.last.pt)."""
+    if val[args.select] >= best:
+        best = val[args.select]
         save_atomic(checkpoint(model, args, root, {"val": val, "epoch": epoch}), args.out)
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "rng": rng_state(), "epoch": epoch, "step": step, "best": best, "history": history,
                  "args": vars(args)}, last_path(args.out))
-    plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, "R@mean")  # val, which selects
+    plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, args.select)  # val, which selects
     return best
 
 
@@ -353,7 +365,7 @@ def test_best(model, test_items, args, ctx, cache, history, t_start):
     test = evaluate(model, test_items, args, ctx, cache)
     if test is None:
         raise SystemExit(diverged(ckpt["metrics"]["epoch"]) + " (on test)")
-    chance = chance_metrics(torch.tensor([i for i, it in enumerate(test_items) for _ in it.captions]), len(test_items))
+    chance = chance_metrics(len(test_items))
     ckpt["metrics"].update(test=test, chance=chance, history=history)
     save_atomic(ckpt, args.out)
     log(f"test (best val epoch {ckpt['metrics']['epoch']}): {fmt(test)}")
@@ -365,10 +377,13 @@ def test_best(model, test_items, args, ctx, cache, history, t_start):
 
 def main(argv=None):
     args = get_args(argv)
-    ctx = setup(args.seed, args.device, args.amp)
+    ctx = setup(args.seed, args.device, "off" if args.authors_numerics else args.amp)  # their fp16: no autocast
     if args.cuda_graphs is None:  # where the step can be captured, the paper's (BENCHMARKS.md)
-        args.cuda_graphs = args.preset == "paper" and ctx.device.type == "cuda" and not args.compile
+        args.cuda_graphs = args.preset == "paper" and ctx.device.type == "cuda" and not (args.compile or
+                                                                                          args.authors_numerics)
     model = new_model(args).to(ctx.device)  # the model first: a CLIP file decides the input size (and --n-inter fits)
+    if args.authors_numerics:
+        authors_fp16_(model)
     root = data.resolve_root(args.data, args.data_root)
     # the authors' 0.5; off on the synthetic set, where a distractor's camera moves further than a change's, so a
     # swapped pair teaches the encoder to disregard the view (RESULTS.md "Tried, did not help")
@@ -384,10 +399,18 @@ def main(argv=None):
     rule = lr_rule(args)
     freeze(model.named_parameters(), rule)
     log("   what trains:\n" + policy_table(model.named_parameters(), rule))
-    groups = param_groups(model.named_parameters(), rule, args.weight_decay)
-    optimizer = make_optimizer(groups, ctx.device, capturable=args.cuda_graphs)
+    theirs = args.optimizer == "bertadam"
+    groups = (authors_param_groups(model, rule, args.weight_decay) if theirs else
+              param_groups(model.named_parameters(), rule, args.weight_decay))
+    optimizer = make_optimizer(groups, ctx.device, args.cuda_graphs, args.optimizer, betas=(0.9, 0.98))
     total_steps = args.epochs * len(loader)
-    scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
+    scheduler = (authors_schedule if theirs else warmup_cosine)(optimizer, total_steps, args.warmup)
+    # the temperature's parameter clamped after each step, as the authors' (main_task_retrieval.py 287-291)
+    optimizer.register_step_post_hook(lambda *_: model.logit_scale.data.clamp_(max=math.log(100)))
+    if args.authors_numerics:  # their two GPUs: AllGather's backward keeps the local half, DDP averages the ranks
+        for p in model.parameters():
+            if p.requires_grad and p is not model.logit_scale:
+                p.register_hook(lambda g: g * 0.5)
     n_train = sum(p.numel() for g in groups for p in g["params"])
     log(f"   model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({n_train / 1e6:.1f}M "
         f"trained), vision {model.cfg.vision_layers - model.cfg.n_inter} intra + {model.cfg.n_inter} inter "
@@ -396,7 +419,7 @@ def main(argv=None):
     if args.resume:
         state = restore(load_resume(args.out), model, optimizer, scheduler)
         start, step, best, history = state["epoch"], state["step"], state["best"], state["history"]
-        log(f"   resumed from {last_path(args.out)} after epoch {start} (best val R@mean {best:.2f})")
+        log(f"   resumed from {last_path(args.out)} after epoch {start} (best val {args.select} {best:.2f})")
     net = torch.compile(PairText(model)) if args.compile else PairText(model)
 
     def loss_fn(batch):  # eq. (6)-(8) on a batch of pairs and a caption of each
@@ -409,7 +432,7 @@ def main(argv=None):
     params = [p for g in optimizer.param_groups for p in g["params"]]
     graphed = GraphedStep(ctx, loss_fn, optimizer, scheduler, params, args.grad_clip) if args.cuda_graphs else None
 
-    # training, each step loss_fn then train_utils.update (backward, clip, AdamW): select on val R@mean, not test
+    # training, each step loss_fn then train_utils.update (backward, clip, step): select on val, never on test
     t_start = time.time()
     try:
         for epoch in range(start, args.epochs):
@@ -423,7 +446,7 @@ def main(argv=None):
                 raise SystemExit(diverged(epoch + 1))
             history.append({"epoch": epoch + 1, "loss": loss, **val})
             log(f"epoch {epoch + 1}/{args.epochs} done in {time.time() - t0:.0f}s | loss {loss:.4f} | "
-                f"val {fmt(val)}{' | best so far: saved' if val['R@mean'] > best else ''}")
+                f"val {fmt(val)}{' | best so far: saved' if val[args.select] >= best else ''}")
             best = save_epoch(model, optimizer, scheduler, args, root, val, epoch + 1, step, best, history)
     except KeyboardInterrupt:
         interrupted(args.out)

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
-from train_utils import (GraphedStep, HelpFormatter, at_least, device_arg, freeze, make_optimizer, matmul_gflops,
-                         param_groups, setup, train_step, warmup_cosine, where)
+from train_utils import (BertAdam, GraphedStep, HelpFormatter, at_least, authors_param_groups, authors_schedule,
+                         device_arg, freeze, make_optimizer, matmul_gflops, setup, train_step, where)
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
@@ -148,9 +148,9 @@ def paper_adapt_args(n_inter=3):
 
 
 def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=False, cfg=None):
-    """adapt.py's training step on a random-weight ViT-B/32 (or a CLIP of `cfg`): its frozen set, two learning
-    rates, fused AdamW, schedule and clipping (train_utils.train_step), images arriving as uint8 and normalized on
-    the device. graphs: the whole step captured as one CUDA graph (train_utils.GraphedStep, adapt.py --cuda-graphs),
+    """adapt.py's paper-preset training step on a random-weight ViT-B/32 (or a CLIP of `cfg`): its frozen set, two
+    learning rates, BertAdam, the authors' schedule and decay sets, clipping (train_utils.train_step), images
+    arriving as uint8 and normalized on the device. graphs: the whole step captured as one CUDA graph (train_utils.GraphedStep, adapt.py --cuda-graphs),
     with compile too: the compiled step inside the graph."""
     from adapt import PairText, contrastive_loss, lr_rule
     import clip_load
@@ -160,9 +160,9 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
     size = model.cfg.image_resolution
     net = torch.compile(PairText(model)) if compile else PairText(model)
     freeze(model.named_parameters(), lr_rule(args))
-    groups = param_groups(model.named_parameters(), lr_rule(args), args.weight_decay)
-    optimizer = make_optimizer(groups, device, capturable=graphs)
-    scheduler = warmup_cosine(optimizer, 1000, args.warmup)
+    groups = authors_param_groups(model, lr_rule(args), args.weight_decay)
+    optimizer = make_optimizer(groups, device, graphs, args.optimizer, betas=(0.9, 0.98))
+    scheduler = authors_schedule(optimizer, 1000, args.warmup)
     params = [p for g in groups for p in g["params"]]
     ctx = SimpleNamespace(amp=amp, device=device)
     g = torch.Generator().manual_seed(0)
@@ -335,6 +335,76 @@ def bench_matmul(args):
 # -----------------------------------------------------------------------------
 
 
+# -----------------------------------------------------------------------------
+# numerics: how far ViT-B/32's weights move in the authors' fp16 step against ours (RESULTS.md "Numerics")
+
+
+def numerics_run(model, steps, batch, fp16, authors_code=None):
+    """`steps` stage-1 steps of the paper preset at its peak rates (1e-4 the pair parameters, 1e-7 CLIP's) on one
+    random batch -> {tensor name: |weights moved|}: the global clip at 1.0, then BertAdam (ours, or their
+    modules/optimization.py's: authors_code), on fp32 master weights or (fp16) the authors' fp16 ones."""
+    from adapt import contrastive_loss, lr_rule
+    import model as M
+    if fp16:
+        M.authors_fp16_(model)
+    args = paper_adapt_args()
+    freeze(model.named_parameters(), lr_rule(args))
+    groups = authors_param_groups(model, lr_rule(args), args.weight_decay)
+    if authors_code is None:
+        optimizer = BertAdam(groups, lr=1e-4, betas=(0.9, 0.98), eps=1e-6)
+    else:
+        optimizer = authors_code.BertAdam(groups, lr=1e-4, b1=0.9, b2=0.98, e=1e-6, max_grad_norm=1.0)
+    start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    before, after, ids = batch
+    for _ in range(steps):
+        v = model.encode_pair(before.to(model.visual.conv1.weight.dtype), after.to(model.visual.conv1.weight.dtype))
+        loss = contrastive_loss(v.vector, model.encode_text(ids), model.logit_scale)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {n: (p.detach().float() - start[n]).abs() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def bench_numerics(args):
+    """ViT-B/32 (random weights, OpenAI's initialization) at 224 px: --steps steps of --batch random pairs, at the
+    paper preset's peak rates, (a) ours: fp32 masters and BertAdam; (b) their fp16, rebuilt: authors_fp16_ (their
+    convert_weights), the forward in fp16, their BertAdam from --authors (fp16 moments). Per kind of fp16-held tensor:
+    how many weights moved at all, by more than 1e-5, and the largest move."""
+    import importlib.util
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    torch.manual_seed(0)
+    start = CLIP(CLIPConfig()).state_dict()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(args.batch, 3, 224, 224, generator=g), torch.randn(args.batch, 3, 224, 224, generator=g),
+             random_ids(args.batch, 32, "cpu"))
+    spec = importlib.util.spec_from_file_location("their_optimization", os.path.join(args.authors, "modules",
+                                                                                     "optimization.py"))
+    theirs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(theirs)
+    rows = {}
+    for label, fp16, code in (("ours, fp32 masters", False, None), ("theirs, fp16", True, theirs)):
+        model = CLIP(CLIPConfig())
+        model.load_state_dict(start)
+        t0 = time.time()
+        moved = numerics_run(model, args.steps, batch, fp16, code)
+        print(f"{label}: {args.steps} steps in {time.time() - t0:.0f}s ({where(SimpleNamespace(device=torch.device('cpu')))})")
+        for kind, keep in (("attention and MLP weights", lambda n: n.endswith(("in_proj_weight", "c_fc.weight",
+                                                                                "c_proj.weight", "out_proj.weight"))),
+                           ("their biases", lambda n: n.endswith(("in_proj_bias", "c_fc.bias", "c_proj.bias",
+                                                                  "out_proj.bias"))),
+                           ("visual.proj, text_projection", lambda n: n in ("visual.proj", "text_projection"))):
+            d = torch.cat([m.flatten() for n, m in moved.items() if keep(n)])
+            rows.setdefault(kind, []).append((label, (d > 0).float().mean().item(), (d > 1e-5).float().mean().item(),
+                                              d.max().item()))
+    print(f"moved after {args.steps} steps at lr 1e-7 (CLIP) / 1e-4 (e1, e2, p, ln_mid), {args.batch} pairs at 224 px "
+          f"(an fp32 weight moves by at most about 1e-7 a step; one fp16 step of a weight of 0.02 is 1.5e-5):")
+    for kind, runs in rows.items():
+        for label, any_, big, top in runs:
+            print(f"   {kind:32s} {label:20s} moved {100 * any_:5.1f} %, by > 1e-5 {100 * big:5.1f} %, largest {top:.2e}")
+    return 0
+
+
 def common(q, repeats=3, what="timed steps (the mean of back-to-back steps)"):
     q.add_argument("--repeats", type=at_least(1), default=repeats, help=what)
     q.add_argument("--device", type=device_arg, default=None, help="cpu or cuda (default: cuda when available)")
@@ -369,6 +439,12 @@ def get_args(argv=None):
     q.add_argument("--batches", type=at_least(1), default=30, help="batches timed")
     q.add_argument("--compile", action="store_true", help="the step compiled")
     common(q)
+    q = add("numerics", "how far ViT-B/32's weights move in the authors' fp16 step (rebuilt) against ours")
+    q.add_argument("--steps", type=at_least(1), default=8, help="training steps")
+    q.add_argument("--batch", type=at_least(2), default=2, help="pairs per step (fp16 on a CPU is slow)")
+    q.add_argument("--authors", default="../shared/reference/authors_clip4idc", help="the authors' code (for "
+                   "their BertAdam)")
+    q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
     m = add("matmul", "this CPU's fp32 GFLOP/s, the figure to quote beside a timing")
     m.add_argument("--n", type=at_least(1), default=2048, help="matrix size")
     args = p.parse_args(argv)

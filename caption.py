@@ -9,12 +9,11 @@ The pair encoder's 2(n+1) output tokens are the memory of model.Captioner (the p
 the mini preset's: a small pre-LN decoder, README "Where the quickstart differs from the paper"), trained with
 word-level cross entropy, the pair encoder fine-tuned at its own tiny rate or kept frozen (--freeze-encoder: its
 tokens computed once per pair, the big saving on a CPU). CLEVR-Change in the "total" setting: change pairs and
-distractor pairs (no-change captions), each with one of its captions drawn per epoch. Where training departs from
-the authors' (main_task_caption.py): change and distractor pairs are items of one shuffled batch (theirs: 16 change
-pairs, each with its distractor, two losses summed: --batch-size 32 gives their pairs a step); AdamW, cosine decay
-(theirs: BertAdam without bias correction, linear decay), weight decay on the matrices only; the model chosen on val
-CIDEr-D with early stopping (theirs on test). The test scores (metrics.py), CIDEr-D per change type (paper Table 2)
-and the best constant caption go to --results.
+distractor pairs (no-change captions), each with one of its captions drawn per epoch. The paper preset trains as the
+authors' main_task_caption.py: 16 change pairs a step, each with its own distractor, two losses summed; BertAdam,
+warmup then linear decay, their decay sets; stopping after 11 epochs without gain. It selects on val CIDEr-D (theirs:
+on test). The test scores (metrics.py), CIDEr-D per change type (paper Table 2) and the best constant caption go
+to --results.
 """
 import argparse
 import json
@@ -32,10 +31,11 @@ import data
 import metrics
 import plots
 import synth
-from model import INPUT_EMBEDDINGS, PAIR_KEYS, Captioner, CaptionerConfig
-from train_utils import (HelpFormatter, Progress, at_least, check_resume, flag_error, fmt_time, freeze, interrupted,
-                         last_path, load_resume, log, make_optimizer, param_groups, policy_table, restore, rng_state,
-                         run_flags, save_atomic, setup, train_epoch, warmup_cosine, where)
+from model import INPUT_EMBEDDINGS, Captioner, CaptionerConfig, authors_fp16_
+from train_utils import (HelpFormatter, Progress, at_least, authors_param_groups, authors_schedule, check_resume,
+                         flag_error, fmt_time, freeze, interrupted, last_path, load_resume, log, make_optimizer,
+                         param_groups, policy_table, restore, rng_state, run_flags, save_atomic, setup, train_epoch,
+                         warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoders (mini, scratch), frozen: its tokens are computed once per pair. A 2-layer
@@ -44,12 +44,15 @@ PRESETS = {
     # explained at its flag (README "Where the quickstart differs from the paper")
     "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                  freeze_encoder=True, epochs=15, reverse=None, mem_diff=True, mem_pool=None, vocab="words",
-                 post_ln=False, mem_proj=True, mem_image=True),
+                 post_ln=False, mem_proj=True, mem_image=True, optimizer="adamw", patience=10, tie_is_gain=False,
+                 pair_distractors=False),
     # the authors' (their code and scripts/caption_clevr.sh): their captioner (model.Captioner: post-LN, CLIP's BPE
-    # words tied in, as wide as CLIP's text tower), the pair encoder fine-tuned at 1e-4 x 1e-3
+    # words tied in, as wide as CLIP's text tower), the pair encoder fine-tuned at 1e-4 x 1e-3; 16 change pairs a
+    # step, each with its distractor; BertAdam; stop after 11 epochs without gain, a tie counting as one (743-750)
     "paper": dict(width=None, heads=None, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
                   freeze_encoder=False, epochs=50, reverse=False, mem_diff=False, mem_pool=1, vocab="clip",
-                  post_ln=True, mem_proj=False, mem_image=False),
+                  post_ln=True, mem_proj=False, mem_image=False, optimizer="bertadam", patience=11, tie_is_gain=True,
+                  pair_distractors=True),
 }
 # for adapt.py --preset compare, whose inter blocks learned to compare: mini without after minus before, which would
 # do the comparing for them, trained twice the epochs of twice the pairs (the kind of change comes late: RESULTS.md
@@ -102,6 +105,18 @@ def caption_loss(logits, targets):
     """Word-level cross entropy (paper Sec. 3.3): -(1/N) sum_t log p(w_t | w_<t, pair), over the N words
     (<eos> included, padding not) of the batch. logits (B, T, vocab), targets (B, T)."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD)
+
+
+def batch_loss(model, batch, device, frozen=False, paired=False):
+    """caption_loss on each pair's drawn caption -> (loss, pairs). paired (data.DistractorBatches, the paper preset
+    on CLEVR): the batch is change pairs, then their distractors, and the loss the authors' loss1 + loss2, each half's
+    own mean over its words (main_task_caption.py 307-341)."""
+    ids = batch["ids"][:, :int((batch["ids"] != PAD).sum(1).max())].to(device)  # the shared padding cut
+    logits = model(ids[:, :-1], **model_inputs(batch, device, frozen))
+    if paired:
+        h = len(ids) // 2
+        return caption_loss(logits[:h], ids[:h, 1:]) + caption_loss(logits[h:], ids[h:, 1:]), len(ids)
+    return caption_loss(logits, ids[:, 1:]), len(ids)
 
 
 # -----------------------------------------------------------------------------
@@ -200,14 +215,12 @@ def read_ckpt_info(path):
     return {k: v for k, v in obj.items() if k != "model"} if isinstance(obj, dict) and "model" in obj else {}
 
 
-def lr_rule(args, n_inter):
+def lr_rule(args):
     """The learning-rate rule, parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py
     640-667, --freeze_layer_num 0): the captioner's own layers at --lr; the pair encoder at --encoder-lr unless
-    --freeze-encoder (mini: its tokens computed once), but for CLIP's input embeddings and, in N + 0, the unused e1,
-    e2, p, ln_mid; the text tower never. CLIP's word embeddings, tied into the decoder (a tied Parameter is named
-    once, as the CLIP's), train on Spot-the-Diff only. Weight decay: matrices only (train_utils.param_groups)."""
-    unused = PAIR_KEYS if n_inter == 0 else ()
-
+    --freeze-encoder (mini: its tokens computed once), but for CLIP's input embeddings; the text tower never (theirs
+    gets no gradient). CLIP's word embeddings, tied into the decoder (a tied Parameter is named once, as the
+    CLIP's), train on Spot-the-Diff only."""
     def lr(name):
         if name.startswith("captioner."):
             return args.lr
@@ -216,7 +229,7 @@ def lr_rule(args, n_inter):
         if name == "clip.token_embedding.weight" and args.vocab == "clip" and args.data == "spot":
             return args.encoder_lr
         inside = name[len("clip."):]
-        trained = name.startswith("clip.visual.") and not inside.startswith(INPUT_EMBEDDINGS) and inside not in unused
+        trained = name.startswith("clip.visual.") and not inside.startswith(INPUT_EMBEDDINGS)
         return args.encoder_lr if trained else None
     return lr
 
@@ -374,10 +387,23 @@ def get_args(argv=None):
                    help=f"pair-encoder learning rate, with --no-freeze-encoder {pre('encoder_lr')}")
     p.add_argument("--freeze-encoder", action=argparse.BooleanOptionalAction, default=None,
                    help=f"keep the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
-    p.add_argument("--weight-decay", type=at_least(0.0, float), default=0.01, help="AdamW weight decay, matrices only")
+    p.add_argument("--weight-decay", type=at_least(0.0, float), default=0.01,
+                   help="weight decay (bertadam: the authors' sets; adamw: matrices only)")
+    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None,
+                   help="bertadam: the authors' update rule (Adam without bias correction, b2 0.999), their warmup "
+                        "then linear decay to 0 and their decay sets (train_utils.BertAdam); adamw: AdamW (b2 0.98), "
+                        f"warmup then cosine, no decay on 1-D tensors {pre('optimizer')}")
+    p.add_argument("--pair-distractors", action=argparse.BooleanOptionalAction, default=None,
+                   help="CLEVR: a step of --batch-size change pairs, each with its own distractor, the two losses "
+                        "summed (the authors'); else change and distractor pairs shuffled in one batch, one loss "
+                        f"{pre('pair_distractors')}")
+    p.add_argument("--authors-numerics", action="store_true",
+                   help="the paper's run as it ran (--optimizer bertadam): CLIP's Linear and conv weights held in fp16 "
+                        "with fp16 moments, the forward in fp16 (model.authors_fp16_); not the default (README)")
     run_flags(p, log_every=50)
-    p.add_argument("--patience", type=at_least(1), default=10,
-                   help="stop after this many epochs without val CIDEr-D gain")
+    p.add_argument("--patience", type=at_least(1), default=None,
+                   help="stop after this many epochs without val CIDEr-D gain (paper: a tie counts as a gain, as the "
+                        f"authors') {pre('patience')}")
     # decoding, output figures
     p.add_argument("--beam", type=at_least(1), default=1, help="beam size (1: greedy, as the paper)")
     p.add_argument("--eval-batch-size", type=at_least(1), default=64, help="pairs per decoding batch")
@@ -408,7 +434,10 @@ def apply_preset(args, ckpt_info):
     small = args.ckpt in clip_load.SHIPPED or ckpt_info.get("config", {}).get("vision_width", 768) < 768  # raw mini
     compare = ckpt_info.get("args", {}).get("preset") == "compare"  # adapted with adapt.py --preset compare
     name = args.preset if args.preset != "auto" else ("compare" if compare else "mini" if small else "paper")
-    vars(args).update({k: v for k, v in PRESETS[name].items() if getattr(args, k) is None})  # a flag given wins
+    vars(args).update({k: v for k, v in PRESETS[name].items() if getattr(args, k, None) is None})  # a flag given wins
+    if args.authors_numerics and args.optimizer != "bertadam":
+        flag_error("--authors-numerics", f"their fp16 state is BertAdam's: give --optimizer bertadam (preset {name} "
+                                         f"has {args.optimizer})")
     if not args.freeze_encoder and args.encoder_lr <= 0:
         flag_error("--encoder-lr", f"--no-freeze-encoder needs --encoder-lr > 0 (preset {name} has "
                                    f"{args.encoder_lr:g})")
@@ -565,7 +594,10 @@ def loaders(model, splits, caption_ids, args, ctx):
         log(f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
     train_set = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=caption_ids, draw=True,
                                     features=feats.get("train"))
-    return (loader_for(train_set, args, ctx, shuffle=True, batch=args.batch_size),
+    pairs = data.distractor_partners(splits["train"]) if args.pair_distractors else []  # none: Spot-the-Diff's
+    workers = 0 if train_set.features is not None else args.workers
+    return (data.make_loader(train_set, args.batch_size, True, workers, ctx.device, seed=args.seed, pairs=pairs) if
+            pairs else loader_for(train_set, args, ctx, shuffle=True, batch=args.batch_size),
             *(loader_for(data.ImageDataset(splits[s], size, cache, feats.get(s)), args, ctx) for s in ("val", "test")))
 
 
@@ -619,10 +651,12 @@ def test_best(model, loader, splits, vocab, source, history, args, ctx):
 
 def train(args, ckpt_info):
     """Train a captioner on the pair encoder of --ckpt, select it on val CIDEr-D, test it once."""
-    ctx = setup(args.seed, args.device, args.amp)
+    ctx = setup(args.seed, args.device, "off" if args.authors_numerics else args.amp)  # their fp16: no autocast
     preset = apply_preset(args, ckpt_info)
     resume = load_resume(args.out, "cpu") if args.resume else None
     clip = clip_load.load_clip(args.ckpt, ctx.device, args.n_inter)
+    if args.authors_numerics:
+        authors_fp16_(clip)
     resolve_sizes(args, clip)  # a bad --mem-pool, --width or --heads stops here, before any data is made
     log(f"caption.py: preset {preset} on {where(ctx)} | " + " ".join(f"{k}={v}" for k, v in vars(args).items()))
     name, root, splits, vocab, caption_ids = load_data(args, ckpt_info, resume, ctx)
@@ -631,22 +665,24 @@ def train(args, ckpt_info):
 
     model = new_model(args, ckpt_info, vocab, ctx, clip)
     source = {"name": name, "root": str(root), "image_size": model.clip.cfg.image_resolution}  # saved with it
-    rule = lr_rule(args, model.clip.cfg.n_inter)
+    rule = lr_rule(args)
     freeze(model.named_parameters(), rule)
-    optimizer = make_optimizer(param_groups(model.named_parameters(), rule, args.weight_decay), ctx.device)
+    theirs = args.optimizer == "bertadam"
+    groups = (authors_param_groups(model, rule, args.weight_decay, bert="captioner") if theirs else
+              param_groups(model.named_parameters(), rule, args.weight_decay))
+    optimizer = make_optimizer(groups, ctx.device, rule=args.optimizer, betas=(0.9, 0.999 if theirs else 0.98))
     describe(ctx, model, rule, optimizer, args)
     train_loader, val_loader, test_loader = loaders(model, splits, caption_ids, args, ctx)
+    paired = isinstance(train_loader.batch_sampler, data.DistractorBatches)
     total_steps = args.epochs * len(train_loader)
-    scheduler = warmup_cosine(optimizer, total_steps, args.warmup)
+    scheduler = (authors_schedule(optimizer, total_steps, args.warmup, "linear") if theirs else
+                 warmup_cosine(optimizer, total_steps, args.warmup))
     run, stop = resume_from(resume, model, optimizer, scheduler, args)
 
-    def loss_fn(batch):  # word-level cross entropy on each pair's drawn caption (B, T)
-        ids = batch["ids"][:, :int((batch["ids"] != PAD).sum(1).max())].to(ctx.device)  # the shared padding cut
-        logits = model(ids[:, :-1], **model_inputs(batch, ctx.device, args.freeze_encoder))
-        return caption_loss(logits, ids[:, 1:]), len(ids)  # pairs, for the pairs/s
+    loss_fn = lambda batch: batch_loss(model, batch, ctx.device, args.freeze_encoder, paired)
 
-    # training, each step loss_fn then train_utils.update (backward, clip, AdamW): select on val CIDEr-D, stop
-    # after --patience epochs without gain
+    # training, each step loss_fn then train_utils.update (backward, clip, step): select on val CIDEr-D, stop
+    # after --patience epochs without gain (the paper preset: a tie is a gain, the later epoch kept)
     t_start = time.time()
     try:
         for epoch in range(run["epoch"], stop):
@@ -657,7 +693,7 @@ def train(args, ckpt_info):
             val = validate(model, val_loader, splits["val"], vocab, scenes, ctx)
             run["history"].append({"epoch": epoch + 1, "loss": loss, **{f"val {k}": v for k, v in val.items()}})
             run.update(epoch=epoch + 1, step=progress.step, epochs_without_gain=run["epochs_without_gain"] + 1)
-            if val["CIDEr-D"] > run["best"]:
+            if val["CIDEr-D"] > run["best"] or (args.tie_is_gain and val["CIDEr-D"] == run["best"]):
                 run.update(best=val["CIDEr-D"], best_epoch=epoch + 1, epochs_without_gain=0)
                 save_atomic(checkpoint(model, vocab, source, args, {"val": val, "epoch": epoch + 1}), args.out)
             right = "".join(f", {k} {val[k]:.0f}%" for k in ("right type", "right object") if k in val)

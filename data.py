@@ -422,8 +422,9 @@ def sample_rng(seed, epoch, index):
 
 
 def set_epoch(loader, epoch):
-    """Before each training epoch: its order (the EpochSampler) and its per-sample randomness (the dataset)."""
-    loader.sampler.set_epoch(epoch)
+    """Before each training epoch: its order (the EpochSampler or DistractorBatches) and its per-sample randomness
+    (the dataset)."""
+    (loader.batch_sampler if isinstance(loader.batch_sampler, DistractorBatches) else loader.sampler).set_epoch(epoch)
     if hasattr(loader.dataset, "epoch"):
         loader.dataset.epoch = epoch
 
@@ -492,13 +493,46 @@ class EpochSampler(torch.utils.data.Sampler):
         return self.n
 
 
-def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0):
-    """DataLoader with an EpochSampler; whole batches from datasets that read them at once; pinned memory on CUDA.
-    Workers start anew each epoch, so that they see the dataset's epoch (its per-sample randomness); with the image
-    cache that costs a fork."""
+class DistractorBatches(torch.utils.data.Sampler):
+    """Stage 2's batches as the authors' CLEVR loader and step make them (dataloader_clevr_caption.py 197-213,
+    main_task_caption.py 307-341): `batch` change pairs in an order of (seed, epoch), then each one's own
+    distractor (the same before image), in the same order; an incomplete last batch is dropped. `pairs`: (change
+    index, distractor index) into the dataset."""
+
+    def __init__(self, pairs, batch, seed=0):
+        self.pairs, self.batch, self.order = pairs, batch, EpochSampler(len(pairs), True, seed)
+
+    def set_epoch(self, epoch):
+        self.order.set_epoch(epoch)
+
+    def __iter__(self):
+        order = list(self.order)
+        for b in range(len(self)):
+            chunk = [self.pairs[i] for i in order[b * self.batch:(b + 1) * self.batch]]
+            yield [c for c, _ in chunk] + [d for _, d in chunk]
+
+    def __len__(self):
+        return len(self.pairs) // self.batch
+
+
+def distractor_partners(items):
+    """(change index, distractor index) of every change pair whose scene's distractor pair is among `items`
+    (CLEVR-Change's "total" setting: 000042 and 000042_n; reversed, 000042_r and 000042_n_r)."""
+    index = {it.id: i for i, it in enumerate(items)}
+    partner = lambda i: i[:-2] + "_n_r" if i.endswith("_r") else i + "_n"
+    return [(i, index[partner(it.id)]) for i, it in enumerate(items)
+            if it.change_type != "distractor" and partner(it.id) in index]
+
+
+def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0, pairs=None):
+    """DataLoader with an EpochSampler, or with `pairs` (distractor_partners) DistractorBatches of batch_size change
+    pairs and their distractors; whole batches from datasets that read them at once; pinned memory on CUDA. Workers
+    start anew each epoch, so that they see the dataset's epoch (its per-sample randomness); with the image cache
+    that costs a fork."""
+    order = dict(batch_sampler=DistractorBatches(pairs, batch_size, seed)) if pairs is not None else dict(
+        batch_size=batch_size, sampler=EpochSampler(len(dataset), shuffle, seed), drop_last=drop_last)
     return torch.utils.data.DataLoader(
-        dataset, batch_size, sampler=EpochSampler(len(dataset), shuffle, seed), num_workers=workers,
-        pin_memory=str(device).startswith("cuda"), drop_last=drop_last,
+        dataset, **order, num_workers=workers, pin_memory=str(device).startswith("cuda"),
         collate_fn=_whole if hasattr(dataset, "__getitems__") else None)
 
 

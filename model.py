@@ -168,12 +168,11 @@ class VisionTransformer(nn.Module):
 
     def inter(self, x):
         """eq. (3)-(5) on the two images' tokens side by side, x (B, 2(n+1), width) -> PairEncoding."""
-        if self.n_inter > 0:
-            n1 = x.shape[1] // 2
-            e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
-            x = self.ln_mid(x + e + self.joint_positional_embedding)  # eq. (4), ln_mid as in the authors' code
-            for block in self.transformer.resblocks[-self.n_inter:]:  # full attention over both images
-                x = block(x)
+        n1 = x.shape[1] // 2  # at N + 0 too, as the authors' (module_clip.py 341-361): e1, e2, p, ln_mid
+        e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
+        x = self.ln_mid(x + e.to(x.dtype) + self.joint_positional_embedding.to(x.dtype))  # eq. (4), as in their code
+        for block in self.transformer.resblocks[len(self.transformer.resblocks) - self.n_inter:]:  # both images
+            x = block(x)
         tokens = self.ln_post(x) @ self.proj  # all 2(n+1) tokens go to the captioner: (B, 2(n+1), output_dim)
         return PairEncoding(tokens, (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2)  # eq. (5): the [CLS]s' mean
 
@@ -231,7 +230,8 @@ class CLIP(nn.Module):
 
     def encode_text(self, text):
         """(B, L) token ids, L <= context_length -> (B, embed_dim), features at the end-of-text token."""
-        x = self.token_embedding(text) + self.positional_embedding[:text.shape[1]]  # (B, L, width)
+        dtype = self.text_projection.dtype  # fp16 under the authors' fp16 weights (--authors-fp16), as theirs
+        x = self.token_embedding(text).to(dtype) + self.positional_embedding[:text.shape[1]].to(dtype)  # (B, L, width)
         x = self.ln_final(self.transformer(x, causal=True))
         eot = text.argmax(dim=-1)  # the end-of-text id (49407) is the largest id
         return x[torch.arange(x.shape[0], device=x.device), eot] @ self.text_projection
@@ -267,6 +267,21 @@ def share_joint_positions_(visual, norm):
     half[0] = 0
     with torch.no_grad():
         p.copy_(torch.cat([half, half]))
+
+
+def authors_fp16_(clip):
+    """The authors' fp16 (--authors-numerics), in place: their convert_weights (module_clip.py 541-562) holds conv1,
+    every attention and MLP Linear (weights and biases), visual.proj and text_projection in fp16; the embeddings,
+    LayerNorms and pair parameters stay fp32, and the forward runs in fp16 (each LayerNorm in fp32, as CLIP's)."""
+    for m in clip.modules():
+        names = ("in_proj_weight", "in_proj_bias") if isinstance(m, MultiheadAttention) else \
+            ("weight", "bias") if isinstance(m, (nn.Conv2d, nn.Linear)) else ()
+        for p in (getattr(m, n) for n in names):
+            if p is not None:
+                p.data = p.data.half()
+    for p in (clip.visual.proj, clip.text_projection):
+        p.data = p.data.half()
+    return clip
 
 
 def build_model(sd, n_inter=3):

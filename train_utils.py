@@ -191,14 +191,26 @@ def log(*args):
 
 
 def warmup_cosine(optimizer, total_steps, warmup_frac=0.1):
-    """Linear warmup over the first `warmup_frac` of the steps, then cosine decay to 0 (the authors' schedule).
-    Each parameter group keeps its own base lr."""
+    """The mini presets' schedule: linear warmup over the first `warmup_frac` of the steps, then a cosine from the
+    peak to 0 over the rest. Each parameter group keeps its own base lr."""
     warmup = max(1, int(warmup_frac * total_steps))
 
     def factor(step):
         if step < warmup:
             return (step + 1) / warmup
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def authors_schedule(optimizer, total_steps, warmup_frac=0.1, kind="cosine"):
+    """The paper presets' schedules, BertAdam's (modules/optimization.py 26-42) of x = step / total_steps, x from 0
+    (their first step has rate 0): x / warmup while x < warmup, then cosine: 0.5 (1 + cos(pi x)), not restarted
+    after the warmup (stage 1), or linear: (1 - x) / (1 - warmup), down to 0 (stage 2)."""
+    def factor(step):
+        x = step / total_steps
+        if x < warmup_frac:
+            return x / warmup_frac
+        return 0.5 * (1.0 + math.cos(math.pi * x)) if kind == "cosine" else max((x - 1.0) / (warmup_frac - 1.0), 0)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
@@ -233,12 +245,57 @@ def policy_table(named_params, rule):
     return "\n".join(f"   {group:<40} {rate(lr):>10} {n:>12,}" for (group, lr), n in rows.items())
 
 
-def make_optimizer(groups, device, capturable=False):
-    """AdamW as the authors set it (betas 0.9/0.98, eps 1e-6) over `param_groups`; on CUDA the fused kernel (one
+def authors_param_groups(model, rule, weight_decay, bert=None):
+    """The authors' groups (prep_optimizer in main_task_retrieval.py 165-215, main_task_caption.py 223-257): every
+    trained tensor decays but those whose name in their code holds "bias" or BERT's "LayerNorm." (the LayerNorms of
+    the submodule `bert`, their decoder): CLIP's LayerNorm weights, e1, e2, ln_mid.weight and logit_scale decay."""
+    bert_ln = {f"{bert}.{n}.weight" for n, m in getattr(model, bert).named_modules()
+               if isinstance(m, torch.nn.LayerNorm)} if bert else set()
+    groups = {}
+    for name, p in model.named_parameters():
+        if (lr := rule(name)) is not None:
+            decays = "bias" not in name and name not in bert_ln
+            groups.setdefault((lr, weight_decay if decays else 0.0), []).append(p)
+    return [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
+
+
+class BertAdam(torch.optim.Optimizer):
+    """The paper presets' update rule, the authors' BertAdam (modules/optimization.py 110-167): Adam without bias
+    correction, weight decay added to the update (decoupled, as AdamW's), its moments as the weights' dtype (fp16 for
+    their fp16 weights). A tensor without a gradient neither moves nor decays. The schedule is the caller's (it sets
+    each group's lr: authors_schedule); their per-tensor clip is left out, since both their trainers clip the global
+    norm at 1.0 first. The lr may be a tensor on the device (a CUDA graph reads it there: GraphedStep)."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            (b1, b2), lr = group["betas"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["next_m"], state["next_v"] = torch.zeros_like(p), torch.zeros_like(p)
+                m, v, g = state["next_m"], state["next_v"], p.grad
+                m.mul_(b1).add_(g, alpha=1 - b1)  # their order of operations, so that fp16 rounds as theirs
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                update = m / (v.sqrt() + group["eps"])
+                if group["weight_decay"] > 0.0:
+                    update += group["weight_decay"] * p
+                p.add_(update * -lr if torch.is_tensor(lr) else -(lr * update))
+
+
+def make_optimizer(groups, device, capturable=False, rule="adamw", betas=(0.9, 0.98)):
+    """rule "adamw" (the mini presets): AdamW (betas, eps 1e-6) over `param_groups`; on CUDA the fused kernel (one
     launch for all parameters instead of a few per tensor). capturable: its step can be captured in a CUDA graph
-    (GraphedStep; the fused kernel, on a CPU too)."""
+    (GraphedStep; the fused kernel, on a CPU too). rule "bertadam" (the paper presets): BertAdam, capturable as it is."""
+    if rule == "bertadam":
+        return BertAdam(groups, lr=groups[0]["lr"], betas=betas, eps=1e-6)
     fused = capturable or torch.device(device).type == "cuda"
-    return torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6, fused=fused, capturable=capturable)
+    return torch.optim.AdamW(groups, betas=betas, eps=1e-6, fused=fused, capturable=capturable)
 
 
 def update(ctx, batch, loss_fn, optimizer, params, grad_clip=1.0):
