@@ -194,6 +194,16 @@ def fixed_intra(model, items, args, ctx, cache):
     return torch.cat(out)
 
 
+def two_gpu_gradient_(model):
+    """--authors-numerics: the gradient of the authors' stage 1 on two GPUs of 64 pairs each (their README): their
+    AllGather's backward keeps each rank's own slice (modules/until_module.py 265-269) and DDP averages the ranks, so
+    every gradient but logit_scale's (each rank's whole loss) is half the full batch's."""
+    for p in model.parameters():
+        if p.requires_grad and p is not model.logit_scale:
+            p.register_hook(lambda g: g * 0.5)
+    return model
+
+
 def contrastive_loss(v, g, logit_scale):
     """eq. (6)-(8): InfoNCE over the batch, pair -> text and text -> pair, averaged. v: pair vectors (B, D), g:
     caption features (B * (1 + K), D): row i of g belongs to row i of v; rows B.. are hard negatives (pretrain.py's
@@ -407,10 +417,8 @@ def main(argv=None):
     scheduler = (authors_schedule if theirs else warmup_cosine)(optimizer, total_steps, args.warmup)
     # the temperature's parameter clamped after each step, as the authors' (main_task_retrieval.py 287-291)
     optimizer.register_step_post_hook(lambda *_: model.logit_scale.data.clamp_(max=math.log(100)))
-    if args.authors_numerics:  # their two GPUs: AllGather's backward keeps the local half, DDP averages the ranks
-        for p in model.parameters():
-            if p.requires_grad and p is not model.logit_scale:
-                p.register_hook(lambda g: g * 0.5)
+    if args.authors_numerics:
+        two_gpu_gradient_(model)
     n_train = sum(p.numel() for g in groups for p in g["params"])
     log(f"   model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({n_train / 1e6:.1f}M "
         f"trained), vision {model.cfg.vision_layers - model.cfg.n_inter} intra + {model.cfg.n_inter} inter "

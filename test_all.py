@@ -1166,6 +1166,35 @@ def test_what_trains_and_decays_is_the_authors(n_inter, monkeypatch):
             assert "captioner.decoder.0.ln_1.weight" not in decayed and "clip.visual.ln_post.weight" in decayed
 
 
+@pytest.mark.slow
+def test_authors_numerics_holds_their_fp16_and_their_two_gpu_gradient(openai_archive, adapt_synth, tmp_path):
+    """--authors-numerics: conv1, every attention and MLP Linear, visual.proj and text_projection stored in fp16 (their
+    convert_weights), with BertAdam's moments in fp16 beside them, the rest in fp32, through an epoch of adapt.main;
+    two_gpu_gradient_ halves every gradient but logit_scale's."""
+    torch.manual_seed(0)
+    model = M.CLIP(TINY)
+    plain = copy.deepcopy(model)
+    adapt.two_gpu_gradient_(model)
+    before, after = pair_images(3, size=32)
+    ids = tokenize(["a red cube", "a ball moved", "no change"])
+    for m in (model, plain):
+        adapt.contrastive_loss(*adapt.PairText(m)(before, after, ids)).backward()
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad * (1.0 if n == "logit_scale" else 0.5), rtol=0, atol=0, msg=n)
+    out = tmp_path / "adapted.pt"
+    adapt.main(["--clip", str(openai_archive), "--data-root", str(adapt_synth), "--out", str(out),
+                "--authors-numerics"] + FAST)
+    state = torch.load(train_utils.last_path(out), weights_only=False)
+    half = {k for k, v in state["model"].items() if v.dtype == torch.float16}
+    assert "visual.conv1.weight" in half and "visual.transformer.resblocks.0.attn.in_proj_bias" in half
+    assert {"visual.proj", "text_projection", "transformer.resblocks.0.mlp.c_fc.bias"} <= half
+    assert not half & {"visual.ln_mid.weight", "visual.positional_embedding", "token_embedding.weight",
+                       "visual.transformer.resblocks.0.ln_1.weight", "visual.bef_embedding", "logit_scale"}
+    moments = [s["next_m"].dtype for s in state["optimizer"]["state"].values()]
+    assert torch.float16 in moments and torch.float32 in moments
+    assert state["args"]["authors_numerics"] and state["args"]["optimizer"] == "bertadam"
+
+
 def dataclasses_replace(cfg, **kw):
     return M.CLIPConfig(**{**asdict(cfg), **kw})
 
