@@ -475,7 +475,8 @@ def evaluate_captioner(args, ckpt_info):
     ctx = setup(args.seed, args.device, args.amp)
     name, root = data_source(args, ckpt_info)  # a missing dataset says so before the weights are read
     model, vocab = load_captioner(args.ckpt, ctx.device)
-    train_items, test_items = (data.load_items(name, root, s, "total", args.skip_missing) for s in ("train", "test"))
+    train_items = data.load_items(name, root, "train", "total", images=False)  # the baseline's captions only
+    test_items = data.load_items(name, root, "test", "total", args.skip_missing)
     loader = loader_for(data.ImageDataset(test_items, model.clip.cfg.image_resolution), args, ctx)
     results = final_test(model, loader, train_items, test_items, vocab, args, ctx, name, root)
     if ckpt_info.get("authors") and isinstance(ctx.amp, torch.autocast):

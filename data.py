@@ -64,15 +64,17 @@ def resolve_synth(out, pairs, seed, size=synth.IMAGE_SIZE, workers=None, world="
     return out
 
 
-def load_items(name, root, split, setting="total", skip_missing=False):
+def load_items(name, root, split, setting="total", skip_missing=False, images=True):
     """Items of one split. clevr setting "semantic": change pairs only (adaptation); "total": change pairs and
-    (default, non-semantic) distractor pairs with the no-change captions (captioning, evaluation)."""
+    (default, non-semantic) distractor pairs with the no-change captions (captioning, evaluation). images=False: the
+    captions alone, the images not looked for (the training captions of the constant-caption baseline)."""
     root = Path(root)
     if not root.is_dir():
         raise SystemExit(f"no {name} dataset at {root} (--data-root; default {ROOTS[name]}): expected its "
                          f"directory there, {SEE}")
     items = {"clevr": partial(_clevr, setting=setting), "spot": _spot, "ier": _ier, "levir": _levir}[name](root, split)
-    return _check_files(_nonempty_captions(items, name, split), name, root, split, skip_missing)
+    items = _nonempty_captions(items, name, split)
+    return _check_files(items, name, root, split, skip_missing) if images else items
 
 
 def reversed_pairs(items, root):

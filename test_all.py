@@ -1453,8 +1453,18 @@ def test_what_is_not_a_captioner_is_one_line_naming_the_file(tmp_path, make, wha
 def test_readme_command_evaluates_the_authors_checkpoint(tmp_path):
     """README's command on their released layout: `python caption.py --ckpt pytorch_model.bin.clevr --data clevr
     --data-root DIR` says first that it found the authors' captioner, never trains, captions the test split with
-    their greedy decoding, scores it and writes captions.json."""
+    their greedy decoding, scores it and writes captions.json; the train split's images need not be there (its
+    captions make the constant-caption baseline)."""
     tiny_clevr(tmp_path / "clevr")
+    root = tmp_path / "clevr"
+    for name, caps in (("splits.json", None), ("change_captions.json", ["a train-only change"]),
+                       ("no_change_captions.json", [SAME])):
+        obj = json.loads((root / name).read_text())
+        if caps is None:
+            obj["train"].append(99)  # a scene whose images are not on disk
+        else:
+            obj["CLEVR_default_000099.png"] = caps
+        (root / name).write_text(json.dumps(obj))
     small = M.CLIPConfig(**{**PAPER_CLIP.__dict__, "image_resolution": 32})  # a 4x4 grid: quicker
     torch.save(authors_layout(paper_captioner(clip_cfg=small)), tmp_path / "pytorch_model.bin.clevr")
     args = ["--ckpt", str(tmp_path / "pytorch_model.bin.clevr"), "--data", "clevr", "--amp", "off", *CPU, "--workers",
