@@ -339,26 +339,18 @@ def bench_matmul(args):
 # numerics: how far ViT-B/32's weights move in the authors' fp16 step against ours (RESULTS.md "Numerics")
 
 
-def numerics_run(model, steps, batch, fp16, authors_code=None):
-    """`steps` stage-1 steps of the paper preset at its peak rates (1e-4 the pair parameters, 1e-7 CLIP's) on one
-    random batch -> {tensor name: |weights moved|}: the global clip at 1.0, then BertAdam (ours, or their
-    modules/optimization.py's: authors_code), on fp32 master weights or (fp16) the authors' fp16 ones."""
+def numerics_run(model, steps, batch, optimizer_class, pair_vector):
+    """`steps` stage-1 steps of the paper preset at its peak rates (1e-4 e1, e2, p, ln_mid; 1e-7 the rest of CLIP) on
+    one random batch -> {tensor name: |weights moved|}: its frozen set and decay sets, the contrastive loss, the
+    global clip at 1.0, then `optimizer_class`'s step (ours or their BertAdam, modules/optimization.py)."""
     from adapt import contrastive_loss, lr_rule
-    import model as M
-    if fp16:
-        M.authors_fp16_(model)
     args = paper_adapt_args()
     freeze(model.named_parameters(), lr_rule(args))
-    groups = authors_param_groups(model, lr_rule(args), args.weight_decay)
-    if authors_code is None:
-        optimizer = BertAdam(groups, lr=1e-4, betas=(0.9, 0.98), eps=1e-6)
-    else:
-        optimizer = authors_code.BertAdam(groups, lr=1e-4, b1=0.9, b2=0.98, e=1e-6, max_grad_norm=1.0)
+    optimizer = optimizer_class(authors_param_groups(model, lr_rule(args), args.weight_decay))
     start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     before, after, ids = batch
     for _ in range(steps):
-        v = model.encode_pair(before.to(model.visual.conv1.weight.dtype), after.to(model.visual.conv1.weight.dtype))
-        loss = contrastive_loss(v.vector, model.encode_text(ids), model.logit_scale)
+        loss = contrastive_loss(pair_vector(model, before, after), model.encode_text(ids).float(), model.logit_scale)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -367,27 +359,39 @@ def numerics_run(model, steps, batch, fp16, authors_code=None):
 
 
 def bench_numerics(args):
-    """ViT-B/32 (random weights, OpenAI's initialization) at 224 px: --steps steps of --batch random pairs, at the
-    paper preset's peak rates, (a) ours: fp32 masters and BertAdam; (b) their fp16, rebuilt: authors_fp16_ (their
-    convert_weights), the forward in fp16, their BertAdam from --authors (fp16 moments). Per kind of fp16-held tensor:
-    how many weights moved at all, by more than 1e-5, and the largest move."""
-    import importlib.util
+    """ViT-B/32 (random weights, OpenAI's initialization) at 224 px, --steps steps of --batch random pairs at the paper
+    preset's peak rates: ours (fp32 master weights, our BertAdam), against their step rebuilt (their module_clip.CLIP
+    at 9 + 3, their convert_weights: fp16 weights and an fp16 forward; their BertAdam: fp16 moments). Per kind of
+    fp16-held tensor: how many weights moved at all, by more than 1e-5, and the largest move."""
+    import sys
+    import types
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    sys.modules.setdefault("tqdm", types.SimpleNamespace(tqdm=None))  # their download helper's import
+    sys.path.insert(0, args.authors)
+    from modules.module_clip import CLIP as TheirCLIP, convert_weights
+    from modules.optimization import BertAdam as TheirBertAdam
+    cfg = CLIPConfig()
     torch.manual_seed(0)
-    start = CLIP(CLIPConfig()).state_dict()
+    start = CLIP(cfg).state_dict()
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(args.batch, 3, 224, 224, generator=g), torch.randn(args.batch, 3, 224, 224, generator=g),
              random_ids(args.batch, 32, "cpu"))
-    spec = importlib.util.spec_from_file_location("their_optimization", os.path.join(args.authors, "modules",
-                                                                                     "optimization.py"))
-    theirs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(theirs)
+    ours = CLIP(cfg)
+    theirs = TheirCLIP(cfg.embed_dim, cfg.image_resolution, cfg.vision_layers, cfg.vision_width, cfg.vision_patch_size,
+                       cfg.context_length, cfg.vocab_size, cfg.transformer_width, cfg.transformer_heads,
+                       cfg.transformer_layers, intra_layers=cfg.vision_layers - cfg.n_inter).float()
+    for m in (ours, theirs):
+        m.load_state_dict(start)
+    convert_weights(theirs)
+    runs = {"ours, fp32 masters": (ours, lambda groups: BertAdam(groups, lr=1e-4, betas=(0.9, 0.98), eps=1e-6),
+                                   lambda m, b, a: m.encode_pair(b, a).vector),
+            "theirs, fp16": (theirs, lambda groups: TheirBertAdam(groups, lr=1e-4, b1=0.9, b2=0.98, e=1e-6),
+                             lambda m, b, a: m.encode_image(torch.stack([b, a], 1).flatten(0, 1).half(),
+                                                            video_frame=2).float())}
     rows = {}
-    for label, fp16, code in (("ours, fp32 masters", False, None), ("theirs, fp16", True, theirs)):
-        model = CLIP(CLIPConfig())
-        model.load_state_dict(start)
+    for label, (model, make, vector) in runs.items():
         t0 = time.time()
-        moved = numerics_run(model, args.steps, batch, fp16, code)
+        moved = numerics_run(model, args.steps, batch, make, vector)
         print(f"{label}: {args.steps} steps in {time.time() - t0:.0f}s ({where(SimpleNamespace(device=torch.device('cpu')))})")
         for kind, keep in (("attention and MLP weights", lambda n: n.endswith(("in_proj_weight", "c_fc.weight",
                                                                                 "c_proj.weight", "out_proj.weight"))),
@@ -399,9 +403,9 @@ def bench_numerics(args):
                                               d.max().item()))
     print(f"moved after {args.steps} steps at lr 1e-7 (CLIP) / 1e-4 (e1, e2, p, ln_mid), {args.batch} pairs at 224 px "
           f"(an fp32 weight moves by at most about 1e-7 a step; one fp16 step of a weight of 0.02 is 1.5e-5):")
-    for kind, runs in rows.items():
-        for label, any_, big, top in runs:
-            print(f"   {kind:32s} {label:20s} moved {100 * any_:5.1f} %, by > 1e-5 {100 * big:5.1f} %, largest {top:.2e}")
+    for kind, found in rows.items():
+        for label, any_, big, top in found:
+            print(f"   {kind:30s} {label:20s} moved {100 * any_:5.1f} %, by > 1e-5 {100 * big:5.1f} %, largest {top:.2e}")
     return 0
 
 
@@ -442,8 +446,8 @@ def get_args(argv=None):
     q = add("numerics", "how far ViT-B/32's weights move in the authors' fp16 step (rebuilt) against ours")
     q.add_argument("--steps", type=at_least(1), default=8, help="training steps")
     q.add_argument("--batch", type=at_least(2), default=2, help="pairs per step (fp16 on a CPU is slow)")
-    q.add_argument("--authors", default="../shared/reference/authors_clip4idc", help="the authors' code (for "
-                   "their BertAdam)")
+    q.add_argument("--authors", default="../shared/reference/authors_clip4idc", help="the authors' code (their "
+                   "module_clip.py and optimization.py)")
     q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
     m = add("matmul", "this CPU's fp32 GFLOP/s, the figure to quote beside a timing")
     m.add_argument("--n", type=at_least(1), default=2048, help="matrix size")
