@@ -3,20 +3,15 @@
     python adapt.py --data clevr                 # writes adapted.pt
     python adapt.py --data clevr --n-inter 0     # all blocks intra, none inter (Table 7: 12 + 0; the mini: 6 + 0)
 
-The pair encoder (model.py) turns (before, after) into a vector v; CLIP's text tower turns the caption into g;
-the symmetric InfoNCE loss over the batch (eq. 6-8) pulls each pair to its own caption. Retrieval (R@1/5/10,
-median/mean rank, both directions, ranked as the authors rank) is measured on val after every epoch, where the best
-checkpoint is chosen (paper preset: by text->pair R@1, as the authors choose on test); test is evaluated once, at the
-end, with the chosen weights. The paper preset's step is the authors' (BertAdam, their schedule and decay sets).
+The pair encoder (model.py) turns (before, after) into a vector v, CLIP's text tower the caption into g; the
+symmetric InfoNCE loss over the batch (eq. 6-8) pulls each pair to its own caption. Retrieval (both ways, ranked as
+the authors rank) on val after every epoch chooses the checkpoint (paper preset: by text->pair R@1, as the authors
+on test); test is evaluated once, at the end. The paper preset's step is the authors' (BertAdam, their schedule).
 
-Presets (printed in a banner, every value overridable by its flag):
-- paper: OpenAI's ViT-B/32 found (~/.cache/clip/ViT-B-32.pt or --clip PATH) -> the authors' settings.
-- mini: no OpenAI weights found -> the small CLIP that pretrain.py pretrained on synthetic scenes (shipped in
-  assets/, a 12x12 grid of 8-px patches), adapted with the authors' policy scaled down, minutes on a CPU (README
-  "Quickstart").
-- compare (`--preset compare`, not the paper's): mini whose inter blocks are taught to compare (README "Tables 5
-  and 7 in the quickstart's world").
-- scratch (`--preset scratch`): a small CLIP-shaped model trained from nothing, the from-scratch ablation.
+Presets (printed in a banner, every value overridable by its flag): paper (OpenAI's ViT-B/32 found, or --clip PATH:
+the authors' settings); mini (no OpenAI weights found: the small CLIP pretrain.py pretrained on synthetic scenes,
+shipped in assets/, minutes on a CPU); compare (not the paper's: mini whose inter blocks are taught to compare);
+scratch (a small CLIP-shaped model from nothing).
 """
 import argparse
 import math
@@ -42,23 +37,17 @@ from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, authors
 PRESETS = {
     "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, batch_size=128, epochs=12, lr_new=1e-4, lr_clip=1e-7,
                   weight_decay=0.2, workers=8, draw_captions=False, optimizer="bertadam", select="text->pair R@1"),
-    # mini (the default without OpenAI's weights): the shipped small CLIP (pretrain.py: 6 blocks 128 wide, 96 px, a
-    # 12x12 grid of 8-px patches, so that an object spans several), 4 intra + 2 inter blocks (the paper's last quarter
-    # of 12 is 3; of 6, 1.5 rounded up). The authors' policy scaled down: CLIP's input embeddings frozen, the new pair
-    # parameters at a high rate, CLIP's weights at the authors' 1e-7 (so the captions keep what pretraining saw), the
-    # authors' random p; one epoch of one caption drawn per pair (RESULTS.md "The quickstart's default").
+    # mini: the shipped small CLIP (6 blocks, 12x12 patches of 8 px: an object spans several), 4 + 2 blocks, the
+    # authors' policy scaled down (CLIP at their 1e-7, so the captions keep what pretraining saw)
     "mini": dict(clip="mini12-synth", n_inter=2, image_size=96, batch_size=32, epochs=1, lr_new=1e-3, lr_clip=1e-7,
                  weight_decay=0.05, workers=0, draw_captions=True, optimizer="adamw", select="R@mean"),
-    # scratch (the from-scratch ablation): ViT-B/32's 12 blocks (9 intra + 3 inter) at 1/12 of its width, a 6x6
-    # patch grid (ViT-B/32: 7x7); nothing is pretrained, so nothing is frozen and everything trains at one rate
+    # scratch (the from-scratch ablation): ViT-B/32's 9 + 3 blocks at 1/12 of its width; nothing frozen, one rate
     "scratch": dict(clip=None, n_inter=3, image_size=96, batch_size=32, epochs=3, lr_new=3e-4, lr_clip=3e-4,
                     weight_decay=0.05, workers=0, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
                     text_layers=3, embed_dim=128, draw_captions=False, optimizer="adamw", select="R@mean"),
 }
-# compare (not the paper's): mini, but stage 1 teaches the inter blocks to compare: the intra blocks frozen (they keep
-# what pretraining taught them), the rest at 3e-4, p alike for a position in both images, 12 epochs (6 name the
-# changed object in 44 % of the captions, 12 in 59 %: RESULTS.md "The compare preset"); caption.py's compare preset has
-# no after minus before
+# compare (not the paper's): mini whose inter blocks learn to compare: the intra blocks frozen, the rest at 3e-4, p
+# alike for a position in both images
 PRESETS["compare"] = dict(PRESETS["mini"], epochs=12, lr_clip=3e-4, shared_p=10.0, freeze_blocks=4)
 
 
@@ -72,13 +61,11 @@ def get_args(argv=None):
     p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None,
                    help="CLEVR: probability of replacing the before image by its non-semantic version (default: "
                         "0.5, the authors'; 0 on the synthetic set)")
-    p.add_argument("--draw-captions", action=argparse.BooleanOptionalAction, default=None,
-                   help="one caption per pair and epoch, drawn at random (an epoch is a pass over the pairs), "
-                        f"instead of every caption once per epoch, as the authors {pre('draw_captions')}")
+    p.add_argument("--draw-captions", action=argparse.BooleanOptionalAction, default=None, help="one caption drawn "
+                   f"per pair and epoch, not every caption once, as the authors {pre('draw_captions')}")
     p.add_argument("--workers", type=at_least(0), default=None, help=f"DataLoader worker processes {pre('workers')}")
-    p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode every image once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/"
-                        "images), reused by later runs, and train from it; default: when the disk has room for it")
+    p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None, help="decode every image "
+                   "once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images); default: if it fits")
     # model
     p.add_argument("--preset", default="auto", choices=["auto", "paper", "mini", "compare", "scratch"],
                    help="auto: paper when OpenAI's weights are found (or --clip names a file), else mini (the "
@@ -89,10 +76,9 @@ def get_args(argv=None):
     p.add_argument("--n-inter", type=at_least(0), default=None, help=f"inter blocks (the rest intra) {pre('n_inter')}")
     p.add_argument("--image-size", type=at_least(1), help=f"input size (a CLIP file has its own) {pre('image_size')}")
     p.add_argument("--context-length", type=at_least(2), default=32, help="caption tokens incl. start/end")
-    p.add_argument("--shared-p", type=at_least(0.0, float), default=None,
-                   help="not the paper's: initialize p alike for a patch's position in both images, each position's "
-                        "code of this norm (model.share_joint_positions_; RESULTS.md \"Teaching the inter blocks to "
-                        f"compare\"); 0 (the other presets): the authors' random p {pre('shared_p')}")
+    p.add_argument("--shared-p", type=at_least(0.0, float), default=None, help="not the paper's: p alike for a "
+                   "patch's position in both images, codes of this norm (model.share_joint_positions_); 0 (the other "
+                   f"presets): the authors' random p {pre('shared_p')}")
     for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
         p.add_argument(f"--{name}", type=at_least(1), default=None, help=f"model size {pre(name.replace('-', '_'))}")
     # optimization
@@ -100,22 +86,17 @@ def get_args(argv=None):
     p.add_argument("--batch-size", type=at_least(1), default=None, help=f"pairs per step {pre('batch_size')}")
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None, help=f"lr of e1, e2, p, ln_mid {pre('lr_new')}")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help=f"lr of CLIP's weights {pre('lr_clip')}")
-    p.add_argument("--freeze-blocks", type=at_least(0), default=None,
-                   help="not the paper's: CLIP's first N image blocks frozen (4 of 4 + 2: the intra blocks); the rest, "
-                        "the text tower (at --lr-clip) and e1, e2, p, ln_mid train (RESULTS.md \"Teaching the inter "
-                        f"blocks to compare\"); the other presets: 0 {pre('freeze_blocks')}")
-    p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
-                   help=f"weight decay (bertadam: the authors' sets; adamw: matrices only) {pre('weight_decay')}")
-    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None,
-                   help="bertadam: the authors' update rule (Adam without bias correction), their warmup + cosine of "
-                        "the fraction of all steps and their decay sets (train_utils.BertAdam); adamw: AdamW, warmup "
-                        f"then a cosine restarted after it, no decay on 1-D tensors {pre('optimizer')}")
+    p.add_argument("--freeze-blocks", type=at_least(0), default=None, help="not the paper's: CLIP's first N image "
+                   f"blocks frozen (4 of 4 + 2: the intra blocks); the other presets: 0 {pre('freeze_blocks')}")
+    p.add_argument("--weight-decay", type=at_least(0.0, float), default=None, help=f"weight decay {pre('weight_decay')}")
+    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help="bertadam: the authors' (their "
+                   "schedule and decay sets); adamw: ours (cosine after the warmup, no decay on 1-D tensors) "
+                   f"{pre('optimizer')}")
     # run
     run_flags(p)
-    p.add_argument("--authors-numerics", action="store_true",
-                   help="the paper's run as it ran (--optimizer bertadam): CLIP's Linear and conv weights held in fp16 "
-                        "with fp16 moments, the forward in fp16 (model.authors_fp16_), and their two GPUs' gradient, "
-                        "every one but logit_scale's half the full batch's; not the default (README)")
+    p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 weights and moments, the "
+                   "forward in fp16 (model.authors_fp16_), their two GPUs' gradient (two_gpu_gradient_); needs "
+                   "--optimizer bertadam")
     p.add_argument("--out", default="adapted.pt", help="best-on-val checkpoint; resumable state in *.last.pt")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the training step (CUDA), static shapes: captions padded to --context-length")
@@ -134,8 +115,7 @@ def get_args(argv=None):
     # sizes are checked against --n-inter when it is read: clip_load.load_clip)
     check_resume(p, args)
     if args.authors_numerics and args.optimizer != "bertadam":
-        p.error("argument --authors-numerics: their fp16 state is BertAdam's: give --optimizer bertadam (the paper "
-                "preset's)")
+        p.error("argument --authors-numerics: their fp16 state is BertAdam's: give --optimizer bertadam")
     if not args.clip:
         check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                            "--text-width": args.text_width})
@@ -176,10 +156,8 @@ class PairText(torch.nn.Module):
 
 @torch.no_grad()
 def fixed_intra(model, items, args, ctx, cache):
-    """When nothing before the inter blocks trains (the compare preset: CLIP's input embeddings and its intra blocks
-    frozen, no distractor swap), eq. (2) gives each training pair the same tokens every epoch: computed here once,
-    (pairs, 2, n+1, width) on the CPU, an epoch then costs the inter blocks and the text tower (1.5x faster on the
-    mini CLIP: RESULTS.md "The compare preset"); None when something before the inter blocks trains."""
+    """When nothing before the inter blocks trains (the compare preset), each training pair's intra-block tokens
+    (eq. 2) are the same every epoch: computed here once, (pairs, 2, n+1, width) on the CPU; else None."""
     n_intra = model.cfg.vision_layers - model.cfg.n_inter
     if not (args.clip and args.freeze_blocks >= n_intra and args.swap_prob == 0 and model.cfg.n_inter):
         return None
@@ -195,9 +173,8 @@ def fixed_intra(model, items, args, ctx, cache):
 
 
 def two_gpu_gradient_(model):
-    """--authors-numerics: the gradient of the authors' stage 1 on two GPUs of 64 pairs each (their README): their
-    AllGather's backward keeps each rank's own slice (modules/until_module.py 265-269) and DDP averages the ranks, so
-    every gradient but logit_scale's (each rank's whole loss) is half the full batch's."""
+    """The authors' stage 1 on two GPUs: their AllGather's backward keeps each rank's slice (until_module.py 265-269)
+    and DDP averages the ranks, so each gradient but logit_scale's is half the full batch's."""
     for p in model.parameters():
         if p.requires_grad and p is not model.logit_scale:
             p.register_hook(lambda g: g * 0.5)
@@ -206,9 +183,8 @@ def two_gpu_gradient_(model):
 
 def contrastive_loss(v, g, logit_scale):
     """eq. (6)-(8): InfoNCE over the batch, pair -> text and text -> pair, averaged. v: pair vectors (B, D), g:
-    caption features (B * (1 + K), D): row i of g belongs to row i of v; rows B.. are hard negatives (pretrain.py's
-    K per image; here none), competing in v -> g only. Computed in fp32 with autocast off: at logit scale 100,
-    bf16's 8-bit mantissa would shift the logits (BENCHMARKS.md)."""
+    caption features (B * (1 + K), D), row i v's row i's; rows B.. are hard negatives (pretrain.py's), in v -> g
+    only. In fp32, autocast off: at scale 100 bf16 would shift the logits."""
     with torch.autocast(v.device.type, enabled=False):
         v, g = F.normalize(v.float(), dim=-1), F.normalize(g.float(), dim=-1)
         scale = logit_scale.float().clamp(max=math.log(100)).exp()  # temperature >= 0.01, as the authors clamp it
@@ -258,11 +234,9 @@ def encode_split(model, items, args, ctx, cache=None):
 
 def retrieval_metrics(sim, owner):
     """sim (P, T) pair-caption similarities, owner[t] caption t's pair, ranked as the authors rank (their
-    metrics.py, main_task_retrieval.py 425-438): text -> pair, where the caption's own pair ranks among all pairs;
-    pair -> text, where the pair's own caption *set* ranks among all the pairs' sets, each set scoring its best
-    caption. Ranks are 1-based, ties ranked pessimistically (a constant model gets chance-level ranks, not rank 1;
-    their argsort breaks ties arbitrarily). MdR: pair -> text np.median's (two middle ranks averaged), text -> pair
-    torch.median's (the lower), as theirs."""
+    metrics.py): text -> pair, the caption's own pair among all pairs; pair -> text, the pair's own caption *set*
+    among all sets, a set scoring its best caption. Ranks 1-based, ties pessimistic (theirs: arbitrary). MdR as
+    theirs: np.median (pair -> text), torch.median, the lower (text -> pair)."""
     P, T = sim.shape
     own = sim[owner, torch.arange(T)]  # (T,)
     t2p = (sim >= own[None, :]).sum(0)  # (T,)
@@ -279,9 +253,8 @@ def retrieval_metrics(sim, owner):
 
 
 def chance_metrics(P):
-    """The same figures for similarities drawn at random: R@K = K / P, mean and median ranks (P + 1) / 2, in both
-    directions. In pair -> text a set of c captions scores the best of c draws, so a pair with more captions ranks its
-    own set higher; but every ranking gives the P sets the P ranks once, so over the pairs the ranks are uniform."""
+    """The same figures for random similarities: R@K = K / P, mean and median ranks (P + 1) / 2, both ways (in
+    pair -> text a larger set ranks higher, but each ranking gives the P sets the P ranks once)."""
     out = {}
     for d in ("pair->text", "text->pair"):
         out.update({f"{d} R@{k}": 100 * min(k, P) / P for k in (1, 5, 10)})
@@ -330,9 +303,8 @@ def banner(ctx, args):
 
 
 def load_data(args, root, ctx, model):
-    """The splits (pairs with all their captions), the image cache and the training loader: one sample per caption,
-    or per pair with --draw-captions (data.CaptionDataset), CLEVR's distractor swap, in an order of (seed, epoch);
-    the pairs' intra-block tokens in place of their images where those blocks are fixed (fixed_intra)."""
+    """The splits, the image cache and the training loader (data.CaptionDataset, CLEVR's distractor swap; the
+    intra-block tokens in place of the images where those blocks are fixed: fixed_intra)."""
     split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
     splits = {s: split(s) for s in ("train", "val", "test")}
     # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
@@ -388,15 +360,14 @@ def test_best(model, test_items, args, ctx, cache, history, t_start):
 def main(argv=None):
     args = get_args(argv)
     ctx = setup(args.seed, args.device, "off" if args.authors_numerics else args.amp)  # their fp16: no autocast
-    if args.cuda_graphs is None:  # where the step can be captured, the paper's (BENCHMARKS.md)
+    if args.cuda_graphs is None:  # where the step can be captured, the paper's
         args.cuda_graphs = args.preset == "paper" and ctx.device.type == "cuda" and not (args.compile or
                                                                                           args.authors_numerics)
     model = new_model(args).to(ctx.device)  # the model first: a CLIP file decides the input size (and --n-inter fits)
     if args.authors_numerics:
         authors_fp16_(model)
     root = data.resolve_root(args.data, args.data_root)
-    # the authors' 0.5; off on the synthetic set, where a distractor's camera moves further than a change's, so a
-    # swapped pair teaches the encoder to disregard the view (RESULTS.md "Tried, did not help")
+    # the authors' 0.5; off on the synthetic set, whose distractors move the camera further than a change
     if args.swap_prob is None or args.data != "clevr":  # only CLEVR-Change has distractor images to swap in
         args.swap_prob = 0.5 if args.data == "clevr" and not (root / "synth.json").is_file() else 0.0
     banner(ctx, args)

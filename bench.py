@@ -12,6 +12,7 @@ import argparse
 import os
 import tempfile
 import time
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import torch
@@ -148,10 +149,9 @@ def paper_adapt_args(n_inter=3):
 
 
 def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=False, cfg=None):
-    """adapt.py's paper-preset training step on a random-weight ViT-B/32 (or a CLIP of `cfg`): its frozen set, two
-    learning rates, BertAdam, the authors' schedule and decay sets, clipping (train_utils.train_step), images
-    arriving as uint8 and normalized on the device. graphs: the whole step captured as one CUDA graph (train_utils.GraphedStep, adapt.py --cuda-graphs),
-    with compile too: the compiled step inside the graph."""
+    """adapt.py's paper-preset training step (train_utils.train_step) on a random ViT-B/32 (or a CLIP of `cfg`),
+    uint8 images normalized on the device. graphs: captured as one CUDA graph (GraphedStep); with compile, compiled
+    inside it."""
     from adapt import PairText, contrastive_loss, lr_rule
     import clip_load
     args = paper_adapt_args()
@@ -336,76 +336,53 @@ def bench_matmul(args):
 
 
 # -----------------------------------------------------------------------------
-# numerics: how far ViT-B/32's weights move in the authors' fp16 step against ours (RESULTS.md "Numerics")
-
-
-def numerics_run(model, steps, batch, optimizer_class, pair_vector):
-    """`steps` stage-1 steps of the paper preset at its peak rates (1e-4 e1, e2, p, ln_mid; 1e-7 the rest of CLIP) on
-    one random batch -> {tensor name: |weights moved|}: its frozen set and decay sets, the contrastive loss, the
-    global clip at 1.0, then `optimizer_class`'s step (ours or their BertAdam, modules/optimization.py)."""
-    from adapt import contrastive_loss, lr_rule
-    args = paper_adapt_args()
-    freeze(model.named_parameters(), lr_rule(args))
-    optimizer = optimizer_class(authors_param_groups(model, lr_rule(args), args.weight_decay))
-    start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    before, after, ids = batch
-    for _ in range(steps):
-        loss = contrastive_loss(pair_vector(model, before, after), model.encode_text(ids).float(), model.logit_scale)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return {n: (p.detach().float() - start[n]).abs() for n, p in model.named_parameters() if p.requires_grad}
+# numerics: how far ViT-B/32's weights move in the authors' fp16 step, rebuilt, and in ours (RESULTS.md "Numerics")
 
 
 def bench_numerics(args):
-    """ViT-B/32 (random weights, OpenAI's initialization) at 224 px, --steps steps of --batch random pairs at the paper
-    preset's peak rates: ours (fp32 master weights, our BertAdam), against their step rebuilt (their module_clip.CLIP
-    at 9 + 3, their convert_weights: fp16 weights and an fp16 forward; their BertAdam: fp16 moments). Per kind of
-    fp16-held tensor: how many weights moved at all, by more than 1e-5, and the largest move."""
+    """--steps stage-1 steps at the paper preset's peak rates on --batch random pairs at 224 px, from one random
+    ViT-B/32: ours (fp32 master weights, our BertAdam) and theirs (their module_clip.CLIP under their convert_weights,
+    their BertAdam), each with the paper's frozen and decay sets, loss and global clip. How many of the fp16-held
+    weights moved, by more than 1e-5, and the largest move."""
     import sys
     import types
+    from adapt import contrastive_loss, lr_rule
     torch.set_num_threads(args.threads or torch.get_num_threads())
     sys.modules.setdefault("tqdm", types.SimpleNamespace(tqdm=None))  # their download helper's import
     sys.path.insert(0, args.authors)
     from modules.module_clip import CLIP as TheirCLIP, convert_weights
     from modules.optimization import BertAdam as TheirBertAdam
-    cfg = CLIPConfig()
+    cfg, rule = CLIPConfig(), lr_rule(paper_adapt_args())
     torch.manual_seed(0)
-    start = CLIP(cfg).state_dict()
-    g = torch.Generator().manual_seed(1)
-    batch = (torch.randn(args.batch, 3, 224, 224, generator=g), torch.randn(args.batch, 3, 224, 224, generator=g),
-             random_ids(args.batch, 32, "cpu"))
     ours = CLIP(cfg)
-    theirs = TheirCLIP(cfg.embed_dim, cfg.image_resolution, cfg.vision_layers, cfg.vision_width, cfg.vision_patch_size,
-                       cfg.context_length, cfg.vocab_size, cfg.transformer_width, cfg.transformer_heads,
-                       cfg.transformer_layers, intra_layers=cfg.vision_layers - cfg.n_inter).float()
-    for m in (ours, theirs):
-        m.load_state_dict(start)
+    theirs = TheirCLIP(*list(asdict(cfg).values())[:10], intra_layers=cfg.vision_layers - cfg.n_inter).float()
+    theirs.load_state_dict(ours.state_dict())
     convert_weights(theirs)
-    runs = {"ours, fp32 masters": (ours, lambda groups: BertAdam(groups, lr=1e-4, betas=(0.9, 0.98), eps=1e-6),
-                                   lambda m, b, a: m.encode_pair(b, a).vector),
-            "theirs, fp16": (theirs, lambda groups: TheirBertAdam(groups, lr=1e-4, b1=0.9, b2=0.98, e=1e-6),
-                             lambda m, b, a: m.encode_image(torch.stack([b, a], 1).flatten(0, 1).half(),
-                                                            video_frame=2).float())}
-    rows = {}
-    for label, (model, make, vector) in runs.items():
+    g = torch.Generator().manual_seed(1)
+    before, after = torch.randn(2, args.batch, 3, 224, 224, generator=g)
+    ids = random_ids(args.batch, 32, "cpu")
+    runs = (("ours, fp32 masters", ours, lambda gs: BertAdam(gs, 1e-4, (0.9, 0.98)), lambda: ours.encode_pair(
+                before, after).vector),
+            ("theirs, fp16", theirs, lambda gs: TheirBertAdam(gs, 1e-4, b2=0.98), lambda: theirs.encode_image(
+                torch.stack([before, after], 1).flatten(0, 1).half(), video_frame=2).float()))
+    for label, model, make, vector in runs:
+        freeze(model.named_parameters(), rule)
+        optimizer = make(authors_param_groups(model, rule, 0.2))
+        start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         t0 = time.time()
-        moved = numerics_run(model, args.steps, batch, make, vector)
-        print(f"{label}: {args.steps} steps in {time.time() - t0:.0f}s ({where(SimpleNamespace(device=torch.device('cpu')))})")
-        for kind, keep in (("attention and MLP weights", lambda n: n.endswith(("in_proj_weight", "c_fc.weight",
-                                                                                "c_proj.weight", "out_proj.weight"))),
-                           ("their biases", lambda n: n.endswith(("in_proj_bias", "c_fc.bias", "c_proj.bias",
-                                                                  "out_proj.bias"))),
-                           ("visual.proj, text_projection", lambda n: n in ("visual.proj", "text_projection"))):
-            d = torch.cat([m.flatten() for n, m in moved.items() if keep(n)])
-            rows.setdefault(kind, []).append((label, (d > 0).float().mean().item(), (d > 1e-5).float().mean().item(),
-                                              d.max().item()))
-    print(f"moved after {args.steps} steps at lr 1e-7 (CLIP) / 1e-4 (e1, e2, p, ln_mid), {args.batch} pairs at 224 px "
-          f"(an fp32 weight moves by at most about 1e-7 a step; one fp16 step of a weight of 0.02 is 1.5e-5):")
-    for kind, found in rows.items():
-        for label, any_, big, top in found:
-            print(f"   {kind:30s} {label:20s} moved {100 * any_:5.1f} %, by > 1e-5 {100 * big:5.1f} %, largest {top:.2e}")
+        for _ in range(args.steps):
+            contrastive_loss(vector(), model.encode_text(ids).float(), model.logit_scale).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        held = (".attn.in_proj_weight", ".attn.in_proj_bias", ".attn.out_proj.weight", ".attn.out_proj.bias",
+                "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias", "visual.proj",
+                "text_projection")  # what convert_weights holds in fp16 and trains (conv1 is frozen)
+        d = torch.cat([(p.detach().float() - start[n]).abs().flatten() for n, p in model.named_parameters()
+                       if n.endswith(held)])
+        print(f"{label}: {args.steps} steps of {args.batch} pairs in {time.time() - t0:.0f}s: of the fp16-held "
+              f"weights, {100 * (d > 0).float().mean():.1f} % moved, {100 * (d > 1e-5).float().mean():.1f} % by more "
+              f"than 1e-5, the largest by {d.max():.2e} ({where(SimpleNamespace(device=torch.device('cpu')))})")
     return 0
 
 
@@ -446,8 +423,7 @@ def get_args(argv=None):
     q = add("numerics", "how far ViT-B/32's weights move in the authors' fp16 step (rebuilt) against ours")
     q.add_argument("--steps", type=at_least(1), default=8, help="training steps")
     q.add_argument("--batch", type=at_least(2), default=2, help="pairs per step (fp16 on a CPU is slow)")
-    q.add_argument("--authors", default="../shared/reference/authors_clip4idc", help="the authors' code (their "
-                   "module_clip.py and optimization.py)")
+    q.add_argument("--authors", default="../shared/reference/authors_clip4idc", help="the authors' code")
     q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
     m = add("matmul", "this CPU's fp32 GFLOP/s, the figure to quote beside a timing")
     m.add_argument("--n", type=at_least(1), default=2048, help="matrix size")

@@ -38,25 +38,21 @@ from train_utils import (HelpFormatter, Progress, at_least, authors_param_groups
                          warmup_cosine, where)
 
 PRESETS = {
-    # CPU, adapt.py's small encoders (mini, scratch), frozen: its tokens are computed once per pair. A 2-layer
-    # pre-LN decoder with its own small vocabulary reads the memory directly, with no captioner encoder layers (the
-    # pair encoder's inter blocks already mix the two images). Each departure from the authors' captioner is
-    # explained at its flag (README "Where the quickstart differs from the paper")
+    # CPU, adapt.py's small encoders, frozen (its tokens computed once per pair): a 2-layer pre-LN decoder with its
+    # own words reads the memory (README "Where the quickstart differs from the paper")
     "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, batch_size=32, lr=1e-3, encoder_lr=0.0,
                  freeze_encoder=True, epochs=15, reverse=None, mem_diff=True, mem_pool=None, vocab="words",
                  post_ln=False, mem_proj=True, mem_image=True, optimizer="adamw", patience=10, tie_is_gain=False,
                  pair_distractors=False),
-    # the authors' (their code and scripts/caption_clevr.sh): their captioner (model.Captioner: post-LN, CLIP's BPE
-    # words tied in, as wide as CLIP's text tower), the pair encoder fine-tuned at 1e-4 x 1e-3; 16 change pairs a
-    # step, each with its distractor; BertAdam; stop after 11 epochs without gain, a tie counting as one (743-750)
+    # the authors' (their code and scripts/caption_clevr.sh): their captioner, the pair encoder fine-tuned at 1e-4 x
+    # 1e-3, 16 change pairs a step, each with its distractor; stop after 11 epochs without gain (743-750)
     "paper": dict(width=None, heads=None, enc_layers=3, dec_layers=3, batch_size=16, lr=1e-4, encoder_lr=1e-7,
                   freeze_encoder=False, epochs=50, reverse=False, mem_diff=False, mem_pool=1, vocab="clip",
                   post_ln=True, mem_proj=False, mem_image=False, optimizer="bertadam", patience=11, tie_is_gain=True,
                   pair_distractors=True),
 }
-# for adapt.py --preset compare, whose inter blocks learned to compare: mini without after minus before, which would
-# do the comparing for them, trained twice the epochs of twice the pairs (the kind of change comes late: RESULTS.md
-# "The compare preset")
+# for adapt.py --preset compare, whose inter blocks learned to compare: mini without after minus before (it would do
+# the comparing for them), longer
 PRESETS["compare"] = dict(PRESETS["mini"], mem_diff=False, epochs=30, batch_size=64)
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
@@ -108,9 +104,8 @@ def caption_loss(logits, targets):
 
 
 def batch_loss(model, batch, device, frozen=False, paired=False):
-    """caption_loss on each pair's drawn caption -> (loss, pairs). paired (data.DistractorBatches, the paper preset
-    on CLEVR): the batch is change pairs, then their distractors, and the loss the authors' loss1 + loss2, each half's
-    own mean over its words (main_task_caption.py 307-341)."""
+    """caption_loss on each pair's drawn caption -> (loss, pairs). paired (data.DistractorBatches): change pairs,
+    then their distractors, the loss the authors' loss1 + loss2 (main_task_caption.py 307-341)."""
     ids = batch["ids"][:, :int((batch["ids"] != PAD).sum(1).max())].to(device)  # the shared padding cut
     logits = model(ids[:, :-1], **model_inputs(batch, device, frozen))
     if paired:
@@ -158,9 +153,8 @@ def model_inputs(batch, device, frozen):
 
 @torch.no_grad()
 def encode_all(model, loader, ctx, both_ways=False):
-    """Images -> the captioner's memory for every item (PairCaptioner.memory: pooled once here, not at every step),
-    stored in fp16 (half the memory, far below the noise). both_ways: then every item the other way round, (after,
-    before), in the same order: --reverse's pairs, at the cost of the inter blocks alone."""
+    """Images -> the captioner's memory for every item (PairCaptioner.memory, pooled once here), in fp16 (half the
+    memory, below the noise). both_ways: then every item as (after, before), --reverse's pairs."""
     out, back = [], []
     for batch in loader:
         with ctx.amp:
@@ -216,11 +210,9 @@ def read_ckpt_info(path):
 
 
 def lr_rule(args):
-    """The learning-rate rule, parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py
-    640-667, --freeze_layer_num 0): the captioner's own layers at --lr; the pair encoder at --encoder-lr unless
-    --freeze-encoder (mini: its tokens computed once), but for CLIP's input embeddings; the text tower never (theirs
-    gets no gradient). CLIP's word embeddings, tied into the decoder (a tied Parameter is named once, as the
-    CLIP's), train on Spot-the-Diff only."""
+    """Parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py 640-667): the captioner at
+    --lr; the pair encoder at --encoder-lr (unless --freeze-encoder) but its input embeddings; the text tower never
+    (theirs gets no gradient); CLIP's word embeddings, tied into the decoder, on Spot-the-Diff only."""
     def lr(name):
         if name.startswith("captioner."):
             return args.lr
@@ -275,10 +267,9 @@ def summary(scores):
 
 
 def final_test(model, loader, train_items, items, vocab, args, ctx, name, root):
-    """The chosen captioner on test, once -> results: the scores (per change type on CLEVR), the constant-caption
-    baseline and every prediction; where the set has scene records (a synthetic set's, or CLEVR's own) each caption
-    read back against them, and on a synthetic set the attention figure. Written to --results, logged (report),
-    drawn (--gallery)."""
+    """The chosen captioner on test, once -> results: scores (per change type on CLEVR), the constant-caption
+    baseline, every prediction, with scene records the read-back, on a synthetic set the attention figure; to
+    --results, the log (report) and --gallery."""
     t0 = time.time()
     preds = predict(model, loader, items, vocab, ctx, args.beam)
     scores, by_type = score(items, preds, by_type=name == "clevr")
@@ -348,12 +339,10 @@ def get_args(argv=None):
     p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's, else data/...)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
     p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None, help="also train on every pair "
-                   "the other way round, captioned backwards (an addition becomes a removal): needs a synthetic set's "
-                   "scene records (default: on for one in the mini and compare presets)")
+                   "backwards (an addition becomes a removal; a synthetic set's: on in the mini presets)")
     p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
-    p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode every image once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/"
-                        "images), reused by later runs (adapt.py builds the same one); default: when the disk has room")
+    p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None, help="decode every image "
+                   "once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images); default: if it fits")
     # model
     p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks of the pair encoder (default: the "
                    "checkpoint's, 3 for a raw CLIP)")
@@ -363,12 +352,10 @@ def get_args(argv=None):
                    "paper: width / 64, the authors' 8 at 512]")
     p.add_argument("--enc-layers", type=at_least(0), default=None, help=f"captioner encoder layers {pre('enc_layers')}")
     p.add_argument("--dec-layers", type=at_least(1), default=None, help=f"captioner decoder layers {pre('dec_layers')}")
-    p.add_argument("--vocab", choices=["clip", "words"], default=None, help="clip: CLIP's BPE tokens, the CLIP's "
-                   "embeddings tied in (the authors'); words: its own, of the training captions (a small softmax for "
-                   f"a CPU; the mini CLIP's 64-wide embeddings would not fit its 128-wide memory) {pre('vocab')}")
+    p.add_argument("--vocab", choices=["clip", "words"], default=None, help="clip: CLIP's BPE tokens, its embeddings "
+                   f"tied in (the authors'); words: the training captions' own {pre('vocab')}")
     p.add_argument("--post-ln", action=argparse.BooleanOptionalAction, default=None, help="BERT's post-LN layers, "
-                   "decoder layer i reading encoder layer i (the authors'); else pre-LN layers reading the last "
-                   f"(in the mini preset's 15 epochs they learn faster: RESULTS.md) {pre('post_ln')}")
+                   f"decoder layer i reading encoder layer i (the authors'); else pre-LN {pre('post_ln')}")
     p.add_argument("--mem-proj", action=argparse.BooleanOptionalAction, default=None, help="not the authors': a "
                    f"learned projection and position per memory token (for a --width not its own) {pre('mem_proj')}")
     p.add_argument("--mem-image", action=argparse.BooleanOptionalAction, default=None,
@@ -387,23 +374,17 @@ def get_args(argv=None):
                    help=f"pair-encoder learning rate, with --no-freeze-encoder {pre('encoder_lr')}")
     p.add_argument("--freeze-encoder", action=argparse.BooleanOptionalAction, default=None,
                    help=f"keep the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
-    p.add_argument("--weight-decay", type=at_least(0.0, float), default=0.01,
-                   help="weight decay (bertadam: the authors' sets; adamw: matrices only)")
-    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None,
-                   help="bertadam: the authors' update rule (Adam without bias correction, b2 0.999), their warmup "
-                        "then linear decay to 0 and their decay sets (train_utils.BertAdam); adamw: AdamW (b2 0.98), "
-                        f"warmup then cosine, no decay on 1-D tensors {pre('optimizer')}")
-    p.add_argument("--pair-distractors", action=argparse.BooleanOptionalAction, default=None,
-                   help="CLEVR: a step of --batch-size change pairs, each with its own distractor, the two losses "
-                        "summed (the authors'); else change and distractor pairs shuffled in one batch, one loss "
-                        f"{pre('pair_distractors')}")
-    p.add_argument("--authors-numerics", action="store_true",
-                   help="the paper's run as it ran (--optimizer bertadam): CLIP's Linear and conv weights held in fp16 "
-                        "with fp16 moments, the forward in fp16 (model.authors_fp16_); not the default (README)")
+    p.add_argument("--weight-decay", type=at_least(0.0, float), default=0.01, help="weight decay")
+    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help="bertadam: the authors' (b2 0.999, "
+                   f"warmup then linear decay, their decay sets); adamw: b2 0.98, cosine, no decay on 1-D tensors "
+                   f"{pre('optimizer')}")
+    p.add_argument("--pair-distractors", action=argparse.BooleanOptionalAction, default=None, help="CLEVR: each "
+                   f"change pair with its own distractor, two losses summed (the authors') {pre('pair_distractors')}")
+    p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 weights and moments, the "
+                   "forward in fp16 (model.authors_fp16_; needs --optimizer bertadam)")
     run_flags(p, log_every=50)
-    p.add_argument("--patience", type=at_least(1), default=None,
-                   help="stop after this many epochs without val CIDEr-D gain (paper: a tie counts as a gain, as the "
-                        f"authors') {pre('patience')}")
+    p.add_argument("--patience", type=at_least(1), default=None, help="stop after this many epochs without val "
+                   f"CIDEr-D gain (paper: a tie is a gain) {pre('patience')}")
     # decoding, output figures
     p.add_argument("--beam", type=at_least(1), default=1, help="beam size (1: greedy, as the paper)")
     p.add_argument("--eval-batch-size", type=at_least(1), default=64, help="pairs per decoding batch")
@@ -579,9 +560,9 @@ def loader_for(dataset, args, ctx, shuffle=False, batch=None):
 
 
 def loaders(model, splits, caption_ids, args, ctx):
-    """Training (shuffled; each pair with one of its captions, drawn per epoch), val and test loaders. The images
-    are decoded once (the cache adapt.py built, when it used the same images and size); a frozen encoder then runs
-    once per pair, here, and the loaders give its tokens; a fine-tuned one reads the images at every step."""
+    """Training (a caption drawn per pair and epoch; --pair-distractors: DistractorBatches), val and test loaders,
+    the images decoded once (the image cache); a frozen encoder runs once per pair, here, the loaders give its
+    tokens."""
     size = model.clip.cfg.image_resolution
     cache = data.open_image_cache([it for v in splits.values() for it in v], size, args.image_cache)
     feats = {}
@@ -603,8 +584,7 @@ def loaders(model, splits, caption_ids, args, ctx):
 
 
 def validate(model, loader, items, vocab, scenes, ctx):
-    """Val CIDEr-D, which selects the model; on the synthetic set also what the captions get right, read back
-    against the scenes."""
+    """Val CIDEr-D, which selects the model; with scene records also what the captions get right."""
     preds = predict(model, loader, items, vocab, ctx)
     val = {"CIDEr-D": cider(items, preds)}
     if scenes:

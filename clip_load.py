@@ -36,9 +36,8 @@ MODELS = {  # the sha256 is the URL's path component, as OpenAI publishes it
 }
 CACHE = Path(os.environ.get("CLIP_CACHE", Path.home() / ".cache" / "clip"))
 WEIGHTS = "README 'Real data and OpenAI's weights'"  # where to get OpenAI's weights
-# weights that ship with clip4idc: the small CLIPs that pretrain.py pretrained on synthetic scenes (RESULTS.md "The
-# mini CLIP" gives the command that made the quickstart's). Loaded by name through the same code as OpenAI's file,
-# and checked the same way
+# weights that ship with clip4idc: the small CLIPs pretrain.py pretrained on synthetic scenes, loaded by name through
+# the same code as OpenAI's file, and checked the same way
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED = {"mini-synth": ("clip_mini_synth.pt", "01b1c8f6b466124bc64bbec45f9943b00de0b6110118ea78b5ab3607776e228a"),
            # the 12x12-grid one (8-px patches, --object-loss 1): the quickstart's (adapt.py's mini preset)

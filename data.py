@@ -268,8 +268,7 @@ def cache_dir(directory=None):
 
 
 def use_image_cache(items, size, flag=None, directory=None):
-    """Decode into an ImageCache? flag True/False decides; None (auto): yes, unless the cache's disk lacks room
-    for it (every distinct image once, uint8 at size x size: BENCHMARKS.md gives the sizes)."""
+    """Decode into an ImageCache? flag True/False decides; None: yes, if the cache's disk has room for it."""
     if flag is not None:
         return flag
     where = cache_dir(directory)
@@ -279,15 +278,10 @@ def use_image_cache(items, size, flag=None, directory=None):
 
 
 class ImageCache:
-    """Every image of some items decoded once to uint8 [N, 3, S, S], kept in a file on disk and read through a
-    numpy memmap. Built once, over the cores, and reused by later runs of both stages. A cache larger than RAM
-    works (the OS pages it in), and forked DataLoader workers share its pages. A PNG costs more to decode than
-    the small model's step, and a GPU step of ViT-B/32 wants more images per second than a CPU decodes
-    (BENCHMARKS.md).
-
-    The cache's name is a hash of the preprocessing rule, the size, and every image's path, byte size and time:
-    another dataset root, split, size or a changed image gives another cache. It is built in a temporary
-    folder and renamed into place when complete, so a killed build is never read; running again builds it anew."""
+    """Every image of some items decoded once to uint8 [N, 3, S, S] in a file on disk, read through a numpy
+    memmap: built once over the cores, reused by later runs of both stages, larger than RAM if need be, its pages
+    shared by forked workers (a PNG costs more to decode than a step). Its name hashes the preprocessing, the size
+    and every image's path, byte size and time; it is built in a temporary folder and renamed when complete."""
 
     def __init__(self, items, size, workers=2, log_every=0, directory=None):
         paths = image_paths(items)
@@ -385,13 +379,10 @@ def open_image_cache(items, size, flag=None, directory=None):
 
 
 class _Pairs(torch.utils.data.Dataset):
-    """Items -> uint8 images [3, S, S] (streamed from disk, or from an ImageCache) and pre-tokenized captions. The
-    stages normalize on the device (`clip_load.normalize`): a quarter of the bytes through the loader and the
-    host-to-GPU copy. A sample and a batch are dicts of named fields: "before", "after" (uint8 images) or
-    "features" (per item, a frozen encoder's tokens, computed once, given in place of the two images), then the
-    dataset's own ("ids", "index"). Each dataset says what one sample is in `parts(key)`: ({field: image path},
-    {field: value}). A DataLoader asks for whole batches (`__getitems__`): from a cache, one sorted read per image
-    field."""
+    """Items -> uint8 images [3, S, S] (streamed, or from an ImageCache; the stages normalize on the device) and
+    pre-tokenized captions. A sample and a batch are dicts: "before", "after" (or "features": a frozen encoder's
+    tokens in their place), then the dataset's own ("ids", "index"). Each dataset says what a sample is in
+    `parts(key)`: ({field: image path}, {field: value}); whole batches come from `__getitems__`."""
 
     def __init__(self, items, size=224, cache=None, features=None):
         self.items, self.size, self.cache, self.features = items, size, cache, features
@@ -432,14 +423,11 @@ def set_epoch(loader, epoch):
 
 
 class CaptionDataset(_Pairs):
-    """Training samples of both stages -> {"before", "after" (or "features"), "ids": the caption's token ids,
-    "index": the item's}. What a sample is:
-    - draw=False (adaptation, as the authors): one sample per caption, each caption once an epoch;
-    - draw=True (captioning, and adapt.py's mini preset): one sample per pair, trained on one of its captions
-      drawn from (seed, epoch, pair).
-    `ids`: every caption's token row, the items' captions in order (the captioner's words); default: CLIP's BPE
-    at context_length. swap_prob: CLEVR adaptation replaces the before image by the scene's non-semantic image
-    with this probability (authors: 0.5). Every draw comes from sample_rng; `set_epoch(loader, e)` sets the epoch."""
+    """Training samples of both stages -> {"before", "after" (or "features"), "ids", "index"}. draw=False
+    (adaptation, as the authors): one sample per caption; draw=True (captioning, and adapt.py's mini preset): one
+    per pair, with one of its captions drawn from (seed, epoch, pair). `ids`: every caption's token row, in item
+    order (default: CLIP's BPE at context_length). swap_prob: CLEVR adaptation's chance of the scene's non-semantic
+    before image (authors: 0.5). Every draw comes from sample_rng; `set_epoch(loader, e)` sets the epoch."""
 
     def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None, seed=0, ids=None,
                  draw=False, features=None):
@@ -496,10 +484,8 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 class DistractorBatches(torch.utils.data.Sampler):
-    """Stage 2's batches as the authors' CLEVR loader and step make them (dataloader_clevr_caption.py 197-213,
-    main_task_caption.py 307-341): `batch` change pairs in an order of (seed, epoch), then each one's own
-    distractor (the same before image), in the same order; an incomplete last batch is dropped. `pairs`: (change
-    index, distractor index) into the dataset."""
+    """Stage 2's batches as the authors' (dataloader_clevr_caption.py 197-213): `batch` change pairs in an order of
+    (seed, epoch), then each one's distractor; the last incomplete batch dropped. `pairs`: (change, distractor)."""
 
     def __init__(self, pairs, batch, seed=0):
         self.pairs, self.batch, self.order = pairs, batch, EpochSampler(len(pairs), True, seed)
@@ -518,8 +504,8 @@ class DistractorBatches(torch.utils.data.Sampler):
 
 
 def distractor_partners(items):
-    """(change index, distractor index) of every change pair whose scene's distractor pair is among `items`
-    (CLEVR-Change's "total" setting: 000042 and 000042_n; reversed, 000042_r and 000042_n_r)."""
+    """(change index, distractor index) of each change pair with its scene's distractor in `items` (000042 and
+    000042_n; reversed, 000042_r and 000042_n_r)."""
     index = {it.id: i for i, it in enumerate(items)}
     partner = lambda i: i[:-2] + "_n_r" if i.endswith("_r") else i + "_n"
     return [(i, index[partner(it.id)]) for i, it in enumerate(items)
@@ -527,10 +513,8 @@ def distractor_partners(items):
 
 
 def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0, pairs=None):
-    """DataLoader with an EpochSampler, or with `pairs` (distractor_partners) DistractorBatches of batch_size change
-    pairs and their distractors; whole batches from datasets that read them at once; pinned memory on CUDA. Workers
-    start anew each epoch, so that they see the dataset's epoch (its per-sample randomness); with the image cache
-    that costs a fork."""
+    """DataLoader with an EpochSampler (or, given `pairs`, DistractorBatches); whole batches from datasets that read
+    them at once; pinned memory on CUDA. Workers start anew each epoch, to see the dataset's epoch (a fork)."""
     order = dict(batch_sampler=DistractorBatches(pairs, batch_size, seed)) if pairs is not None else dict(
         batch_size=batch_size, sampler=EpochSampler(len(dataset), shuffle, seed), drop_last=drop_last)
     return torch.utils.data.DataLoader(

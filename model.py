@@ -133,8 +133,8 @@ class VisionTransformer(nn.Module):
         self.ln_mid = LayerNorm(width)
 
     def patches(self, x):
-        """(B, 3, H, W) -> (B, n, width): conv1 (kernel = stride = patch size) as one matmul over the flattened
-        patches, in row-major patch order: the convolution's numbers, faster on a GPU (BENCHMARKS.md)."""
+        """(B, 3, H, W) -> (B, n, width): conv1 (kernel = stride = patch) as one matmul over the flattened patches,
+        in row-major order: the convolution's numbers, faster on a GPU."""
         B, C, H, W = x.shape
         P = self.conv1.kernel_size[0]
         x = x[:, :, :H // P * P, :W // P * P].reshape(B, C, H // P, P, W // P, P)  # a remainder is dropped, as conv
@@ -230,7 +230,7 @@ class CLIP(nn.Module):
 
     def encode_text(self, text):
         """(B, L) token ids, L <= context_length -> (B, embed_dim), features at the end-of-text token."""
-        dtype = self.text_projection.dtype  # fp16 under the authors' fp16 weights (--authors-fp16), as theirs
+        dtype = self.text_projection.dtype  # fp16 under --authors-numerics, as theirs
         x = self.token_embedding(text).to(dtype) + self.positional_embedding[:text.shape[1]].to(dtype)  # (B, L, width)
         x = self.ln_final(self.transformer(x, causal=True))
         eot = text.argmax(dim=-1)  # the end-of-text id (49407) is the largest id
@@ -256,11 +256,9 @@ PAIR_KEYS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_posit
 
 
 def share_joint_positions_(visual, norm):
-    """Not the paper's (adapt.py --shared-p): p (eq. 4) initialized alike for the two images, in place, the patch at
-    one position getting the same random code, of this norm, in both; [CLS] gets none, so that it still pools the
-    patches. The authors draw p independently for all 2(n+1) tokens. An inter block whose attention favours tokens
-    like themselves (a mimetically initialized CLIP, pretrain.py) then attends from each patch to its own position
-    in the other image (RESULTS.md "Teaching the inter blocks to compare")."""
+    """Not the paper's (adapt.py --shared-p): p (eq. 4) initialized alike for a patch's position in both
+    images, a random code of this norm, in place; [CLS] gets none (the authors draw all 2(n+1) apart). An inter block
+    that attends to tokens like itself then attends from each patch to its place in the other image."""
     p = visual.joint_positional_embedding
     half = torch.randn(p.shape[0] // 2, p.shape[1], device=p.device)
     half = norm * half / half.norm(dim=1, keepdim=True)

@@ -881,6 +881,23 @@ def import_authors(monkeypatch):
     monkeypatch.syspath_prepend(str(AUTHORS))
 
 
+def their_clip4idc(monkeypatch, task_type="caption", clip_cfg=PAPER_CLIP, dropout=0.1):
+    """Their CLIP4IDC from their code on a random CLIP of clip_cfg (built directly, since from_pretrained downloads
+    ViT-B/32; cast to fp32), our intra/inter split, 3 + 3 captioner layers in stage 2 ("caption")."""
+    import_authors(monkeypatch)
+    from modules.modeling import CLIP4IDC
+    from modules.module_cross import CrossConfig
+    from modules.module_decoder import DecoderConfig
+    W = clip_cfg.transformer_width
+    task = SimpleNamespace(task_type=task_type, intra_num_hidden_layers=clip_cfg.vision_layers - clip_cfg.n_inter,
+                           decoder_num_hidden_layers=3, linear_patch="2d", local_rank=0)
+    decoder = DecoderConfig(49408, hidden_size=W, num_attention_heads=W // 64, intermediate_size=4 * W,
+                            max_target_embeddings=77, num_decoder_layers=3, hidden_dropout_prob=dropout,
+                            attention_probs_dropout_prob=dropout)
+    return CLIP4IDC(CrossConfig(49408, hidden_size=W, num_attention_heads=2, intermediate_size=4 * W), decoder,
+                    M.CLIP(clip_cfg).state_dict(), task).float()
+
+
 def pair_images(n=5, size=56, seed=1):
     images = torch.randn(n, 2, 3, size, size, generator=torch.Generator().manual_seed(seed))  # normalized already
     return images[:, 0], images[:, 1]
@@ -935,18 +952,8 @@ def test_the_authors_captioner_equals_theirs_on_the_same_weights(tmp_path, monke
     from_pretrained downloads ViT-B/32; cast to fp32), every weight random, saved as their trainer saves it, loaded
     with load_captioner: the pair encoder's tokens, the per-token logits (within 1e-4 x their largest) and the greedy
     captions of their decoding loop over decoder_caption (32 steps, no stop, cut at the end token) equal ours."""
-    import_authors(monkeypatch)
-    from modules.modeling import CLIP4IDC
-    from modules.module_cross import CrossConfig
-    from modules.module_decoder import DecoderConfig
     torch.manual_seed(0)
-    W = PAPER_CLIP.transformer_width
-    task = SimpleNamespace(task_type="caption", intra_num_hidden_layers=1, decoder_num_hidden_layers=3,
-                           linear_patch="2d", local_rank=0)
-    decoder = DecoderConfig(49408, hidden_size=W, num_attention_heads=W // 64, intermediate_size=4 * W,
-                            max_target_embeddings=77, num_decoder_layers=3)
-    theirs = CLIP4IDC(CrossConfig(49408, hidden_size=W, num_attention_heads=2, intermediate_size=4 * W), decoder,
-                      M.CLIP(PAPER_CLIP).state_dict(), task).float().eval()
+    theirs = their_clip4idc(monkeypatch).eval()
     with torch.no_grad():
         for name, p in theirs.named_parameters():
             norm = name.endswith("weight") and ("LayerNorm" in name or ".ln_" in name or name.startswith("clip.ln_"))
@@ -1101,25 +1108,16 @@ def test_what_trains_and_decays_is_the_authors(n_inter, monkeypatch):
     logit_scale decayed, BERT's LayerNorms not; at N + 0 stage 2 trains e1, e2, p, ln_mid."""
     import_authors(monkeypatch)
     import modules.modeling as their_modeling
-    from modules.module_cross import CrossConfig
-    from modules.module_decoder import DecoderConfig
     monkeypatch.setattr(their_modeling, "allgather", lambda x, cfg: x)  # one process: the gather is the identity
     monkeypatch.setattr(torch.distributed, "barrier", lambda: None)
-    cfg, W = dataclasses_replace(PAPER_CLIP, n_inter=n_inter), PAPER_CLIP.transformer_width
+    cfg = dataclasses_replace(PAPER_CLIP, n_inter=n_inter)
     before, after = pair_images(3)
     text = tokenize(["the cube turned red", "no change", "a ball moved"])
     caps = torch.cat([torch.full((3, 1), clip_load.SOT), torch.randint(1, 49406, (3, 6)),
                       torch.full((3, 1), clip_load.EOT)], 1)
     for stage in (1, 2):
         torch.manual_seed(0)
-        task = SimpleNamespace(task_type="retrieval" if stage == 1 else "caption", local_rank=0, linear_patch="2d",
-                               intra_num_hidden_layers=cfg.vision_layers - n_inter, decoder_num_hidden_layers=3,
-                               world_size=1, rank=0)
-        decoder = DecoderConfig(49408, hidden_size=W, num_attention_heads=W // 64, intermediate_size=4 * W,
-                                max_target_embeddings=77, num_decoder_layers=3)
-        their = their_modeling.CLIP4IDC(CrossConfig(49408, hidden_size=W, num_attention_heads=2,
-                                                    intermediate_size=4 * W), decoder, M.CLIP(cfg).state_dict(),
-                                        task).float().train()
+        their = their_clip4idc(monkeypatch, "retrieval" if stage == 1 else "caption", cfg).train()
         rules = _their_rules(monkeypatch, stage, their)
         ones = lambda x: torch.ones_like(x)
         inputs = (text[:, None], ones(text[:, None]), ones(text[:, None]), before[:, None], after[:, None],
@@ -1296,19 +1294,8 @@ def test_stage2_step_is_the_authors(monkeypatch, tmp_path):
     loss1 + loss2 (their CLIP4IDC in train mode, dropout 0, the same weights, pairs and captions; one mean over both
     halves is not); data.DistractorBatches gives each change pair with its own distractor, in an order of the epoch;
     the steps per epoch are their loader's on a CLEVR-Change layout."""
-    import_authors(monkeypatch)
-    from modules.modeling import CLIP4IDC
-    from modules.module_cross import CrossConfig
-    from modules.module_decoder import DecoderConfig
     torch.manual_seed(0)
-    W = PAPER_CLIP.transformer_width
-    task = SimpleNamespace(task_type="caption", intra_num_hidden_layers=1, decoder_num_hidden_layers=3,
-                           linear_patch="2d", local_rank=0)
-    decoder = DecoderConfig(49408, hidden_size=W, num_attention_heads=W // 64, intermediate_size=4 * W,
-                            max_target_embeddings=77, num_decoder_layers=3, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0)
-    theirs = CLIP4IDC(CrossConfig(49408, hidden_size=W, num_attention_heads=2, intermediate_size=4 * W), decoder,
-                      M.CLIP(PAPER_CLIP).state_dict(), task).float().train()
+    theirs = their_clip4idc(monkeypatch, dropout=0.0).train()
     torch.save(theirs.state_dict(), tmp_path / "their.bin")
     ours, _ = caption.load_captioner(tmp_path / "their.bin")
     g = torch.Generator().manual_seed(0)

@@ -115,10 +115,8 @@ def flag_error(flag, message):
 
 
 def keep_freed_memory():
-    """On a CPU under glibc: freed memory stays in the process for the next allocation instead of going back to
-    the OS: glibc serves each allocation above its mmap threshold (at most 32 MiB) with fresh pages, faulted in
-    again at every step (BENCHMARKS.md "glibc's allocator"). Resident memory then stays at its peak. False where
-    there is no glibc (macOS, musl: nothing changes)."""
+    """On a CPU under glibc: freed memory stays in the process for the next allocation (glibc would serve each
+    allocation above its mmap threshold with fresh pages, faulted in at every step). False without glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
@@ -191,8 +189,8 @@ def log(*args):
 
 
 def warmup_cosine(optimizer, total_steps, warmup_frac=0.1):
-    """The mini presets' schedule: linear warmup over the first `warmup_frac` of the steps, then a cosine from the
-    peak to 0 over the rest. Each parameter group keeps its own base lr."""
+    """The mini presets' schedule: linear warmup over `warmup_frac` of the steps, then a cosine from the peak to 0
+    over the rest. Each parameter group keeps its own base lr."""
     warmup = max(1, int(warmup_frac * total_steps))
 
     def factor(step):
@@ -203,9 +201,8 @@ def warmup_cosine(optimizer, total_steps, warmup_frac=0.1):
 
 
 def authors_schedule(optimizer, total_steps, warmup_frac=0.1, kind="cosine"):
-    """The paper presets' schedules, BertAdam's (modules/optimization.py 26-42) of x = step / total_steps, x from 0
-    (their first step has rate 0): x / warmup while x < warmup, then cosine: 0.5 (1 + cos(pi x)), not restarted
-    after the warmup (stage 1), or linear: (1 - x) / (1 - warmup), down to 0 (stage 2)."""
+    """The paper presets' schedules (their optimization.py 26-42) of x = step / total_steps from 0 (their first
+    rate is 0): x / warmup, then 0.5 (1 + cos(pi x)) (stage 1) or (1 - x) / (1 - warmup) (stage 2)."""
     def factor(step):
         x = step / total_steps
         if x < warmup_frac:
@@ -246,9 +243,8 @@ def policy_table(named_params, rule):
 
 
 def authors_param_groups(model, rule, weight_decay, bert=None):
-    """The authors' groups (prep_optimizer in main_task_retrieval.py 165-215, main_task_caption.py 223-257): every
-    trained tensor decays but those whose name in their code holds "bias" or BERT's "LayerNorm." (the LayerNorms of
-    the submodule `bert`, their decoder): CLIP's LayerNorm weights, e1, e2, ln_mid.weight and logit_scale decay."""
+    """The authors' groups (their prep_optimizer): all decay but biases and the LayerNorms of `bert` (their
+    decoder, named LayerNorm there); CLIP's LayerNorm weights, e1, e2, ln_mid.weight and logit_scale decay."""
     bert_ln = {f"{bert}.{n}.weight" for n, m in getattr(model, bert).named_modules()
                if isinstance(m, torch.nn.LayerNorm)} if bert else set()
     groups = {}
@@ -260,11 +256,9 @@ def authors_param_groups(model, rule, weight_decay, bert=None):
 
 
 class BertAdam(torch.optim.Optimizer):
-    """The paper presets' update rule, the authors' BertAdam (modules/optimization.py 110-167): Adam without bias
-    correction, weight decay added to the update (decoupled, as AdamW's), its moments as the weights' dtype (fp16 for
-    their fp16 weights). A tensor without a gradient neither moves nor decays. The schedule is the caller's (it sets
-    each group's lr: authors_schedule); their per-tensor clip is left out, since both their trainers clip the global
-    norm at 1.0 first. The lr may be a tensor on the device (a CUDA graph reads it there: GraphedStep)."""
+    """The paper presets' update, the authors' BertAdam (their optimization.py 110-167): Adam without bias
+    correction, decoupled weight decay, moments in the weights' dtype; a tensor without a gradient is skipped. The
+    schedule sets each group's lr (a tensor under GraphedStep); their per-tensor clip follows a global one: a no-op."""
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -289,9 +283,8 @@ class BertAdam(torch.optim.Optimizer):
 
 
 def make_optimizer(groups, device, capturable=False, rule="adamw", betas=(0.9, 0.98)):
-    """rule "adamw" (the mini presets): AdamW (betas, eps 1e-6) over `param_groups`; on CUDA the fused kernel (one
-    launch for all parameters instead of a few per tensor). capturable: its step can be captured in a CUDA graph
-    (GraphedStep; the fused kernel, on a CPU too). rule "bertadam" (the paper presets): BertAdam, capturable as it is."""
+    """"bertadam" (the paper presets) or AdamW (eps 1e-6; the mini presets), on CUDA fused (one launch for all
+    parameters). capturable: AdamW's step can be captured in a CUDA graph (GraphedStep); BertAdam's always can."""
     if rule == "bertadam":
         return BertAdam(groups, lr=groups[0]["lr"], betas=betas, eps=1e-6)
     fused = capturable or torch.device(device).type == "cuda"
@@ -319,14 +312,10 @@ def train_step(ctx, batch, loss_fn, optimizer, scheduler, params, grad_clip=1.0)
 
 
 class GraphedStep:
-    """train_step captured once as a CUDA graph and replayed (adapt.py --cuda-graphs): the forward, backward,
-    gradient clip and AdamW step of a batch become one launch, where eager PyTorch launches hundreds of kernels and
-    a GPU step waits for the CPU that launches them. It needs static shapes (captions padded to their full length)
-    and an optimizer made with capturable=True; its learning rates become tensors on the device,
-    which the schedule fills in place between replays. The first batch warms up on a side stream and is captured;
-    what the warm-up changed (weights, AdamW's moments and steps) is put back first, so the run trains as eager
-    would. A batch of other shapes (a last, smaller one) runs eagerly. On a CPU nothing is captured: the same
-    step runs as it is (the tests compare it with train_step)."""
+    """train_step captured once as a CUDA graph and replayed (adapt.py --cuda-graphs): forward, backward, clip
+    and step become one launch. It needs static shapes and a capturable optimizer; the learning rates become device
+    tensors that the schedule fills in place. The first batch warms up on a side stream, what it changed is put
+    back, then it is captured. Other shapes (a last, smaller batch) run eagerly; on a CPU nothing is captured."""
 
     def __init__(self, ctx, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
         self.ctx, self.loss_fn, self.params, self.grad_clip = ctx, loss_fn, params, grad_clip
@@ -392,10 +381,9 @@ class Progress:
 
 
 def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, grad_clip=1.0, graphed=None):
-    """One pass over `loader` (see train_step) -> mean loss. Both stages share its bookkeeping (the progress line: step,
-    loss, lr, throughput, ETA; the NaN check); their loss comes in as `loss_fn(batch) -> (loss, n_samples)`. The loss
-    is summed on the device and checked at each progress line only, so the CPU queues the next steps while the GPU
-    runs; a NaN/inf loss stops the run, naming the steps. `graphed` (a GraphedStep) replaces train_step."""
+    """One pass over `loader` (see train_step) -> mean loss, with the progress line (step, loss, lr, throughput,
+    ETA). `loss_fn(batch) -> (loss, n_samples)`. The loss is summed on the device and checked only at progress
+    lines (the CPU queues steps meanwhile): NaN/inf stops the run. `graphed` (a GraphedStep) replaces train_step."""
     model.train()
     t0, seen, count, checked = time.time(), 0, 0, progress.step
     total = torch.zeros((), device=ctx.device)
