@@ -109,10 +109,10 @@ def get_args(argv=None):
         # the paper's settings for any CLIP file, or OpenAI's found in the cache; the mini CLIP's own otherwise
         cached = args.clip is None and (clip_load.CACHE / "ViT-B-32.pt").is_file()
         args.preset = "paper" if args.clip not in (None, *clip_load.SHIPPED) or cached else "mini"
-    vars(args).update({k: v for k, v in {"shared_p": 0.0, "freeze_blocks": 0, **PRESETS[args.preset]}.items()
+    spot = {"epochs": 20} if args.preset == "paper" and args.data == "spot" else {}  # retrieve_spot.sh
+    vars(args).update({k: v for k, v in {"shared_p": 0.0, "freeze_blocks": 0, **PRESETS[args.preset], **spot}.items()
                        if getattr(args, k, None) is None})  # a flag given wins
-    # each flag's own range is checked by its argparse type; what is left depends on two flags (a CLIP file's
-    # sizes are checked against --n-inter when it is read: clip_load.load_clip)
+    # what depends on two flags (a CLIP file's sizes against --n-inter: clip_load.load_clip)
     check_resume(p, args)
     if args.authors_numerics and args.optimizer != "bertadam":
         p.error("argument --authors-numerics: their fp16 state is BertAdam's: give --optimizer bertadam")
