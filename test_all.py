@@ -25,6 +25,9 @@ heads in both towers:
   weights and the chosen model of a run never stopped;
 - greedy decoding (with and without the cache) and beam search equal plain references written per pair (a
   textbook beam search, exhaustive search), and every bad value of every entry point's flags is one argparse line;
+- the paper presets train and score as the authors' code (../shared/reference/authors_clip4idc): BertAdam's updates
+  (fp32 to 1e-6, their fp16 bit for bit), their schedules at every step, what trains and decays (their own source,
+  read with ast), N + 0 (their module), their retrieval ranks, the stage-2 step and its batches;
 - the paper preset's captioner is the authors': built from their code (../shared/reference/authors_clip4idc) and
   saved as their trainer saves it, it gives our load_captioner the same tokens, logits and greedy captions; their
   released layout, written out key by key, evaluates through README's command.
