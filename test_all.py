@@ -1,5 +1,5 @@
-"""clip4idc test suite: `pytest test_all.py -rs` (all, about 5 minutes on 2 CPU cores) or `pytest test_all.py -rs
--m "not slow"` (the fast subset, about a minute; README "Tests" gives the measured times). Tiny models and data the
+"""clip4idc test suite: `pytest test_all.py -rs` (all, about 8 minutes on 2 CPU cores at 100 GFLOP/s) or `pytest
+test_all.py -rs -m "not slow"` (the fast subset, 2-3 minutes; README "Tests" gives the measured times). Tiny models and data the
 tests make themselves (or the real files in ../shared/, skipped cleanly when absent).
 
 Devices: every test but the cuda group runs on the CPU on any machine. Each stage run names `--device cpu` (CPU,
