@@ -26,10 +26,10 @@ import clip_load
 import data
 import plots
 from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, authors_fp16_, share_joint_positions_
-from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, authors_param_groups, authors_schedule,
-                         check_resume, check_sizes, freeze, interrupted, last_path, load_resume, log, make_optimizer,
-                         param_groups, policy_table, restore, rng_state, run_flags, save_atomic, setup, train_epoch,
-                         warmup_cosine, where)
+from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, authors_decays, authors_schedule,
+                         check_resume, check_sizes, freeze, improved, interrupted, last_path, load_resume, log,
+                         make_optimizer, param_groups, policy_table, restore, rng_state, run_flags, save_atomic, setup,
+                         train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
@@ -88,15 +88,14 @@ def get_args(argv=None):
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help=f"lr of CLIP's weights {pre('lr_clip')}")
     p.add_argument("--freeze-blocks", type=at_least(0), default=None, help="not the paper's: CLIP's first N image "
                    f"blocks frozen (4 of 4 + 2: the intra blocks); the other presets: 0 {pre('freeze_blocks')}")
-    p.add_argument("--weight-decay", type=at_least(0.0, float), default=None, help=f"weight decay {pre('weight_decay')}")
+    p.add_argument("--weight-decay", type=at_least(0.0, float), help=f"weight decay {pre('weight_decay')}")
     p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help="bertadam: the authors' (their "
                    "schedule and decay sets); adamw: ours (cosine after the warmup, no decay on 1-D tensors) "
                    f"{pre('optimizer')}")
     # run
     run_flags(p)
-    p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 weights and moments, the "
-                   "forward in fp16 (model.authors_fp16_), their two GPUs' gradient (two_gpu_gradient_); needs "
-                   "--optimizer bertadam")
+    p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 (model.authors_fp16_) and "
+                   "two-GPU gradient (two_gpu_gradient_); with bertadam")
     p.add_argument("--out", default="adapted.pt", help="best-on-val checkpoint; resumable state in *.last.pt")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the training step (CUDA), static shapes: captions padded to --context-length")
@@ -112,7 +111,6 @@ def get_args(argv=None):
     spot = {"epochs": 20} if args.preset == "paper" and args.data == "spot" else {}  # retrieve_spot.sh
     vars(args).update({k: v for k, v in {"shared_p": 0.0, "freeze_blocks": 0, **PRESETS[args.preset], **spot}.items()
                        if getattr(args, k, None) is None})  # a flag given wins
-    # what depends on two flags (a CLIP file's sizes against --n-inter: clip_load.load_clip)
     check_resume(p, args)
     if args.authors_numerics and args.optimizer != "bertadam":
         p.error("argument --authors-numerics: their fp16 state is BertAdam's: give --optimizer bertadam")
@@ -196,7 +194,7 @@ def contrastive_loss(v, g, logit_scale):
 def lr_rule(args):
     """The learning-rate rule, parameter name -> learning rate (None: frozen): the new pair parameters at lr_new,
     CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and the first --freeze-blocks image
-    blocks. Weight decay applies to the matrices only (train_utils.param_groups)."""
+    blocks. Weight decay: train_utils.param_groups."""
     def lr(name):
         if name.startswith(PAIR_KEYS):  # e1, e2, p, ln_mid (at N + 0 too, as the authors')
             return args.lr_new
@@ -328,9 +326,9 @@ def checkpoint(model, args, root, metrics):
 
 
 def save_epoch(model, optimizer, scheduler, args, root, val, epoch, step, best, history):
-    """After an epoch: the model when val's --select figure is at least the best so far (a tie goes to the later
-    epoch, as the authors', main_task_retrieval.py 557-560) to --out, and always the resumable state (*.last.pt)."""
-    if val[args.select] >= best:
+    """After an epoch: the model when val's `select` figure is at least the best so far (train_utils.improved: a tie
+    to the later epoch) to --out, and always the resumable state (*.last.pt)."""
+    if improved(val[args.select], best, tie_counts=True):
         best = val[args.select]
         save_atomic(checkpoint(model, args, root, {"val": val, "epoch": epoch}), args.out)
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -381,8 +379,8 @@ def main(argv=None):
     freeze(model.named_parameters(), rule)
     log("   what trains:\n" + policy_table(model.named_parameters(), rule))
     theirs = args.optimizer == "bertadam"
-    groups = (authors_param_groups(model, rule, args.weight_decay) if theirs else
-              param_groups(model.named_parameters(), rule, args.weight_decay))
+    decays = authors_decays(model) if theirs else None
+    groups = param_groups(model.named_parameters(), rule, args.weight_decay, decays)
     optimizer = make_optimizer(groups, ctx.device, args.cuda_graphs, args.optimizer, betas=(0.9, 0.98))
     total_steps = args.epochs * len(loader)
     scheduler = (authors_schedule if theirs else warmup_cosine)(optimizer, total_steps, args.warmup)
@@ -425,7 +423,7 @@ def main(argv=None):
                 raise SystemExit(diverged(epoch + 1))
             history.append({"epoch": epoch + 1, "loss": loss, **val})
             log(f"epoch {epoch + 1}/{args.epochs} done in {time.time() - t0:.0f}s | loss {loss:.4f} | "
-                f"val {fmt(val)}{' | best so far: saved' if val[args.select] >= best else ''}")
+                f"val {fmt(val)}{' | best so far: saved' if improved(val[args.select], best, True) else ''}")
             best = save_epoch(model, optimizer, scheduler, args, root, val, epoch + 1, step, best, history)
     except KeyboardInterrupt:
         interrupted(args.out)

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 import torch
 
 from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
-from train_utils import (BertAdam, GraphedStep, HelpFormatter, at_least, authors_param_groups, authors_schedule,
-                         device_arg, freeze, make_optimizer, matmul_gflops, setup, train_step, where)
+from train_utils import (BertAdam, GraphedStep, HelpFormatter, at_least, authors_decays, authors_schedule,
+                         device_arg, freeze, make_optimizer, matmul_gflops, param_groups, setup, train_step, where)
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
@@ -160,7 +160,7 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
     size = model.cfg.image_resolution
     net = torch.compile(PairText(model)) if compile else PairText(model)
     freeze(model.named_parameters(), lr_rule(args))
-    groups = authors_param_groups(model, lr_rule(args), args.weight_decay)
+    groups = param_groups(model.named_parameters(), lr_rule(args), args.weight_decay, authors_decays(model))
     optimizer = make_optimizer(groups, device, graphs, args.optimizer, betas=(0.9, 0.98))
     scheduler = authors_schedule(optimizer, 1000, args.warmup)
     params = [p for g in groups for p in g["params"]]
@@ -340,13 +340,13 @@ def bench_matmul(args):
 
 
 def bench_numerics(args):
-    """--steps stage-1 steps at the paper preset's peak rates on --batch random pairs at 224 px, from one random
-    ViT-B/32: ours (fp32 master weights, our BertAdam) and theirs (their module_clip.CLIP under their convert_weights,
-    their BertAdam), each with the paper's frozen and decay sets, loss and global clip. How many of the fp16-held
-    weights moved, by more than 1e-5, and the largest move."""
+    """--steps stage-1 steps at the paper preset's peak rates on random pairs from one random ViT-B/32: ours (fp32
+    masters) and theirs (their module_clip.CLIP, convert_weights, BertAdam). How far the fp16-held weights moved."""
     import sys
     import types
     from adapt import contrastive_loss, lr_rule
+    if not os.path.isfile(os.path.join(args.authors, "modules", "module_clip.py")):
+        raise SystemExit(f"--authors: no modules/module_clip.py in {args.authors}: give a clone of the authors' code")
     torch.set_num_threads(args.threads or torch.get_num_threads())
     sys.modules.setdefault("tqdm", types.SimpleNamespace(tqdm=None))  # their download helper's import
     sys.path.insert(0, args.authors)
@@ -367,7 +367,7 @@ def bench_numerics(args):
                 torch.stack([before, after], 1).flatten(0, 1).half(), video_frame=2).float()))
     for label, model, make, vector in runs:
         freeze(model.named_parameters(), rule)
-        optimizer = make(authors_param_groups(model, rule, 0.2))
+        optimizer = make(param_groups(model.named_parameters(), rule, 0.2, authors_decays(model)))
         start = {n: p.detach().float().clone() for n, p in model.named_parameters()}
         t0 = time.time()
         for _ in range(args.steps):
@@ -377,7 +377,7 @@ def bench_numerics(args):
             optimizer.zero_grad(set_to_none=True)
         held = (".attn.in_proj_weight", ".attn.in_proj_bias", ".attn.out_proj.weight", ".attn.out_proj.bias",
                 "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias", "visual.proj",
-                "text_projection")  # what convert_weights holds in fp16 and trains (conv1 is frozen)
+                "text_projection")  # held in fp16 by convert_weights, and trained
         d = torch.cat([(p.detach().float() - start[n]).abs().flatten() for n, p in model.named_parameters()
                        if n.endswith(held)])
         print(f"{label}: {args.steps} steps of {args.batch} pairs in {time.time() - t0:.0f}s: of the fp16-held "
@@ -423,7 +423,7 @@ def get_args(argv=None):
     q = add("numerics", "how far ViT-B/32's weights move in the authors' fp16 step (rebuilt) against ours")
     q.add_argument("--steps", type=at_least(1), default=8, help="training steps")
     q.add_argument("--batch", type=at_least(2), default=2, help="pairs per step (fp16 on a CPU is slow)")
-    q.add_argument("--authors", default="../shared/reference/authors_clip4idc", help="the authors' code")
+    q.add_argument("--authors", default="CLIP4IDC", help="a clone of the authors' code (github.com/sushizixin/CLIP4IDC)")
     q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
     m = add("matmul", "this CPU's fp32 GFLOP/s, the figure to quote beside a timing")
     m.add_argument("--n", type=at_least(1), default=2048, help="matrix size")

@@ -32,10 +32,10 @@ import metrics
 import plots
 import synth
 from model import INPUT_EMBEDDINGS, Captioner, CaptionerConfig, authors_fp16_
-from train_utils import (HelpFormatter, Progress, at_least, authors_param_groups, authors_schedule, check_resume,
-                         flag_error, fmt_time, freeze, interrupted, last_path, load_resume, log, make_optimizer,
-                         param_groups, policy_table, restore, rng_state, run_flags, save_atomic, setup, train_epoch,
-                         warmup_cosine, where)
+from train_utils import (HelpFormatter, Progress, at_least, authors_decays, authors_schedule, check_resume,
+                         flag_error, fmt_time, freeze, improved, interrupted, last_path, load_resume, log,
+                         make_optimizer, param_groups, policy_table, restore, rng_state, run_flags, save_atomic, setup,
+                         train_epoch, warmup_cosine, where)
 
 PRESETS = {
     # CPU, adapt.py's small encoders, frozen (its tokens computed once per pair): a 2-layer pre-LN decoder with its
@@ -104,8 +104,8 @@ def caption_loss(logits, targets):
 
 
 def batch_loss(model, batch, device, frozen=False, paired=False):
-    """caption_loss on each pair's drawn caption -> (loss, pairs). paired (data.DistractorBatches): change pairs,
-    then their distractors, the loss the authors' loss1 + loss2 (main_task_caption.py 307-341)."""
+    """caption_loss -> (loss, pairs); paired (DistractorBatches: change pairs, then their distractors): the
+    authors' loss1 + loss2 (main_task_caption.py 307-341)."""
     ids = batch["ids"][:, :int((batch["ids"] != PAD).sum(1).max())].to(device)  # the shared padding cut
     logits = model(ids[:, :-1], **model_inputs(batch, device, frozen))
     if paired:
@@ -380,8 +380,8 @@ def get_args(argv=None):
                    f"{pre('optimizer')}")
     p.add_argument("--pair-distractors", action=argparse.BooleanOptionalAction, default=None, help="CLEVR: each "
                    f"change pair with its own distractor, two losses summed (the authors') {pre('pair_distractors')}")
-    p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 weights and moments, the "
-                   "forward in fp16 (model.authors_fp16_; needs --optimizer bertadam)")
+    p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 (model.authors_fp16_); with "
+                   "bertadam")
     run_flags(p, log_every=50)
     p.add_argument("--patience", type=at_least(1), default=None, help="stop after this many epochs without val "
                    f"CIDEr-D gain (paper: a tie is a gain) {pre('patience')}")
@@ -649,8 +649,8 @@ def train(args, ckpt_info):
     rule = lr_rule(args)
     freeze(model.named_parameters(), rule)
     theirs = args.optimizer == "bertadam"
-    groups = (authors_param_groups(model, rule, args.weight_decay, bert="captioner") if theirs else
-              param_groups(model.named_parameters(), rule, args.weight_decay))
+    decays = authors_decays(model, bert="captioner") if theirs else None
+    groups = param_groups(model.named_parameters(), rule, args.weight_decay, decays)
     optimizer = make_optimizer(groups, ctx.device, rule=args.optimizer, betas=(0.9, 0.999 if theirs else 0.98))
     describe(ctx, model, rule, optimizer, args)
     train_loader, val_loader, test_loader = loaders(model, splits, caption_ids, args, ctx)
@@ -674,7 +674,7 @@ def train(args, ckpt_info):
             val = validate(model, val_loader, splits["val"], vocab, scenes, ctx)
             run["history"].append({"epoch": epoch + 1, "loss": loss, **{f"val {k}": v for k, v in val.items()}})
             run.update(epoch=epoch + 1, step=progress.step, epochs_without_gain=run["epochs_without_gain"] + 1)
-            if val["CIDEr-D"] > run["best"] or (args.tie_is_gain and val["CIDEr-D"] == run["best"]):
+            if improved(val["CIDEr-D"], run["best"], args.tie_is_gain):
                 run.update(best=val["CIDEr-D"], best_epoch=epoch + 1, epochs_without_gain=0)
                 save_atomic(checkpoint(model, vocab, source, args, {"val": val, "epoch": epoch + 1}), args.out)
             right = "".join(f", {k} {val[k]:.0f}%" for k in ("right type", "right object") if k in val)

@@ -513,8 +513,8 @@ def distractor_partners(items):
 
 
 def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0, pairs=None):
-    """DataLoader with an EpochSampler (or, given `pairs`, DistractorBatches); whole batches from datasets that read
-    them at once; pinned memory on CUDA. Workers start anew each epoch, to see the dataset's epoch (a fork)."""
+    """DataLoader with an EpochSampler (or, given `pairs`, DistractorBatches); whole batches where the dataset reads
+    them; pinned memory on CUDA; workers anew each epoch, to see the dataset's epoch."""
     order = dict(batch_sampler=DistractorBatches(pairs, batch_size, seed)) if pairs is not None else dict(
         batch_size=batch_size, sampler=EpochSampler(len(dataset), shuffle, seed), drop_last=drop_last)
     return torch.utils.data.DataLoader(

@@ -1106,7 +1106,7 @@ def _with_grad(named, loss):
 def test_what_trains_and_decays_is_the_authors(n_inter, monkeypatch):
     """What each paper stage trains, at which rate and with which decay, equal to their code's: their main()'s freeze
     and prep_optimizer (their source, run on their CLIP4IDC), the tensors that get a gradient in their forward (their
-    BertAdam steps no other), against adapt.lr_rule / caption.lr_rule with authors_param_groups on ours, at 1 + 3
+    BertAdam steps no other), against adapt.lr_rule / caption.lr_rule with authors_decays on ours, at 1 + 3
     (ViT-B/32's 9 + 3 on a 4-block CLIP) and 4 + 0 (12 + 0): CLIP's LayerNorm weights, e1, e2, ln_mid.weight and
     logit_scale decayed, BERT's LayerNorms not; at N + 0 stage 2 trains e1, e2, p, ln_mid."""
     import_authors(monkeypatch)
@@ -1134,7 +1134,8 @@ def test_what_trains_and_decays_is_the_authors(n_inter, monkeypatch):
             args = adapt.get_args([*CPU, "--clip", A_FILE, "--n-inter", str(n_inter)])
             rule = adapt.lr_rule(args)
             train_utils.freeze(model.named_parameters(), rule)
-            groups = train_utils.authors_param_groups(model, rule, args.weight_decay)
+            groups = train_utils.param_groups(model.named_parameters(), rule, args.weight_decay,
+                                             train_utils.authors_decays(model))
             loss = adapt.contrastive_loss(*adapt.PairText(model)(before, after, text))
             theirs = {n.removeprefix("clip."): v for n, v in theirs.items()}
         else:
@@ -1143,7 +1144,8 @@ def test_what_trains_and_decays_is_the_authors(n_inter, monkeypatch):
             caption.apply_preset(args, {})
             rule = caption.lr_rule(args)
             train_utils.freeze(model.named_parameters(), rule)
-            groups = train_utils.authors_param_groups(model, rule, args.weight_decay, bert="captioner")
+            groups = train_utils.param_groups(model.named_parameters(), rule, args.weight_decay,
+                                             train_utils.authors_decays(model, "captioner"))
             loss = caption.caption_loss(model(caps[:, :-1], before=before, after=after), caps[:, 1:])
             # their decoder.* names -> ours (authors_layout: the same tensors, ours split there as q/k/v)
             ptr = {p.untyped_storage().data_ptr(): n for n, p in model.named_parameters()}
@@ -3587,6 +3589,25 @@ def test_bench_compiled_step_inside_the_graph_trains_as_eager():
     assert losses[0][0] > losses[0][2] and torch.allclose(losses[0], losses[1], rtol=1e-4), losses
 
 
+def test_selection_ties_go_to_the_later_epoch_as_the_authors(tmp_path):
+    """Model selection (train_utils.improved): stage 1 saves an epoch whose val figure equals the best (the authors'
+    `best_score <= R1`), and by text->pair R@1 in the paper preset; stage 2's paper preset counts a tie as a gain and
+    stops after 11 epochs without one (their early_stop > 10), the mini presets keep their strict rule and 10."""
+    assert train_utils.improved(2.0, 2.0, True) and not train_utils.improved(2.0, 2.0, False)
+    assert train_utils.improved(2.5, 2.0, False) and not train_utils.improved(1.5, 2.0, True)
+    model = M.CLIP(TINY)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    args = adapt.get_args([*CPU, "--clip", A_FILE, "--out", str(tmp_path / "a.pt")])
+    assert args.select == "text->pair R@1"
+    val = {"text->pair R@1": 30.0, "R@mean": 10.0}
+    sched = train_utils.warmup_cosine(opt, 10)
+    best = adapt.save_epoch(model, opt, sched, args, tmp_path, val, 1, 5, -1.0, [{"epoch": 1, **val}])
+    best = adapt.save_epoch(model, opt, sched, args, tmp_path, {**val, "R@mean": 99.0}, 2, 10, best, [])
+    assert best == 30.0 and torch.load(tmp_path / "a.pt", weights_only=False)["metrics"]["epoch"] == 2  # the later
+    paper, mini = caption.PRESETS["paper"], caption.PRESETS["mini"]
+    assert (paper["patience"], paper["tie_is_gain"], mini["patience"], mini["tie_is_gain"]) == (11, True, 10, False)
+
+
 def test_warmup_cosine_is_the_mini_presets_schedule():
     """train_utils.warmup_cosine, step by step against its formula: the rate climbs linearly from lr / warmup at
     step 0 to the full lr at the last warmup step, then falls along a half cosine to 0 at the last step; each
@@ -3619,7 +3640,7 @@ def _steps(graphed, n=5, rule_name="adamw", rates=None):
                                          freeze_blocks=0))
     train_utils.freeze(model.named_parameters(), rule)
     if rule_name == "bertadam":
-        groups = train_utils.authors_param_groups(model, rule, 0.2)
+        groups = train_utils.param_groups(model.named_parameters(), rule, 0.2, train_utils.authors_decays(model))
         optimizer = train_utils.make_optimizer(groups, "cpu", rule="bertadam")
         scheduler = train_utils.authors_schedule(optimizer, n + 2, 0.3)
     else:

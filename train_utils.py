@@ -218,13 +218,14 @@ def freeze(named_params, rule):
         p.requires_grad_(rule(name) is not None)
 
 
-def param_groups(named_params, rule, weight_decay):
-    """Adam(W) groups of the trained parameters, by learning rate: 1-D tensors (LayerNorm, biases, embedding
-    vectors) get no weight decay."""
+def param_groups(named_params, rule, weight_decay, decays=None):
+    """Adam groups of the trained parameters, by learning rate and decay: decays(name, p) says which decay (default:
+    the matrices; the paper presets: authors_decays)."""
     groups = {}
     for name, p in named_params:
         if (lr := rule(name)) is not None:
-            groups.setdefault((lr, weight_decay if p.ndim >= 2 else 0.0), []).append(p)
+            decayed = decays(name, p) if decays else p.ndim >= 2
+            groups.setdefault((lr, weight_decay if decayed else 0.0), []).append(p)
     return [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
 
 
@@ -242,23 +243,17 @@ def policy_table(named_params, rule):
     return "\n".join(f"   {group:<40} {rate(lr):>10} {n:>12,}" for (group, lr), n in rows.items())
 
 
-def authors_param_groups(model, rule, weight_decay, bert=None):
-    """The authors' groups (their prep_optimizer): all decay but biases and the LayerNorms of `bert` (their
-    decoder, named LayerNorm there); CLIP's LayerNorm weights, e1, e2, ln_mid.weight and logit_scale decay."""
+def authors_decays(model, bert=None):
+    """The authors' decay sets (prep_optimizer): all but biases and `bert`'s LayerNorms (their decoder's), so
+    CLIP's LayerNorm weights, e1, e2, ln_mid.weight and logit_scale decay."""
     bert_ln = {f"{bert}.{n}.weight" for n, m in getattr(model, bert).named_modules()
                if isinstance(m, torch.nn.LayerNorm)} if bert else set()
-    groups = {}
-    for name, p in model.named_parameters():
-        if (lr := rule(name)) is not None:
-            decays = "bias" not in name and name not in bert_ln
-            groups.setdefault((lr, weight_decay if decays else 0.0), []).append(p)
-    return [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
+    return lambda name, p: "bias" not in name and name not in bert_ln
 
 
 class BertAdam(torch.optim.Optimizer):
-    """The paper presets' update, the authors' BertAdam (their optimization.py 110-167): Adam without bias
-    correction, decoupled weight decay, moments in the weights' dtype; a tensor without a gradient is skipped. The
-    schedule sets each group's lr (a tensor under GraphedStep); their per-tensor clip follows a global one: a no-op."""
+    """The authors' BertAdam (their optimization.py 110-167): Adam without bias correction, decoupled decay, moments
+    in the weights' dtype, tensors without a gradient skipped (their per-tensor clip, after a global one, is a no-op)."""
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -283,8 +278,7 @@ class BertAdam(torch.optim.Optimizer):
 
 
 def make_optimizer(groups, device, capturable=False, rule="adamw", betas=(0.9, 0.98)):
-    """"bertadam" (the paper presets) or AdamW (eps 1e-6; the mini presets), on CUDA fused (one launch for all
-    parameters). capturable: AdamW's step can be captured in a CUDA graph (GraphedStep); BertAdam's always can."""
+    """BertAdam (the paper presets) or AdamW (the mini presets; fused on CUDA; capturable: in a CUDA graph)."""
     if rule == "bertadam":
         return BertAdam(groups, lr=groups[0]["lr"], betas=betas, eps=1e-6)
     fused = capturable or torch.device(device).type == "cuda"
@@ -405,6 +399,11 @@ def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, gra
             log(f"epoch {progress.epoch + 1}/{progress.epochs} step {progress.step}/{progress.total_steps} | "
                 f"loss {loss.item():.4f} | lr {lrs} | {rate:.1f} {progress.unit}/s | ETA {fmt_time(eta)}")
     return total.item() / max(1, count)
+
+
+def improved(score, best, tie_counts):
+    """Selection: a better val figure, or with tie_counts an equal one (the authors': the later epoch kept)."""
+    return score > best or (tie_counts and score == best)
 
 
 def fmt_time(seconds):
