@@ -1,17 +1,13 @@
 """Stage 1 of CLIP4IDC: adapt CLIP to image *pairs* by contrastive pair <-> text retrieval (paper Sec. 3.2).
 
     python adapt.py --data clevr                 # writes adapted.pt
-    python adapt.py --data clevr --n-inter 0     # all blocks intra, none inter (Table 7: 12 + 0; the mini: 6 + 0)
+    python adapt.py --data clevr --n-inter 0     # every block intra, none inter (Table 7: 12 + 0; the mini: 6 + 0)
 
 The pair encoder (model.py) turns (before, after) into a vector v, CLIP's text tower the caption into g; the
-symmetric InfoNCE loss over the batch (eq. 6-8) pulls each pair to its own caption. Retrieval (both ways, ranked as
-the authors rank) on val after every epoch chooses the checkpoint (paper preset: by text->pair R@1, as the authors
-on test); test is evaluated once, at the end. The paper preset's step is the authors' (BertAdam, their schedule).
-
-Presets (printed in a banner, every value overridable by its flag): paper (OpenAI's ViT-B/32 found, or --clip PATH:
-the authors' settings); mini (no OpenAI weights found: the small CLIP pretrain.py pretrained on synthetic scenes,
-shipped in assets/, minutes on a CPU); compare (not the paper's: mini whose inter blocks are taught to compare);
-scratch (a small CLIP-shaped model from nothing).
+symmetric InfoNCE loss over the batch (eq. 6-8) pulls each pair to its own caption. Retrieval on val after every
+epoch chooses the checkpoint; test is evaluated once, at the end. Presets: paper (the authors' settings), mini (the
+small CLIP pretrain.py pretrained on synthetic scenes, minutes on a CPU), compare (not the paper's: mini whose inter
+blocks are taught to compare), scratch (a small CLIP-shaped model from nothing).
 """
 import argparse
 import math
@@ -26,68 +22,75 @@ import clip_load
 import data
 import plots
 from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, authors_fp16_, share_joint_positions_
-from train_utils import (GraphedStep, HelpFormatter, Progress, at_least, authors_decays, authors_schedule,
-                         check_resume, check_sizes, freeze, improved, interrupted, last_path, load_resume, log,
-                         make_optimizer, param_groups, policy_table, restore, rng_state, run_flags, save_atomic, setup,
-                         train_epoch, warmup_cosine, where)
+from train_utils import (GraphedStep, HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule,
+                         check_resume, check_sizes, end_epoch, freeze, given_flags, interrupted, load_resume, log,
+                         make_optimizer,
+                         new_run, param_groups, pick_device, policy_table, resume_run, run_flags, save_atomic,
+                         save_state, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
-# presets: the authors' settings; the shipped small pretrained CLIP and a small from-scratch model, minutes on a CPU
+# settings: a preset (complete, literal), the flags given over it, then what the weights, data and device decide
 
+SIZES = dict(image_size=None, vision_width=None, vision_layers=None, patch_size=None, text_width=None,
+             text_layers=None, embed_dim=None)  # None: the CLIP file's own
 PRESETS = {
-    "paper": dict(clip="ViT-B/32", n_inter=3, image_size=224, batch_size=128, epochs=12, lr_new=1e-4, lr_clip=1e-7,
-                  weight_decay=0.2, workers=8, draw_captions=False, optimizer="bertadam", select="text->pair R@1"),
-    # mini: the shipped small CLIP (6 blocks, 12x12 patches of 8 px: an object spans several), 4 + 2 blocks, the
-    # authors' policy scaled down (CLIP at their 1e-7, so the captions keep what pretraining saw)
-    "mini": dict(clip="mini12-synth", n_inter=2, image_size=96, batch_size=32, epochs=1, lr_new=1e-3, lr_clip=1e-7,
-                 weight_decay=0.05, workers=0, draw_captions=True, optimizer="adamw", select="R@mean"),
-    # scratch (the from-scratch ablation): ViT-B/32's 9 + 3 blocks at 1/12 of its width; nothing frozen, one rate
-    "scratch": dict(clip=None, n_inter=3, image_size=96, batch_size=32, epochs=3, lr_new=3e-4, lr_clip=3e-4,
-                    weight_decay=0.05, workers=0, vision_width=64, vision_layers=12, patch_size=16, text_width=128,
-                    text_layers=3, embed_dim=128, draw_captions=False, optimizer="adamw", select="R@mean"),
+    # the authors' (main_task_retrieval.py, scripts/retrieve_clevr.sh)
+    "paper": dict(clip="ViT-B/32", n_inter=3, **SIZES, batch_size=128, epochs=12, lr_new=1e-4, lr_clip=1e-7,
+                  weight_decay=0.2, optimizer="bertadam", select="text->pair R@1", workers=8, draw_captions=False,
+                  swap_prob=None, shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
+    # the shipped small CLIP (12x12 patches of 8 px: an object spans several), 4 + 2 blocks, the authors' policy
+    # scaled down (CLIP at their 1e-7, so the captions keep what pretraining saw)
+    "mini": dict(clip="mini12-synth", n_inter=2, **SIZES, batch_size=32, epochs=1, lr_new=1e-3, lr_clip=1e-7,
+                 weight_decay=0.05, optimizer="adamw", select="R@mean", workers=0, draw_captions=True,
+                 swap_prob=None, shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
+    # not the paper's: mini whose inter blocks learn to compare (the intra blocks frozen, p alike in both images)
+    "compare": dict(clip="mini12-synth", n_inter=2, **SIZES, batch_size=32, epochs=12, lr_new=1e-3, lr_clip=3e-4,
+                    weight_decay=0.05, optimizer="adamw", select="R@mean", workers=0, draw_captions=True,
+                    swap_prob=None, shared_p=10.0, freeze_blocks=4, cuda_graphs=None),
+    # the from-scratch ablation: ViT-B/32's 9 + 3 blocks at 1/12 of its width; nothing frozen, one rate
+    "scratch": dict(clip=None, n_inter=3, image_size=96, vision_width=64, vision_layers=12, patch_size=16,
+                    text_width=128, text_layers=3, embed_dim=128, batch_size=32, epochs=3, lr_new=3e-4, lr_clip=3e-4,
+                    weight_decay=0.05, optimizer="adamw", select="R@mean", workers=0, draw_captions=False,
+                    swap_prob=None, shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
 }
-# compare (not the paper's): mini whose inter blocks learn to compare: the intra blocks frozen, the rest at 3e-4, p
-# alike for a position in both images
-PRESETS["compare"] = dict(PRESETS["mini"], epochs=12, lr_clip=3e-4, shared_p=10.0, freeze_blocks=4)
 
 
-def get_args(argv=None):
-    pre = lambda k: "[" + ", ".join(f"{n}: {v[k]}" for n, v in PRESETS.items() if k in v) + "]"  # presets' values
+def parser():
+    pre = lambda k: "[" + ", ".join(f"{n}: {v[k]}" for n, v in PRESETS.items() if v[k] is not None) + "]"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     # data
     p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier", "levir"], help="dataset")
     p.add_argument("--data-root", help="dataset directory (default data/<name>; clevr: a synthetic set when absent)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing (counted)")
-    p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None,
-                   help="CLEVR: probability of replacing the before image by its non-semantic version (default: "
-                        "0.5, the authors'; 0 on the synthetic set)")
+    p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None, help="CLEVR: probability of "
+                   "the before image's non-semantic version (default: 0.5, the authors'; 0 on the synthetic set)")
     p.add_argument("--draw-captions", action=argparse.BooleanOptionalAction, default=None, help="one caption drawn "
                    f"per pair and epoch, not every caption once, as the authors {pre('draw_captions')}")
     p.add_argument("--workers", type=at_least(0), default=None, help=f"DataLoader worker processes {pre('workers')}")
     p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None, help="decode every image "
                    "once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images); default: if it fits")
     # model
-    p.add_argument("--preset", default="auto", choices=["auto", "paper", "mini", "compare", "scratch"],
-                   help="auto: paper when OpenAI's weights are found (or --clip names a file), else mini (the "
-                        "small CLIP pretrained on synthetic scenes, in assets/); compare: mini whose inter blocks "
-                        "learn to compare (not the paper's); scratch: a small model from nothing")
+    p.add_argument("--preset", default=None, choices=list(PRESETS), help="default: mini for a shipped --clip, paper "
+                   "for any other; without --clip, paper on a real dataset, mini on none (or the synthetic set)")
     p.add_argument("--clip", type=clip_load.weights_arg, default=None, help="CLIP weights: a path, ViT-B/32 "
                    f"(downloaded) or a shipped {' or '.join(clip_load.SHIPPED)} {pre('clip')}")
     p.add_argument("--n-inter", type=at_least(0), default=None, help=f"inter blocks (the rest intra) {pre('n_inter')}")
-    p.add_argument("--image-size", type=at_least(1), help=f"input size (a CLIP file has its own) {pre('image_size')}")
     p.add_argument("--context-length", type=at_least(2), default=32, help="caption tokens incl. start/end")
     p.add_argument("--shared-p", type=at_least(0.0, float), default=None, help="not the paper's: p alike for a "
-                   "patch's position in both images, codes of this norm (model.share_joint_positions_); 0 (the other "
-                   f"presets): the authors' random p {pre('shared_p')}")
-    for name in ("vision-width", "vision-layers", "patch-size", "text-width", "text-layers", "embed-dim"):
-        p.add_argument(f"--{name}", type=at_least(1), default=None, help=f"model size {pre(name.replace('-', '_'))}")
+                   f"patch's position in both images, codes of this norm; 0: the authors' random p {pre('shared_p')}")
+    for name in ("image-size", "vision-width", "vision-layers", "patch-size", "text-width", "text-layers",
+                 "embed-dim"):
+        p.add_argument(f"--{name}", type=at_least(1), default=None, help="model size, without a CLIP file "
+                       f"{pre(name.replace('-', '_'))}")
     # optimization
-    p.add_argument("--epochs", type=at_least(1), default=None, help=f"training epochs {pre('epochs')}")
-    p.add_argument("--batch-size", type=at_least(1), default=None, help=f"pairs per step {pre('batch_size')}")
+    p.add_argument("--epochs", type=at_least(1), default=None, help=f"training epochs {pre('epochs')}; the paper "
+                   "preset on Spot-the-Diff: 20 (retrieve_spot.sh)")
+    p.add_argument("--batch-size", type=at_least(1), default=None, help="samples per step: pairs, or captions "
+                   f"without --draw-captions {pre('batch_size')}")
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None, help=f"lr of e1, e2, p, ln_mid {pre('lr_new')}")
     p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help=f"lr of CLIP's weights {pre('lr_clip')}")
     p.add_argument("--freeze-blocks", type=at_least(0), default=None, help="not the paper's: CLIP's first N image "
-                   f"blocks frozen (4 of 4 + 2: the intra blocks); the other presets: 0 {pre('freeze_blocks')}")
+                   f"blocks frozen {pre('freeze_blocks')}")
     p.add_argument("--weight-decay", type=at_least(0.0, float), help=f"weight decay {pre('weight_decay')}")
     p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help="bertadam: the authors' (their "
                    "schedule and decay sets); adamw: ours (cosine after the warmup, no decay on 1-D tensors) "
@@ -99,28 +102,55 @@ def get_args(argv=None):
     p.add_argument("--out", default="adapted.pt", help="best-on-val checkpoint; resumable state in *.last.pt")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the training step (CUDA), static shapes: captions padded to --context-length")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="capture the training step (forward, backward, clip, AdamW) as one CUDA graph replayed each "
-                        "step (train_utils.GraphedStep; static shapes; not on a CPU): default on for the paper preset")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="capture the training "
+                   "step as one CUDA graph (train_utils.GraphedStep); default: on for the paper preset on CUDA")
     p.add_argument("--eval-batch-size", type=at_least(1), default=256, help="pairs per batch when encoding for eval")
-    args = p.parse_args(argv)
-    if args.preset == "auto":
-        # the paper's settings for any CLIP file, or OpenAI's found in the cache; the mini CLIP's own otherwise
-        cached = args.clip is None and (clip_load.CACHE / "ViT-B-32.pt").is_file()
-        args.preset = "paper" if args.clip not in (None, *clip_load.SHIPPED) or cached else "mini"
-    spot = {"epochs": 20} if args.preset == "paper" and args.data == "spot" else {}  # retrieve_spot.sh
-    vars(args).update({k: v for k, v in {"shared_p": 0.0, "freeze_blocks": 0, **PRESETS[args.preset], **spot}.items()
-                       if getattr(args, k, None) is None})  # a flag given wins
-    check_resume(p, args)
-    if args.authors_numerics and args.optimizer != "bertadam":
-        p.error("argument --authors-numerics: their fp16 state is BertAdam's: give --optimizer bertadam")
-    if not args.clip:
-        check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
-                                                           "--text-width": args.text_width})
-        if args.n_inter > args.vision_layers:
-            p.error(f"argument --n-inter: {args.n_inter} inter blocks, but --vision-layers is {args.vision_layers}: "
-                    f"give 0 to {args.vision_layers}")
-    return args
+    return p
+
+
+def settings(argv=None):
+    """Every setting of the run, decided once -> Settings: --preset (else the rule in its help), the flags given
+    over it, then what the CLIP file, the dataset and the device decide. A flag the run would ignore is an error."""
+    p = parser()
+    flags, given = p.parse_args(argv), given_flags(p, argv)
+    preset = flags.preset or ("mini" if flags.clip in clip_load.SHIPPED else "paper" if flags.clip else
+                              "paper" if data.is_real(flags.data, flags.data_root) else "mini")
+    s = {**vars(flags), **PRESETS[preset], **{k: getattr(flags, k) for k in given}, "preset": preset}
+    if preset == "paper" and flags.data == "spot" and "epochs" not in given:
+        s["epochs"] = 20  # their retrieve_spot.sh
+    bad = lambda flag, why: p.error(f"argument {flag}: {why}")
+    if s["authors_numerics"]:
+        if s["optimizer"] != "bertadam":
+            bad("--authors-numerics", "their fp16 state is BertAdam's: give --optimizer bertadam")
+        if "amp" in given:
+            bad("--amp", "--authors-numerics runs their fp16, without autocast: leave --amp out")
+        s["amp"] = "off"
+    if "swap_prob" in given and flags.data != "clevr":
+        bad("--swap-prob", f"only CLEVR-Change has distractor images to swap in, not {flags.data}")
+    if "shared_p" in given and s["n_inter"] == 0:
+        bad("--shared-p", "p is shared between the images of an inter block: --n-inter is 0")
+    check_resume(p, s["resume"], s["out"])
+    if s["clip"]:
+        if preset == "scratch":
+            bad("--clip", "the scratch preset trains a model from nothing: give --preset mini or paper")
+        if given_sizes := sorted(given & SIZES.keys()):
+            bad("--" + given_sizes[0].replace("_", "-"), f"{s['clip']} has its own sizes: leave it out")
+        cfg = clip_load.clip_config(s["clip"])  # downloaded if need be
+        s.update(image_size=cfg.image_resolution, vision_width=cfg.vision_width, vision_layers=cfg.vision_layers,
+                 patch_size=cfg.vision_patch_size, text_width=cfg.transformer_width,
+                 text_layers=cfg.transformer_layers, embed_dim=cfg.embed_dim)
+    else:
+        check_sizes(p, s["image_size"], s["patch_size"], {"--vision-width": s["vision_width"],
+                                                          "--text-width": s["text_width"]})
+    if s["n_inter"] > s["vision_layers"]:
+        bad("--n-inter", f"{s['n_inter']} inter blocks, but the image tower has {s['vision_layers']}")
+    root = data.resolve_root(flags.data, flags.data_root)  # the synthetic set rendered on first use
+    if s["swap_prob"] is None:  # the authors' 0.5; off on the synthetic set, whose distractors move the camera more
+        s["swap_prob"] = 0.5 if flags.data == "clevr" and data.is_real("clevr", root) else 0.0
+    s.update(data_root=str(root), device=pick_device(s["device"]))
+    if s["cuda_graphs"] is None:  # where the step can be captured, the paper's
+        s["cuda_graphs"] = preset == "paper" and s["device"] != "cpu" and not (s["compile"] or s["authors_numerics"])
+    return Settings(**s)
 
 
 # -----------------------------------------------------------------------------
@@ -280,30 +310,25 @@ def fmt(m):
 
 
 # -----------------------------------------------------------------------------
-# the run: the pieces of main(), in the order it uses them
+# the run
 
 
 def banner(ctx, args):
     """What is being adapted, said plainly, and every setting."""
     log(f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
     paper = f"For the paper's results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip ({clip_load.WEIGHTS})."
-    if args.preset in ("mini", "compare") and args.clip in clip_load.SHIPPED:
-        log(f"   no OpenAI weights given or found: adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that "
-            f"ships in assets/ ({clip_load.SHIPPED[args.clip][0]}, made by pretrain.py; the paper in miniature, "
-            f"a CPU demo; --preset scratch trains a small model from nothing instead). {paper}")
-    elif args.preset == "mini":
-        log(f"   adapting the CLIP in {args.clip} with the settings made for the small CLIPs pretrained on "
-            f"synthetic scenes (--preset mini; for OpenAI's ViT-B-32.pt use --preset paper)")
-    if args.preset == "scratch":
-        log("   training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo, the from-scratch ablation; the "
-            f"default adapts the small CLIP pretrained on synthetic scenes). {paper}")
-    log("   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
+    if args.clip in clip_load.SHIPPED:
+        log(f"   adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that ships in assets/ "
+            f"({clip_load.SHIPPED[args.clip][0]}, made by pretrain.py): the paper in miniature, a CPU demo. {paper}")
+    elif args.preset == "scratch":
+        log(f"   training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo, the from-scratch ablation). {paper}")
+    log("   " + args.line())
 
 
-def load_data(args, root, ctx, model):
-    """The splits, the image cache and the training loader (data.CaptionDataset, CLEVR's distractor swap; the
-    intra-block tokens in place of the images where those blocks are fixed: fixed_intra)."""
-    split = lambda s: data.load_items(args.data, root, s, setting="semantic", skip_missing=args.skip_missing)
+def load_data(args, ctx, model):
+    """The splits, the image cache and the training loader (the intra-block tokens in place of the images where
+    those blocks are fixed: fixed_intra)."""
+    split = lambda s: data.load_items(args.data, args.data_root, s, setting="semantic", skip_missing=args.skip_missing)
     splits = {s: split(s) for s in ("train", "val", "test")}
     # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
     cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache)
@@ -312,30 +337,17 @@ def load_data(args, root, ctx, model):
                                   cache=cache, seed=args.seed, draw=args.draw_captions, features=intra)
     loader = data.make_loader(samples, args.batch_size, True, args.workers, ctx.device, drop_last=True, seed=args.seed)
     each = "one caption each, drawn per epoch" if args.draw_captions else f"{len(samples)} captions"
-    log(f"   {args.data} at {root}: train {len(splits['train'])} pairs / {each}, val {len(splits['val'])} pairs, test "
-        f"{len(splits['test'])} pairs" + (f" | distractor swap p={args.swap_prob:g}" if args.data == "clevr" else "")
-        + (" | the frozen intra blocks' tokens computed once (fixed_intra)" if intra is not None else ""))
+    once = " | the frozen intra blocks' tokens computed once (fixed_intra)" if intra is not None else ""
+    log(f"   {args.data} at {args.data_root}: train {len(splits['train'])} pairs / {each}, val {len(splits['val'])} "
+        f"pairs, test {len(splits['test'])} pairs{once}")
     return splits, cache, loader
 
 
-def checkpoint(model, args, root, metrics):
+def checkpoint(model, args, metrics):
     """What caption.py and clip_load.load_clip need to rebuild the encoder, plus what produced it."""
     return {"model": model.state_dict(), "config": asdict(model.cfg), "stage": "adapt", "metrics": metrics,
             "tokenizer": {"context_length": args.context_length, "bpe_sha256": clip_load.BPE_SHA256},
-            "data": {"name": args.data, "root": str(root), "image_size": args.image_size}, "args": vars(args)}
-
-
-def save_epoch(model, optimizer, scheduler, args, root, val, epoch, step, best, history):
-    """After an epoch: the model when val's `select` figure is at least the best so far (train_utils.improved: a tie
-    to the later epoch) to --out, and always the resumable state (*.last.pt)."""
-    if improved(val[args.select], best, tie_counts=True):
-        best = val[args.select]
-        save_atomic(checkpoint(model, args, root, {"val": val, "epoch": epoch}), args.out)
-    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "rng": rng_state(), "epoch": epoch, "step": step, "best": best, "history": history,
-                 "args": vars(args)}, last_path(args.out))
-    plots.curves(os.path.splitext(args.out)[0] + ".curves.png", history, args.select)  # val, which selects
-    return best
+            "data": {"name": args.data, "root": args.data_root, "image_size": args.image_size}, "args": vars(args)}
 
 
 def test_best(model, test_items, args, ctx, cache, history, t_start):
@@ -352,35 +364,23 @@ def test_best(model, test_items, args, ctx, cache, history, t_start):
     log(f"chance:   {fmt(chance)}")
     r1 = ", ".join(f"{d} R@1 {test[d + ' R@1']:.1f} ({test[d + ' R@1'] / chance[d + ' R@1']:.0f}x chance)"
                    for d in ("text->pair", "pair->text"))
-    log(f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx)}): test {r1} -> {args.out}")
+    log(f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx, speed=True)}): test {r1} -> {args.out}")
 
 
 def main(argv=None):
-    args = get_args(argv)
-    ctx = setup(args.seed, args.device, "off" if args.authors_numerics else args.amp)  # their fp16: no autocast
-    if args.cuda_graphs is None:  # where the step can be captured, the paper's
-        args.cuda_graphs = args.preset == "paper" and ctx.device.type == "cuda" and not (args.compile or
-                                                                                          args.authors_numerics)
-    model = new_model(args).to(ctx.device)  # the model first: a CLIP file decides the input size (and --n-inter fits)
+    args = settings(argv)
+    ctx = setup(args.seed, args.device, args.amp)
+    banner(ctx, args)
+    model = new_model(args).to(ctx.device)
     if args.authors_numerics:
         authors_fp16_(model)
-    root = data.resolve_root(args.data, args.data_root)
-    # the authors' 0.5; off on the synthetic set, whose distractors move the camera further than a change
-    if args.swap_prob is None or args.data != "clevr":  # only CLEVR-Change has distractor images to swap in
-        args.swap_prob = 0.5 if args.data == "clevr" and not (root / "synth.json").is_file() else 0.0
-    banner(ctx, args)
-    if args.clip and args.image_size != model.cfg.image_resolution:
-        log(f"   {args.clip} takes {model.cfg.image_resolution}px images: --image-size {args.image_size} -> "
-            f"{model.cfg.image_resolution}")
-        args.image_size = model.cfg.image_resolution
-    splits, cache, loader = load_data(args, root, ctx, model)
+    splits, cache, loader = load_data(args, ctx, model)
 
     rule = lr_rule(args)
     freeze(model.named_parameters(), rule)
     log("   what trains:\n" + policy_table(model.named_parameters(), rule))
     theirs = args.optimizer == "bertadam"
-    decays = authors_decays(model) if theirs else None
-    groups = param_groups(model.named_parameters(), rule, args.weight_decay, decays)
+    groups = param_groups(model.named_parameters(), rule, args.weight_decay, authors_decays(model) if theirs else None)
     optimizer = make_optimizer(groups, ctx.device, args.cuda_graphs, args.optimizer, betas=(0.9, 0.98))
     total_steps = args.epochs * len(loader)
     scheduler = (authors_schedule if theirs else warmup_cosine)(optimizer, total_steps, args.warmup)
@@ -388,46 +388,59 @@ def main(argv=None):
     optimizer.register_step_post_hook(lambda *_: model.logit_scale.data.clamp_(max=math.log(100)))
     if args.authors_numerics:
         two_gpu_gradient_(model)
-    n_train = sum(p.numel() for g in groups for p in g["params"])
-    log(f"   model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters ({n_train / 1e6:.1f}M "
-        f"trained), vision {model.cfg.vision_layers - model.cfg.n_inter} intra + {model.cfg.n_inter} inter "
-        f"blocks, {model.cfg.image_resolution}px; {total_steps} steps of {args.batch_size} pairs")
-    start, step, best, history = 0, 0, -1.0, []
-    if args.resume:
-        state = restore(load_resume(args.out), model, optimizer, scheduler)
-        start, step, best, history = state["epoch"], state["step"], state["best"], state["history"]
-        log(f"   resumed from {last_path(args.out)} after epoch {start} (best val {args.select} {best:.2f})")
+    params = [p for g in groups for p in g["params"]]
+    log(f"   model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
+        f"({sum(p.numel() for p in params) / 1e6:.1f}M trained), vision {model.cfg.vision_layers - model.cfg.n_inter} "
+        f"intra + {model.cfg.n_inter} inter blocks, {model.cfg.image_resolution}px; {total_steps} steps of "
+        f"{args.batch_size} pairs")
+    run = resume_run(load_resume(args.out), model, optimizer, scheduler, args) if args.resume else new_run()
     net = torch.compile(PairText(model)) if args.compile else PairText(model)
 
-    def loss_fn(batch):  # eq. (6)-(8) on a batch of pairs and a caption of each
-        static = args.compile or args.cuda_graphs  # reading the length makes a GPU wait
-        ids = clip_load.trim(batch["ids"], static=static).to(ctx.device, non_blocking=True)
-        if "features" in batch:  # fixed_intra's tokens
-            return contrastive_loss(*net(None, None, ids, batch["features"].to(ctx.device))), len(ids)
-        before, after = (clip_load.normalize(batch[k].to(ctx.device, non_blocking=True)) for k in ("before", "after"))
-        return contrastive_loss(*net(before, after, ids)), len(ids)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    graphed = GraphedStep(ctx, loss_fn, optimizer, scheduler, params, args.grad_clip) if args.cuda_graphs else None
+    def update(batch):  # one step on zeroed gradients: forward, loss (eq. 6-8), backward, clip, optimizer step
+        ids = clip_load.trim(batch["ids"], static=args.compile or args.cuda_graphs).to(ctx.device, non_blocking=True)
+        with ctx.amp:
+            if "features" in batch:  # fixed_intra's tokens
+                loss = contrastive_loss(*net(None, None, ids, batch["features"].to(ctx.device)))
+            else:
+                before, after = (clip_load.normalize(batch[k].to(ctx.device, non_blocking=True))
+                                 for k in ("before", "after"))
+                loss = contrastive_loss(*net(before, after, ids))
+        loss.backward()
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        optimizer.step()
+        return loss.detach()
 
-    # training, each step loss_fn then train_utils.update (backward, clip, step): select on val, never on test
+    def step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss = update(batch)
+        scheduler.step()
+        return loss
+    if args.cuda_graphs:
+        step = GraphedStep(ctx, update, optimizer, scheduler, params)
+
+    # select on val, never on test; the later of two equal epochs
     t_start = time.time()
     try:
-        for epoch in range(start, args.epochs):
+        for epoch in range(run["epoch"], args.epochs):
             data.set_epoch(loader, epoch)
             t0 = time.time()
-            progress = Progress(epoch, args.epochs, step, total_steps, args.log_every)
-            loss = train_epoch(ctx, net, loader, loss_fn, optimizer, scheduler, progress, args.grad_clip, graphed)
-            step = progress.step
+            model.train()
+            loss = train_epoch(ctx, loader, step, optimizer, run, Progress(epoch, args.epochs, total_steps,
+                                                                           args.log_every))
             val = evaluate(model, splits["val"], args, ctx, cache)
             if val is None:
                 raise SystemExit(diverged(epoch + 1))
-            history.append({"epoch": epoch + 1, "loss": loss, **val})
+            better = end_epoch(run, loss, val, val[args.select], tie_counts=True)
+            if better:
+                save_atomic(checkpoint(model, args, {"val": val, "epoch": epoch + 1}), args.out)
             log(f"epoch {epoch + 1}/{args.epochs} done in {time.time() - t0:.0f}s | loss {loss:.4f} | "
-                f"val {fmt(val)}{' | best so far: saved' if improved(val[args.select], best, True) else ''}")
-            best = save_epoch(model, optimizer, scheduler, args, root, val, epoch + 1, step, best, history)
+                f"val {fmt(val)}{' | best so far: saved' if better else ''}")
+            save_state(args.out, model, optimizer, scheduler, run, args)
+            plots.curves(os.path.splitext(args.out)[0] + ".curves.png", run["history"], args.select)
     except KeyboardInterrupt:
         interrupted(args.out)
-    test_best(model, splits["test"], args, ctx, cache, history, t_start)
+    test_best(model, splits["test"], args, ctx, cache, run["history"], t_start)
 
 
 if __name__ == "__main__":

@@ -17,19 +17,28 @@ from types import SimpleNamespace
 
 import torch
 
-from model import CLIP, CLIPConfig, Captioner, CaptionerConfig
+from model import CLIP, CLIPConfig, Captioner, CaptionerConfig, MiniCaptioner, MiniCaptionerConfig
 from train_utils import (BertAdam, GraphedStep, HelpFormatter, at_least, authors_decays, authors_schedule,
-                         device_arg, freeze, make_optimizer, matmul_gflops, param_groups, setup, train_step, where)
+                         device_arg, freeze, make_optimizer, matmul_gflops, param_groups, setup, where)
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
 
 SIZES = {  # the captioners caption.py's presets build, and the pair-encoder memory they read
-    "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, memory_dim=512, memory_len=100,  # ViT-B/32
-                  vocab_size=49408),  # the authors' captioner, CLIP's BPE (its own copy here: the same arithmetic)
+    "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, memory_len=100, vocab_size=49408),  # ViT-B/32
     "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, memory_dim=128, memory_len=74,  # 12x12, pooled
-                 vocab_size=100, post_ln=False, mem_proj=True, mem_image=True, mem_diff=True),
+                 vocab_size=100),
 }
+
+
+def new_captioner(name, vocab=None, max_len=32):
+    """The preset's captioner; the authors' ties CLIP's word and position embeddings, random ones here."""
+    sizes = {**SIZES[name], "max_len": max_len, "dropout": 0.0, "vocab_size": vocab or SIZES[name]["vocab_size"]}
+    if name == "mini":
+        return MiniCaptioner(MiniCaptionerConfig(**sizes))
+    words = SimpleNamespace(token_embedding=torch.nn.Embedding(sizes["vocab_size"], sizes["width"]),
+                            positional_embedding=torch.nn.Parameter(torch.randn(77, sizes["width"])))
+    return Captioner(CaptionerConfig(**sizes), words)
 
 
 def sync(device):
@@ -56,10 +65,9 @@ def bench_decode(args):
     print(f"{'captioner':<44} {'cache':>5} {'captions/s':>11} {'ms/step':>8} {'speedup':>8}")
     torch.manual_seed(0)
     for name in args.sizes:
-        cfg = CaptionerConfig(**{**SIZES[name], "max_len": args.max_len, "dropout": 0.0,
-                                 "vocab_size": args.vocab or SIZES[name]["vocab_size"]})
-        model = Captioner(cfg).to(device).eval()
-        memory = torch.randn(args.batch, cfg.memory_len, cfg.memory_dim, device=device)
+        model = new_captioner(name, args.vocab, args.max_len).to(device).eval()
+        cfg = model.cfg
+        memory = torch.randn(args.batch, cfg.memory_len, getattr(cfg, "memory_dim", cfg.width), device=device)
         label = f"{name}: {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide, {cfg.vocab_size} words"
         with amp:  # eos = -1: never stops early, every caption takes max_len steps
             results = {c: timed(lambda: model.generate(memory, bos=1, eos=-1, use_kv_cache=c), device, args.repeats)
@@ -87,7 +95,7 @@ def device_and_amp(args):
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
     ctx = setup(0, args.device)  # as the stages: bf16 autocast and TF32 on CUDA, fp32 on a CPU
-    return ctx.device, ctx.amp, where(ctx)
+    return ctx.device, ctx.amp, where(ctx, speed=True)
 
 
 # ---- FLOPs and the GPU's peak: what MFU is measured against
@@ -142,14 +150,14 @@ def throughput(fn, device, steps=10, warmup=3):
 # ---- adapt: one training step (fp32 master weights + bf16 autocast)
 
 
-def paper_adapt_args(n_inter=3):
-    """adapt.py's arguments under its paper preset."""
-    from adapt import get_args
-    return get_args(["--preset", "paper", "--n-inter", str(n_inter)])
+def paper_adapt_args():
+    """adapt.py's paper preset (its settings but the CLIP file's, which a random ViT-B/32 stands for here)."""
+    from adapt import PRESETS
+    return SimpleNamespace(**PRESETS["paper"], warmup=0.1, grad_clip=1.0)
 
 
 def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=False, cfg=None):
-    """adapt.py's paper-preset training step (train_utils.train_step) on a random ViT-B/32 (or a CLIP of `cfg`),
+    """adapt.py's paper-preset training step on a random ViT-B/32 (or a CLIP of `cfg`),
     uint8 images normalized on the device. graphs: captured as one CUDA graph (GraphedStep); with compile, compiled
     inside it."""
     from adapt import PairText, contrastive_loss, lr_rule
@@ -169,18 +177,29 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
     images = torch.randint(0, 256, (2, batch, 3, size, size), dtype=torch.uint8, generator=g).to(device)
     ids = random_ids(batch, text_len, device)
 
-    def loss_fn(b):  # b: a loader's batch (uint8 images), or None for the fixed batch above
+    def update(b):  # adapt.py's: forward, loss, backward, clip, step; b a loader's batch (None: the fixed one)
         if b is None:  # the paper's 32 tokens
             before, after, text = images[0], images[1], ids
         else:  # as adapt.py: trimmed to the longest caption on the CPU, or (compiled) static shapes, all 32 tokens
             text = clip_load.trim(b["ids"], static=compile or graphs)
             before, after, text = (t.to(device, non_blocking=True) for t in (b["before"], b["after"], text))
-        return contrastive_loss(*net(clip_load.normalize(before), clip_load.normalize(after), text)), len(text)
+        with amp:
+            loss = contrastive_loss(*net(clip_load.normalize(before), clip_load.normalize(after), text))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
+        optimizer.step()
+        return loss.detach()
     if graphs:  # a loader's batch, or the fixed one, through the captured step
-        graphed = GraphedStep(ctx, loss_fn, optimizer, scheduler, params, args.grad_clip)
+        graphed = GraphedStep(ctx, update, optimizer, scheduler, params)
         return model, lambda b=None: graphed(b if b is not None else {"before": images[0], "after": images[1],
-                                                                      "ids": ids})[0]
-    return model, lambda b=None: train_step(ctx, b, loss_fn, optimizer, scheduler, params, args.grad_clip)[0]
+                                                                      "ids": ids})
+
+    def step(b=None):
+        optimizer.zero_grad(set_to_none=True)
+        loss = update(b)
+        scheduler.step()
+        return loss
+    return model, step
 
 
 def random_ids(batch, text_len, device, seed=0):
@@ -382,7 +401,7 @@ def bench_numerics(args):
                        if n.endswith(held)])
         print(f"{label}: {args.steps} steps of {args.batch} pairs in {time.time() - t0:.0f}s: of the fp16-held "
               f"weights, {100 * (d > 0).float().mean():.1f} % moved, {100 * (d > 1e-5).float().mean():.1f} % by more "
-              f"than 1e-5, the largest by {d.max():.2e} ({where(SimpleNamespace(device=torch.device('cpu')))})")
+              f"than 1e-5, the largest by {d.max():.2e} ({where(SimpleNamespace(device=torch.device('cpu')), True)})")
     return 0
 
 

@@ -1,13 +1,10 @@
 """Getting CLIP into clip4idc: weights, the BPE tokenizer, image preprocessing.
 
-- `load_clip` reads OpenAI's released TorchScript archive (fp16 weights), a plain `torch.save`d state dict,
-  the authors' CLIP4IDC checkpoints (keys prefixed `clip.`) or our own `adapted.pt`, and returns the fp32 model
-  from `model.py` in eval mode. "ViT-B/32" resolves to ~/.cache/clip/ViT-B-32.pt (downloaded, SHA256 checked).
-  `authors_captioner` renames the `decoder.*` keys of the authors' released captioners onto `model.Captioner`.
-- `tokenize` / `decode`: OpenAI's byte-level BPE (same ids as `clip.tokenize`); the vocabulary ships in
-  `assets/bpe_simple_vocab_16e6.txt.gz` (MIT licence, from openai/CLIP) and is checksummed on load.
-- `preprocess`: PIL + numpy, no torchvision. A bicubic squash to the model's input size (the CLIP4IDC authors'
-  choice: a change at the border survives), then CLIP's mean/std.
+- `load_clip` reads OpenAI's TorchScript archive, a plain state dict, the authors' CLIP4IDC checkpoints (`clip.*`)
+  or our own `adapted.pt` -> the fp32 model of `model.py`. "ViT-B/32" is ~/.cache/clip/ViT-B-32.pt (downloaded,
+  SHA256 checked). `authors_captioner` renames the authors' `decoder.*` keys onto `model.Captioner`.
+- `tokenize` / `decode`: OpenAI's byte-level BPE (the ids of `clip.tokenize`), its vocabulary in assets/.
+- `preprocess`: a bicubic squash to the input size (the authors': a change at the border survives), CLIP's mean/std.
 """
 import argparse
 import gzip
@@ -25,7 +22,7 @@ import regex as re
 import torch
 from PIL import Image
 
-from model import build_model
+from model import build_model, config_of
 
 # -----------------------------------------------------------------------------
 # weights
@@ -36,8 +33,7 @@ MODELS = {  # the sha256 is the URL's path component, as OpenAI publishes it
 }
 CACHE = Path(os.environ.get("CLIP_CACHE", Path.home() / ".cache" / "clip"))
 WEIGHTS = "README 'Real data and OpenAI's weights'"  # where to get OpenAI's weights
-# weights that ship with clip4idc: the small CLIPs pretrain.py pretrained on synthetic scenes, loaded by name through
-# the same code as OpenAI's file, and checked the same way
+# the small CLIPs pretrain.py pretrained on synthetic scenes, shipped: loaded by name, checked as OpenAI's
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED = {"mini-synth": ("clip_mini_synth.pt", "01b1c8f6b466124bc64bbec45f9943b00de0b6110118ea78b5ab3607776e228a"),
            # the 12x12-grid one (8-px patches, --object-loss 1): the quickstart's (adapt.py's mini preset)
@@ -56,8 +52,8 @@ def sha256(path, chunk=1 << 20):
 
 
 def resolve(name_or_path):
-    """A released model name -> its cached file (downloaded if absent); a shipped one's name -> its file in
-    assets/ (SHA256 checked); anything else is a path."""
+    """A released name -> its cached file (downloaded if absent); a shipped one's -> its file in assets/ (SHA256
+    checked); anything else is a path."""
     if name_or_path in SHIPPED:
         file, expected = SHIPPED[name_or_path]
         path = ASSETS / file
@@ -85,8 +81,7 @@ def resolve(name_or_path):
 
 
 def weights_arg(text):
-    """argparse type of a flag naming CLIP weights (--clip, --ckpt): a released or shipped name, or a file that
-    exists; else argparse's one-line error (exit 2) naming the flag."""
+    """argparse type of --clip: a released or shipped name, or a file that exists."""
     if text in MODELS or text in SHIPPED or Path(text).expanduser().is_file():
         return text
     raise argparse.ArgumentTypeError(f"no file at {text}: give a checkpoint's path, one of {list(MODELS)} "
@@ -108,8 +103,8 @@ def download(url, path, expected):
     except OSError as e:  # URLError, timeouts, disk full
         tmp.unlink(missing_ok=True)
         raise SystemExit(f"could not download {url} ({e}). Offline? Download ViT-B-32.pt on a machine with "
-                         f"internet and copy it to {path}, or give its path (adapt.py --clip, caption.py --ckpt); see "
-                         f"{WEIGHTS}.") from None
+                         f"internet and copy it to {path}, or give its path (adapt.py --clip, caption.py --ckpt), or "
+                         f"pass --preset mini for the small CLIP that ships here; see {WEIGHTS}.") from None
     if (got := sha256(tmp)) != expected:
         tmp.unlink()
         raise SystemExit(f"downloaded {url} but its SHA256 is {got}, expected {expected}: try again")
@@ -118,8 +113,7 @@ def download(url, path, expected):
 
 
 def read_state_dict(path):
-    """Any supported checkpoint file -> (CLIP state dict with our key names, extra info dict). The authors' CLIP4IDC
-    files (keys `clip.*`, and `decoder.*` in their captioners; one leading `module.` stripped) give their decoder's
+    """A checkpoint file -> (CLIP state dict in our names, the file's other entries); the authors' `decoder.*`
     entries in extra["decoder"]."""
     path = Path(path)
     what = f"{path} ({path.stat().st_size / 2**20:.1f} MiB)"
@@ -154,14 +148,20 @@ def read_state_dict(path):
 
 
 def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
-    """Load CLIP (+ the CLIP4IDC pair parameters the file has; `model.build_model` sizes it from the tensors) in fp32,
-    eval mode. n_inter: its inter blocks (None: the file's own value when it stores one, else 3)."""
+    """CLIP (with the pair parameters the file has) in fp32, eval mode. n_inter None: the file's, else 3."""
     path = resolve(path_or_name)
     return build_clip(*read_state_dict(path), path, n_inter).to(device).eval()
 
 
+def clip_config(path_or_name):
+    """The CLIPConfig of a weights file or name (downloaded if need be): the sizes the settings follow."""
+    path = resolve(path_or_name)
+    sd, extra = read_state_dict(path)
+    return config_of(sd, extra.get("config", {}).get("n_inter", 3))
+
+
 def build_clip(sd, extra, path, n_inter=None):
-    """read_state_dict's (state dict, extra) of the file at `path` -> the fp32 CLIP (load_clip)."""
+    """read_state_dict's (state dict, extra) -> the fp32 CLIP."""
     n_inter = extra.get("config", {}).get("n_inter", 3) if n_inter is None else n_inter
     layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
     if not 0 <= n_inter <= layers:
@@ -176,8 +176,7 @@ def build_clip(sd, extra, path, n_inter=None):
     return model
 
 
-# the authors' captioner (their modules/module_decoder.py, BERT's names) -> ours (model.Captioner): each name part
-# replaced, in this order; their key and value projections become one kv_proj (concatenated, authors_captioner)
+# the authors' captioner (module_decoder.py, BERT's names) -> model.Captioner: each name part replaced, in order
 AUTHORS_NAMES = (
     ("decoder.layer.", "decoder."), ("encoder.layer.", "encoder."), ("slf_attn.att.query", "attn.q_proj"),
     ("slf_attn.output.dense", "attn.out_proj"), ("slf_attn.output.LayerNorm", "ln_1"),
@@ -192,9 +191,8 @@ AUTHORS_TIED = {"embeddings.word_embeddings.weight": "token_embedding.weight",  
 
 
 def authors_captioner(decoder, clip_sd, path):
-    """Their `decoder.*` entries (read_state_dict's extra["decoder"]) -> (our Captioner's state dict, its encoder
-    and decoder layers). Every key is renamed (a key left over fails Captioner.load_state_dict); the tied copies
-    must equal the CLIP's embeddings."""
+    """Their `decoder.*` entries -> (model.Captioner's state dict, its encoder and decoder layers); their key and
+    value projections joined, the tied copies checked against the CLIP's embeddings."""
     ours = {}
     for k, v in decoder.items():
         if k in AUTHORS_TIED:
@@ -222,7 +220,7 @@ PAT = re.compile(r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[
 
 
 def bytes_to_unicode():
-    """Every byte -> a printable unicode character, so BPE works on bytes without whitespace/control chars."""
+    """Every byte -> a printable character, so BPE works on bytes."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     rest = [b for b in range(256) if b not in bs]  # the others, in order, to the characters from 256 on
     return dict(zip(bs + rest, map(chr, bs + [256 + n for n in range(len(rest))])))
@@ -230,7 +228,7 @@ def bytes_to_unicode():
 
 @lru_cache(maxsize=1)
 def vocab():
-    """(encoder: token -> id, bpe_ranks: merge pair -> rank), built from the shipped merges file."""
+    """(token -> id, merge pair -> rank), from the shipped merges file."""
     if not BPE_PATH.is_file() or sha256(BPE_PATH) != BPE_SHA256:
         raise SystemExit(f"{BPE_PATH} is missing or corrupt (SHA256 must be {BPE_SHA256}): restore it from git "
                          f"or from the openai-clip package (clip/bpe_simple_vocab_16e6.txt.gz)")
@@ -259,7 +257,7 @@ def bpe(word):
 
 
 def encode(text):
-    """A string -> BPE ids without start/end tokens, the text cleaned as OpenAI's tokenizer cleans it."""
+    """A string -> BPE ids without start/end tokens, cleaned as OpenAI's tokenizer does."""
     encoder, byte_encoder = vocab()[0], bytes_to_unicode()
     text = re.sub(r"\s+", " ", html.unescape(html.unescape(ftfy.fix_text(text))).strip()).strip().lower()
     ids = []
@@ -272,7 +270,7 @@ def encode(text):
 
 
 def decode(ids):
-    """BPE ids -> text, as OpenAI's (and the authors') tokenizer decodes: pieces joined, `</w>` a space."""
+    """BPE ids -> text, as OpenAI's tokenizer decodes."""
     text = "".join(bpe_tokens()[i] for i in ids)
     byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
     return bytearray(byte_decoder[c] for c in text).decode("utf-8", errors="replace").replace("</w>", " ")
@@ -280,7 +278,7 @@ def decode(ids):
 
 @lru_cache(maxsize=1)
 def bpe_tokens():
-    """CLIP's 49,408 tokens in id order (the captioner's vocabulary when its words are CLIP's)."""
+    """CLIP's 49,408 tokens in id order."""
     return list(vocab()[0])
 
 
@@ -300,9 +298,8 @@ def tokenize(texts, context_length=77, truncate=False):
 
 
 def trim(ids, static=False):
-    """Token ids (B, context_length) -> up to the batch's longest text's end token: the same text features (the
-    text tower is causal and reads the end token), less work. With static shapes (adapt.py --compile) the full
-    length: one compiled graph serves every step, instead of one per text length."""
+    """Token ids (B, L) cut after the batch's last end token: the same features (the text tower is causal), less
+    work; static (--compile, CUDA graphs): uncut, one shape for every step."""
     return ids if static else ids[:, :int(ids.argmax(-1).max()) + 1]
 
 
@@ -314,9 +311,7 @@ STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def to_rgb(image):
-    """Any PIL mode -> RGB. 16-bit greyscale (I;16*, and I, the mode PIL gives 16-bit PNGs) is scaled by its bit
-    depth, 0..65535 -> 0..255, and float (F) from 0..1, the same rule for every image whatever its content: a dark
-    16-bit image stays dark, and both images of a pair scale alike (PIL alone would clip them to 255)."""
+    """Any PIL mode -> RGB; 16-bit greyscale scaled by its depth, float from 0..1 (PIL alone would clip at 255)."""
     if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
         a = np.asarray(image, dtype=np.float64) * (255.0 if image.mode == "F" else 255.0 / 65535)
         image = Image.fromarray(np.clip(a + 0.5, 0, 255).astype(np.uint8), "L")
@@ -324,12 +319,12 @@ def to_rgb(image):
 
 
 def resize_uint8(image, size=224):
-    """PIL image -> uint8 tensor [3, size, size]: a bicubic squash (the authors' preprocessing; OpenAI's crops)."""
+    """PIL image -> uint8 [3, size, size]: a bicubic squash (the authors'; OpenAI's crops)."""
     image = to_rgb(image).resize((size, size), Image.BICUBIC)
     return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)  # (3, size, size)
 
 
-_MEAN_STD = {}  # device -> CLIP's mean and std there, made once: a CUDA graph's capture may copy nothing to the GPU
+_MEAN_STD = {}  # device -> CLIP's mean and std there, made once: a CUDA graph's capture copies nothing
 
 
 def normalize(x):

@@ -1,8 +1,7 @@
-"""How data gets into the model: CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders (an `Item`:
-id, before image, after image, its captions, change type or None, on CLEVR the distractor image), the training
-samples (`CaptionDataset`), images for evaluation (`ImageDataset`), both read from a decoded-image cache (`ImageCache`)
-or streamed. Where to get the data and the layouts we read: README "Real data and OpenAI's weights". With no
-CLEVR-Change at data/clevr_change, `resolve_root("clevr")` renders synth.py's CLEVR-Change-style set once and uses it.
+"""How data gets into the model: CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders (each pair
+an `Item`), the training samples (`CaptionDataset`), images for evaluation (`ImageDataset`), both read from a
+decoded-image cache (`ImageCache`) or streamed. With no CLEVR-Change at data/clevr_change, `resolve_root("clevr")`
+renders synth.py's CLEVR-Change-style set once and uses it.
 """
 import hashlib
 import json
@@ -42,8 +41,8 @@ class Item(NamedTuple):
 
 
 def resolve_root(name, root=None, synth_pairs=3000, synth_size=synth.IMAGE_SIZE, seed=0, workers=None):
-    """The dataset's directory. For "clevr" with no root given and nothing at data/clevr_change: the synthetic set
-    at data/clevr_synth, rendered on first use and reused while its synth.json matches these arguments."""
+    """The dataset's directory; for "clevr" with none given or at data/clevr_change, the synthetic set, rendered
+    once."""
     if name not in ROOTS:
         raise SystemExit(f"unknown dataset {name!r}: expected one of {list(ROOTS)}")
     if root is not None or name != "clevr" or Path(ROOTS[name]).exists():
@@ -54,8 +53,14 @@ def resolve_root(name, root=None, synth_pairs=3000, synth_size=synth.IMAGE_SIZE,
     return resolve_synth(synth.SYNTH_ROOT, synth_pairs, seed, synth_size, workers)
 
 
+def is_real(name, root=None):
+    """A dataset is at root (default data/<name>), and not the synthetic set (its synth.json): the presets follow it."""
+    root = Path(root or ROOTS[name])
+    return root.exists() and not (root / "synth.json").is_file()
+
+
 def resolve_synth(out, pairs, seed, size=synth.IMAGE_SIZE, workers=None, world="ours"):
-    """A synthetic set at `out`, rendered unless its synth.json says it was made with these arguments."""
+    """A synthetic set at `out`, rendered unless its synth.json has these arguments."""
     out = Path(out)
     want = synth.set_meta(pairs, size, seed, world=world)
     meta = out / "synth.json"
@@ -65,9 +70,8 @@ def resolve_synth(out, pairs, seed, size=synth.IMAGE_SIZE, workers=None, world="
 
 
 def load_items(name, root, split, setting="total", skip_missing=False, images=True):
-    """Items of one split. clevr setting "semantic": change pairs only (adaptation); "total": change pairs and
-    (default, non-semantic) distractor pairs with the no-change captions (captioning, evaluation). images=False: the
-    captions alone, the images not looked for (the training captions of the constant-caption baseline)."""
+    """Items of one split. clevr "semantic": change pairs only (adaptation); "total": with the distractor pairs
+    and their no-change captions. images=False: the images not looked for (the baseline's captions)."""
     root = Path(root)
     if not root.is_dir():
         raise SystemExit(f"no {name} dataset at {root} (--data-root; default {ROOTS[name]}): expected its "
@@ -78,10 +82,8 @@ def load_items(name, root, split, setting="total", skip_missing=False, images=Tr
 
 
 def reversed_pairs(items, root):
-    """The synthetic set's pairs the other way round, (after, before), with captions of the change seen backwards
-    (synth.reverse: an added object is now dropped, a colour goes back): training data that tells the two
-    directions apart, which an encoder that sees *where* two images differ must learn from the order alone.
-    Distractors keep their "no change" captions. Needs the renderer's scene records (scenes.json)."""
+    """The synthetic set's pairs as (after, before), captioned backwards from the scene records (synth.reverse: an
+    added object is now dropped); distractors keep their "no change" captions."""
     scenes = synth.read_scenes(root) if synth.is_synthetic(root) else None
     if scenes is None:
         raise SystemExit(f"--reverse needs the synthetic set's scene records ({Path(root) / 'scenes.json'}): real "
@@ -93,8 +95,7 @@ def reversed_pairs(items, root):
 
 
 def _nonempty_captions(items, name, split):
-    """Empty caption strings are never trained on nor scored against: each item keeps its non-empty captions, and
-    a pair with none left is left out (of training and of evaluation, which needs a reference), counted."""
+    """Empty captions are left out, and a pair with none left, counted."""
     kept = [it._replace(captions=[c for c in it.captions if c.strip()]) for it in items]
     n_empty = sum(len(a.captions) - len(b.captions) for a, b in zip(items, kept))
     if n_empty:
@@ -104,7 +105,7 @@ def _nonempty_captions(items, name, split):
 
 
 def _read_json(path, what, valid=lambda obj: True):
-    """An annotation file, of the shape `valid` checks (_expect)."""
+    """An annotation file of the shape `valid` checks."""
     if not path.is_file():
         raise SystemExit(f"missing {path}: expected {what} there, {SEE}")
     try:
@@ -116,7 +117,7 @@ def _read_json(path, what, valid=lambda obj: True):
 
 
 def _expect(ok, path, what):
-    """Annotation files of the wrong shape: a message naming the file and the shape expected, not a KeyError."""
+    """A file of the wrong shape: a message naming it and the shape expected."""
     if not ok:
         raise SystemExit(f"{path} is not in the expected format: {what} ({SEE})")
 
@@ -158,7 +159,7 @@ def _clevr(root, split, setting):
 
 
 def _first_dir(root, names):
-    """Published archives unpack in different ways: take the first of these directories that exists."""
+    """The first of these directories that exists (archives unpack in different ways)."""
     return next((root / n for n in names if (root / n).is_dir()), root)
 
 
@@ -202,11 +203,11 @@ def _levir(root, split):
 
 
 class BadImage(OSError):
-    """An image that cannot be decoded; its message names the file and what to do (the stages exit with it)."""
+    """An image that cannot be decoded; its message names the file and what to do."""
 
 
 def exit_message(error):
-    """A BadImage -> its own message: a DataLoader re-raises a worker's error with the worker's traceback in it."""
+    """A BadImage's own message (a DataLoader re-raises it with the worker's traceback)."""
     return str(error).strip().splitlines()[-1].removeprefix(f"{__name__}.BadImage: ").removeprefix("BadImage: ")
 
 
@@ -220,7 +221,7 @@ def _readable(path):
 
 
 def _check_files(items, name, root, split, skip_missing):
-    """Missing images are an error; with --skip-missing those pairs (also unreadable ones) are dropped, counted."""
+    """Missing images are an error; --skip-missing drops those pairs (and unreadable ones), counted."""
     paths = lambda it: [p for p in (it.before, it.after, it.alt_before) if p]
     if skip_missing:  # every image decoded once, over the cores
         with Pool(min(os.cpu_count() or 1, 8)) as pool:
@@ -242,9 +243,8 @@ def _check_files(items, name, root, split, skip_missing):
 
 
 def _decode_uint8(path, size):
-    """The one decoding rule of every path (streamed, cached): squash-resize to size x size, uint8 [3, S, S] (numpy).
-    An unreadable file raises BadImage: a DataLoader worker must raise an Exception for the loader to re-raise it, and
-    in a Pool worker a SystemExit ends the worker and the pool waits for it forever."""
+    """The one decoding rule (streamed, cached): squash to size x size, uint8 [3, S, S]. An unreadable file raises
+    BadImage, an Exception: a SystemExit in a Pool worker would leave the pool waiting forever."""
     try:
         return resize_uint8(open_image(path), size).numpy()
     except SystemExit as e:
@@ -253,7 +253,7 @@ def _decode_uint8(path, size):
 
 
 def image_paths(items):
-    """Every distinct image the items name (before, after, and the swap's alternative), sorted."""
+    """Every distinct image the items name, sorted."""
     return sorted({p for it in items for p in (it.before, it.after, it.alt_before) if p})
 
 
@@ -261,14 +261,13 @@ PREPROCESS = "squash-bicubic-uint8-v1"  # the decoding rule above: change the na
 
 
 def cache_dir(directory=None):
-    """Where image caches live: `directory`, else $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images (under
-    $XDG_CACHE_HOME when set)."""
+    """`directory`, else $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images (under $XDG_CACHE_HOME)."""
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return Path(directory or os.environ.get("CLIP4IDC_IMAGE_CACHE") or home / "clip4idc" / "images")
 
 
 def use_image_cache(items, size, flag=None, directory=None):
-    """Decode into an ImageCache? flag True/False decides; None: yes, if the cache's disk has room for it."""
+    """flag, else whether the cache's disk has room."""
     if flag is not None:
         return flag
     where = cache_dir(directory)
@@ -278,10 +277,9 @@ def use_image_cache(items, size, flag=None, directory=None):
 
 
 class ImageCache:
-    """Every image of some items decoded once to uint8 [N, 3, S, S] in a file on disk, read through a numpy
-    memmap: built once over the cores, reused by later runs of both stages, larger than RAM if need be, its pages
-    shared by forked workers (a PNG costs more to decode than a step). Its name hashes the preprocessing, the size
-    and every image's path, byte size and time; it is built in a temporary folder and renamed when complete."""
+    """Every image of some items decoded once to uint8 [N, 3, S, S] in a file read through a memmap: built once
+    over the cores, reused by later runs, its pages shared by workers. Its name hashes the preprocessing, the size
+    and every image's path, size and time; built in a temporary folder, renamed when complete."""
 
     def __init__(self, items, size, workers=2, log_every=0, directory=None):
         paths = image_paths(items)
@@ -302,7 +300,7 @@ class ImageCache:
         return self.data[self.index[path]]
 
     def batch(self, paths):
-        """Images of a batch -> uint8 [B, 3, S, S], read with one sorted index (the file in order, not at random)."""
+        """uint8 [B, 3, S, S], read in file order."""
         idx = np.array([self.index[p] for p in paths])
         order = np.argsort(idx, kind="stable")
         out = torch.empty((len(idx), *self.data.shape[1:]), dtype=torch.uint8)
@@ -311,7 +309,7 @@ class ImageCache:
 
 
 def _build_cache(folder, paths, size, workers, log_every):
-    """Decode every image into folder/images.npy (written in a temporary folder, renamed into place) -> images/s."""
+    """Decode every image into folder/images.npy -> images/s."""
     tmp = _start_build(folder)
     t0 = time.time()
     try:
@@ -343,9 +341,8 @@ def _build_cache(folder, paths, size, workers, log_every):
 
 
 def _start_build(folder):
-    """A temporary folder next to `folder` for this process's build, named after it (host and pid), made as the
-    umask says (readable by whoever may read a shared $CLIP4IDC_IMAGE_CACHE). Leftovers of this host's builds whose
-    process died (killed, crashed) are removed first; a live build, however long it has run, is left alone."""
+    """This process's build folder next to `folder` (named by host and pid); dead builds' leftovers on this host
+    removed first, live ones left alone."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     host = socket.gethostname()
     for old in folder.parent.glob(f"{folder.name}.tmp-{host}-*"):
@@ -368,7 +365,7 @@ def _alive(pid):
 
 
 def open_image_cache(items, size, flag=None, directory=None):
-    """The ImageCache of these items, built if need be (None when not used: use_image_cache)."""
+    """The ImageCache of these items, built if need be; None when not used."""
     if not use_image_cache(items, size, flag, directory):
         return None
     cache = ImageCache(items, size, os.cpu_count(), log_every=20_000, directory=directory)
@@ -379,10 +376,8 @@ def open_image_cache(items, size, flag=None, directory=None):
 
 
 class _Pairs(torch.utils.data.Dataset):
-    """Items -> uint8 images [3, S, S] (streamed, or from an ImageCache; the stages normalize on the device) and
-    pre-tokenized captions. A sample and a batch are dicts: "before", "after" (or "features": a frozen encoder's
-    tokens in their place), then the dataset's own ("ids", "index"). Each dataset says what a sample is in
-    `parts(key)`: ({field: image path}, {field: value}); whole batches come from `__getitems__`."""
+    """Items -> dicts of uint8 images "before", "after" (or "features", a frozen encoder's tokens) and the
+    dataset's own fields; `parts(key)` says what a sample is, `__getitems__` builds whole batches."""
 
     def __init__(self, items, size=224, cache=None, features=None):
         self.items, self.size, self.cache, self.features = items, size, cache, features
@@ -391,8 +386,7 @@ class _Pairs(torch.utils.data.Dataset):
         return self.cache[path] if self.cache is not None else torch.from_numpy(_decode_uint8(path, self.size))
 
     def pair(self, i, before, **rest):
-        """Sample fields of item i: {name: path} of its two images (before: the path to use) and `rest`, or no
-        images and its features in `rest`."""
+        """Item i's ({field: image path}, rest), or its features in rest."""
         if self.features is not None:
             return {}, {"features": self.features[i], **rest}
         return {"before": before, "after": self.items[i].after}, rest
@@ -409,25 +403,21 @@ class _Pairs(torch.utils.data.Dataset):
 
 
 def sample_rng(seed, epoch, index):
-    """Every random choice about one sample (which caption a pair is trained on, the distractor swap) comes from
-    (seed, epoch, sample index) alone: the same whatever the batch or the worker, and again on resume."""
+    """A sample's random choices come from (seed, epoch, index) alone: the same in any worker, and on resume."""
     return np.random.default_rng([seed, epoch, index])
 
 
 def set_epoch(loader, epoch):
-    """Before each training epoch: its order (the EpochSampler or DistractorBatches) and its per-sample randomness
-    (the dataset)."""
+    """Before each training epoch: its order and its per-sample randomness."""
     (loader.batch_sampler if isinstance(loader.batch_sampler, DistractorBatches) else loader.sampler).set_epoch(epoch)
     if hasattr(loader.dataset, "epoch"):
         loader.dataset.epoch = epoch
 
 
 class CaptionDataset(_Pairs):
-    """Training samples of both stages -> {"before", "after" (or "features"), "ids", "index"}. draw=False
-    (adaptation, as the authors): one sample per caption; draw=True (captioning, and adapt.py's mini preset): one
-    per pair, with one of its captions drawn from (seed, epoch, pair). `ids`: every caption's token row, in item
-    order (default: CLIP's BPE at context_length). swap_prob: CLEVR adaptation's chance of the scene's non-semantic
-    before image (authors: 0.5). Every draw comes from sample_rng; `set_epoch(loader, e)` sets the epoch."""
+    """Training samples of both stages -> {"before", "after" (or "features"), "ids", "index"}. draw=False: one
+    sample per caption; draw=True: one per pair, a caption drawn per epoch. `ids`: every caption's token row (default:
+    CLIP's BPE). swap_prob: the chance of the scene's non-semantic before image (CLEVR)."""
 
     def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None, seed=0, ids=None,
                  draw=False, features=None):
@@ -456,7 +446,7 @@ class CaptionDataset(_Pairs):
 
 
 class ImageDataset(_Pairs):
-    """Images only -> {"before", "after" (or "features"), "index"}; references stay in items[i].captions."""
+    """Images only -> {"before", "after" (or "features"), "index"}."""
 
     def __len__(self):
         return len(self.items)
@@ -466,8 +456,7 @@ class ImageDataset(_Pairs):
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """Sample indices in an order that is a function of (seed, epoch) only: call set_epoch(e) before each epoch
-    (`set_epoch(loader, e)` does it) and a resumed run sees the same batches."""
+    """Indices in an order of (seed, epoch) alone: a resumed run sees the same batches."""
 
     def __init__(self, n, shuffle, seed=0):
         self.n, self.shuffle, self.seed, self.epoch = n, shuffle, seed, 0
@@ -513,8 +502,7 @@ def distractor_partners(items):
 
 
 def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0, pairs=None):
-    """DataLoader with an EpochSampler (or, given `pairs`, DistractorBatches); whole batches where the dataset reads
-    them; pinned memory on CUDA; workers anew each epoch, to see the dataset's epoch."""
+    """DataLoader with an EpochSampler (given `pairs`, DistractorBatches), pinned memory on CUDA."""
     order = dict(batch_sampler=DistractorBatches(pairs, batch_size, seed)) if pairs is not None else dict(
         batch_size=batch_size, sampler=EpochSampler(len(dataset), shuffle, seed), drop_last=drop_last)
     return torch.utils.data.DataLoader(

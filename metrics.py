@@ -1,7 +1,5 @@
-"""Caption metrics that reproduce coco-caption (pycocoevalcap) in pure Python: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D.
-
-Papers in image (difference) captioning report coco-caption's numbers: Stanford's Java PTB tokenizer, then BLEU,
-METEOR 1.5 (a Java jar), ROUGE-L and CIDEr-D. This file computes the same numbers with no Java, in seconds:
+"""Caption metrics that reproduce coco-caption (pycocoevalcap) in pure Python: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D,
+after its PTB tokenization, with no Java, in seconds:
 
     python metrics.py --refs refs.json --cands cands.json   # refs: {id: [sentence, ...]}, cands: {id: sentence}
 
@@ -9,12 +7,10 @@ METEOR 1.5 (a Java jar), ROUGE-L and CIDEr-D. This file computes the same number
     scores = evaluate(refs, cands)                          # {"BLEU-1": 0.41, ..., "CIDEr-D": 0.63}
     scores, items = evaluate(refs, cands, per_item=True)    # items["CIDEr-D"][id] -> that item's score
 
-Scores are on coco-caption's scale (fractions; CIDEr-D roughly 0-10); papers print them x100. On real caption sets,
-tokenization, BLEU-1..4, ROUGE-L, CIDEr-D and METEOR equal coco-caption's, per item (RESULTS.md "Metrics"). METEOR
-1.5 runs its four stages (exact, stem, synonym, paraphrase) on Meteor's own data files, which pip's `pycocoevalcap`
-ships (requirements.txt): the synonym files inside meteor-1.5.jar and the paraphrase table, indexed once into
-~/.cache/clip4idc on first use. We read those files only and never run pycocoevalcap's scorers or Java.
-Without the package METEOR runs exact and stem only (a little low: RESULTS.md "Metrics"), said once in a warning.
+Scores are on coco-caption's scale (fractions; CIDEr-D roughly 0-10); papers print them x100. METEOR 1.5 runs its
+four stages (exact, stem, synonym, paraphrase) on Meteor's own data files, which pip's `pycocoevalcap` ships: the
+synonyms inside meteor-1.5.jar and the paraphrase table, indexed once into ~/.cache/clip4idc. Without the package
+METEOR runs exact and stem only, said once in a warning.
 """
 import argparse
 import gzip
@@ -165,8 +161,7 @@ def _mean(per_item):
 # penalty on the length difference (sigma 6; coco-caption's "length" is the number of bigrams); averaged over n and
 # references, x10. The corpus figure is the mean over items.
 def cider_d_prepare(refs_tok):
-    """The part that depends only on the references: document frequencies and reference vectors. Build it once to
-    score many candidate sets against the same references (see cider_d and cider_d_constant)."""
+    """What depends only on the references (document frequencies, reference vectors), built once."""
     df = Counter()
     for refs in refs_tok.values():  # a "document" is one item's set of references
         df.update(set().union(*[_ngrams(r) for r in refs]))
@@ -209,9 +204,8 @@ def cider_d(refs_tok, cands_tok, prepared=None):
 
 
 def cider_d_constant(prepared, captions, sigma=6.0):
-    """Corpus CIDEr-D of each tokenized caption if it were the output for every item: [float] per caption.
-    A constant caption has the same tf-idf vector everywhere, so each of its n-grams touches only the references
-    that contain it (numpy over an inverted index), not a full pass per caption."""
+    """Corpus CIDEr-D of each tokenized caption given for every item: a constant caption's n-grams touch only the
+    references that hold them (an inverted index), not a full pass per caption."""
     if "index" not in prepared:  # built on first use: n-gram -> (reference rows, weights, the rows' norms)
         index, lengths, items = defaultdict(lambda: ([], [], [])), [], []
         for j, i in enumerate(prepared["ids"]):
@@ -238,10 +232,9 @@ def cider_d_constant(prepared, captions, sigma=6.0):
 
 
 def constant_baseline(train_captions, refs, fallback=()):
-    """The single training caption scoring highest on CIDEr-D when given for every item of `refs` ({id: [caption]}):
-    what a model that ignores the images can reach, so a reader sees what a captioner adds. Candidates: the 5,000
-    most frequent distinct training captions; with none (an evaluation-only set), the `fallback` sentences (the
-    fixed "no change" ones). -> {"caption", "scores" (x100), "candidates": where they came from}."""
+    """The training caption (of the 5,000 most frequent; none: the `fallback` sentences) scoring highest on CIDEr-D
+    given for every item of `refs`: what a model blind to the images reaches. -> {"caption", "scores" x100,
+    "candidates"}."""
     candidates = [c for c, _ in Counter(map(tokenize, train_captions)).most_common(5000)]
     source = "training captions"
     if not candidates:

@@ -1,8 +1,7 @@
-"""The networks of CLIP4IDC: CLIP ViT (image + text towers), the intra/inter pair encoder, the captioner.
+"""The networks of CLIP4IDC: CLIP ViT (image + text towers), the intra/inter pair encoder, the captioners.
 
-Module and parameter names equal the keys of OpenAI's released `ViT-B-32.pt`, so its state dict loads with
-`strict=True` and no remapping; `build_model` reads every size off the tensors' shapes (as openai/CLIP does), so
-ViT-B/32 and the shipped mini CLIPs load through the same code (adapt.py's from-scratch model is a CLIPConfig).
+Module and parameter names are the keys of OpenAI's `ViT-B-32.pt`, so it loads with `strict=True`; `build_model`
+reads every size off the tensors' shapes, as openai/CLIP does.
 
 Pair encoder (paper Sec. 3.1, eq. 2-5): the first N_intra vision blocks see each image alone; the two token
 sequences then get a per-image embedding (e1, e2), a joint positional embedding p and a LayerNorm, and the last
@@ -21,11 +20,11 @@ import torch.nn.functional as F
 # -----------------------------------------------------------------------------
 # building blocks (OpenAI's names: ln_1, attn.in_proj_weight, mlp.c_fc, ...)
 
-USE_SDPA = True  # False: the plain softmax path below, kept for readers and checked equal in the tests
+USE_SDPA = True  # False: the plain softmax path below (the tests and FLOP counts use it)
 
 
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm computed in fp32 whatever the input dtype (as in CLIP), cast back after."""
+    """LayerNorm in fp32 whatever the input dtype, as CLIP's."""
 
     def forward(self, x):
         return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), self.bias.float(),
@@ -39,9 +38,8 @@ class QuickGELU(nn.Module):
 
 def attention(q, k, v, causal=False, dropout=0.0):
     """(B, heads, Tq, hs), (B, heads, Tk, hs) x2 -> (B, heads, Tq, hs). Causal: the Tq queries are the last Tq of
-    the Tk positions (a decoding step after a cached prefix; Tq = Tk in training), and each sees the keys up to
-    its own position. Both paths (SDPA, and the plain softmax the tests and FLOP counts use) mask alike. dropout:
-    on the attention probabilities (BERT's; the caller passes 0 outside training)."""
+    the Tk positions (a decoding step after a cached prefix), each seeing the keys up to its own. dropout: on the
+    attention probabilities."""
     Tq, Tk = q.shape[2], k.shape[2]
     assert not causal or Tq <= Tk, f"causal attention needs the {Tq} queries among the {Tk} key positions"
     # aligned at the end; one query (the usual cached step) sees every key: no mask
@@ -57,7 +55,7 @@ def attention(q, k, v, causal=False, dropout=0.0):
 
 
 class MultiheadAttention(nn.Module):
-    """Batch-first self-attention with nn.MultiheadAttention's parameter names, so OpenAI's weights load."""
+    """Self-attention under nn.MultiheadAttention's parameter names, so OpenAI's weights load."""
 
     def __init__(self, width, heads):
         super().__init__()
@@ -107,7 +105,7 @@ class Transformer(nn.Module):
 
 
 class PairEncoding(NamedTuple):
-    """The pair encoder's output: its 2(n+1) tokens (the captioner's memory) and the pair vector v (retrieval)."""
+    """The pair encoder's 2(n+1) tokens (the captioner's memory) and the pair vector v (retrieval)."""
     tokens: torch.Tensor
     vector: torch.Tensor
 
@@ -133,8 +131,7 @@ class VisionTransformer(nn.Module):
         self.ln_mid = LayerNorm(width)
 
     def patches(self, x):
-        """(B, 3, H, W) -> (B, n, width): conv1 (kernel = stride = patch) as one matmul over the flattened patches,
-        in row-major order: the convolution's numbers, faster on a GPU."""
+        """(B, 3, H, W) -> (B, n, width): conv1 (kernel = stride = patch) as one matmul, faster on a GPU."""
         B, C, H, W = x.shape
         P = self.conv1.kernel_size[0]
         x = x[:, :, :H // P * P, :W // P * P].reshape(B, C, H // P, P, W // P, P)  # a remainder is dropped, as conv
@@ -152,9 +149,8 @@ class VisionTransformer(nn.Module):
         return self.ln_post(self.transformer(self.stem(x))[:, 0]) @ self.proj
 
     def forward_pair(self, before, after, both_ways=False):
-        """The pair encoder, eq. (2)-(5): (B, 3, H, W) x2 -> PairEncoding: tokens (B, 2(n+1), output_dim), the pair
-        vector v (B, output_dim). both_ways (caption.py --reverse): (after, before) too, as rows B..2B-1, the intra
-        blocks run once for both orders (they see each image alone)."""
+        """The pair encoder, eq. (2)-(5): (B, 3, H, W) x2 -> PairEncoding. both_ways (caption.py --reverse):
+        (after, before) too, as rows B..2B-1, the intra blocks run once for both orders."""
         B = before.shape[0]
         x = self.intra(self.stem(torch.cat([before, after])))  # eq. (2): each image alone, both in one batch
         pairs = [torch.cat([x[:B], x[B:]], dim=1)] + ([torch.cat([x[B:], x[:B]], dim=1)] if both_ways else [])
@@ -183,7 +179,7 @@ class VisionTransformer(nn.Module):
 
 @dataclass
 class CLIPConfig:
-    """OpenAI's build arguments (read off a state dict, or chosen for a from-scratch model)."""
+    """OpenAI's build arguments, read off a state dict (config_of) or chosen."""
     embed_dim: int = 512
     image_resolution: int = 224
     vision_layers: int = 12
@@ -212,7 +208,7 @@ class CLIP(nn.Module):
         self.initialize_parameters()
 
     def initialize_parameters(self):
-        """OpenAI's initialization, used when training from scratch (adapt.py --preset scratch)."""
+        """OpenAI's initialization (a model from scratch)."""
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
         for tower in (self.transformer, self.visual.transformer):
@@ -237,7 +233,7 @@ class CLIP(nn.Module):
         return x[torch.arange(x.shape[0], device=x.device), eot] @ self.text_projection
 
     def forward(self, image, text):
-        """OpenAI's logits_per_image, logits_per_text (its archive's traced module needs a forward)."""
+        """OpenAI's logits_per_image, logits_per_text."""
         img, txt = F.normalize(self.encode_image(image), dim=-1), F.normalize(self.encode_text(text), dim=-1)
         logits = self.logit_scale.exp() * img @ txt.t()
         return logits, logits.t()
@@ -256,9 +252,8 @@ PAIR_KEYS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_posit
 
 
 def share_joint_positions_(visual, norm):
-    """Not the paper's (adapt.py --shared-p): p (eq. 4) initialized alike for a patch's position in both
-    images, a random code of this norm, in place; [CLS] gets none (the authors draw all 2(n+1) apart). An inter block
-    that attends to tokens like itself then attends from each patch to its place in the other image."""
+    """Not the paper's (adapt.py --shared-p): p (eq. 4) alike for a patch's position in both images, a random code
+    of this norm, [CLS]'s zero, in place (the authors draw all 2(n+1) apart)."""
     p = visual.joint_positional_embedding
     half = torch.randn(p.shape[0] // 2, p.shape[1], device=p.device)
     half = norm * half / half.norm(dim=1, keepdim=True)
@@ -269,8 +264,7 @@ def share_joint_positions_(visual, norm):
 
 def authors_fp16_(clip):
     """The authors' fp16 (--authors-numerics), in place: their convert_weights (module_clip.py 541-562) holds conv1,
-    every attention and MLP Linear (weights and biases), visual.proj and text_projection in fp16; the embeddings,
-    LayerNorms and pair parameters stay fp32, and the forward runs in fp16 (each LayerNorm in fp32, as CLIP's)."""
+    every attention and MLP Linear, visual.proj and text_projection in fp16; the rest stays fp32."""
     for m in clip.modules():
         names = ("in_proj_weight", "in_proj_bias") if isinstance(m, MultiheadAttention) else \
             ("weight", "bias") if isinstance(m, (nn.Conv2d, nn.Linear)) else ()
@@ -282,54 +276,34 @@ def authors_fp16_(clip):
     return clip
 
 
-def build_model(sd, n_inter=3):
-    """A CLIP whose sizes are read off the state dict `sd`'s shapes (as openai/CLIP's `build_model`). Its pair
-    parameters (absent from OpenAI's release) are added to `sd` freshly initialized, so that
-    `load_state_dict(sd, strict=True)` checks every other key."""
+def config_of(sd, n_inter=3):
+    """The CLIPConfig of a state dict, every size read off its tensors' shapes (as openai/CLIP's `build_model`)."""
     vision_width, patch = sd["visual.conv1.weight"].shape[0], sd["visual.conv1.weight"].shape[-1]
     vision_layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
     grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
     width = sd["ln_final.weight"].shape[0]
     layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
-    model = CLIP(CLIPConfig(sd["text_projection"].shape[1], patch * grid, vision_layers, vision_width, patch,
-                            sd["positional_embedding"].shape[0], sd["token_embedding.weight"].shape[0], width,
-                            max(1, width // 64), layers, n_inter))
+    return CLIPConfig(sd["text_projection"].shape[1], patch * grid, vision_layers, vision_width, patch,
+                      sd["positional_embedding"].shape[0], sd["token_embedding.weight"].shape[0], width,
+                      max(1, width // 64), layers, n_inter)
+
+
+def build_model(sd, n_inter=3):
+    """A CLIP of `sd`'s sizes (config_of). Its pair parameters (absent from OpenAI's release) are added to `sd`
+    freshly initialized, so that `load_state_dict(sd, strict=True)` checks every other key."""
+    model = CLIP(config_of(sd, n_inter))
     sd.update({k: v for k, v in model.state_dict().items() if k in PAIR_KEYS and k not in sd})
     return model
 
 
 # -----------------------------------------------------------------------------
-# The captioning Transformer (paper Sec. 3.3) as the authors' code built it (modules/module_decoder.py; the paper's
-# text says 768 wide, "learned from scratch": the code made the numbers): BERT post-LN layers, 3 encoder layers over
-# the pair encoder's 2(n+1) tokens and 3 decoder layers, decoder layer i cross-attending to encoder layer i's output;
-# CLIP's BPE words, the word and position embeddings CLIP's own Parameters (tied; pass `clip`), and so is the output
-# projection, after a dense + GELU + LayerNorm, with a bias of its own. The mini preset departs by the flags below.
-
-
-@dataclass
-class CaptionerConfig:
-    vocab_size: int = 49408  # CLIP's BPE tokens, or the mini preset's own words
-    memory_dim: int = 512  # the pair encoder's embed_dim
-    memory_len: int = 100  # its 2(m+1) tokens, each image's grid pooled (mem_pool)
-    width: int = 512  # the authors': 3+3 layers, 512 wide, 8 heads, FFN 2048, dropout 0.1
-    heads: int = 8
-    enc_layers: int = 3
-    dec_layers: int = 3
-    max_len: int = 32  # generated tokens, the end token included
-    dropout: float = 0.1
-    post_ln: bool = True  # BERT's post-LN layers (the authors'); False: pre-LN, every decoder layer reading the last
-    clip_words: bool = False  # the word and position embeddings are the CLIP's (tied; the authors'), else its own
-    mem_proj: bool = False  # not the authors': a learned projection and position for each memory token
-    mem_image: bool = False  # not the authors': which image a memory token comes from, one learned vector per image
-    mem_diff: bool = False  # not the authors': each memory token also gets what changed at its position
-    mem_pool: int = 1  # not the authors': each image's patch grid averaged over mem_pool x mem_pool cells first
+# The captioners (paper Sec. 3.3): cross-attention from the words to the pair encoder's tokens (the memory).
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention (source=None) or cross-attention (keys and values from `source`, the memory), with
-    dropout on the attention probabilities. `kv_cache` (a dict per layer and kind) serves decoding: self-attention
-    appends the new positions' keys/values to the prefix's, cross-attention projects the memory once; hence
-    queries and keys/values projected apart (CLIP's MultiheadAttention keeps OpenAI's fused in_proj)."""
+    """Self-attention (source=None) or cross-attention to `source`. `kv_cache` (a dict per layer and kind) serves
+    decoding: self-attention appends the new positions' keys/values to the prefix's, cross-attention projects the
+    memory once; hence queries and keys/values projected apart."""
 
     def __init__(self, width, heads, dropout=0.0):
         super().__init__()
@@ -356,81 +330,233 @@ class Attention(nn.Module):
         return self.out_proj(y.transpose(1, 2).flatten(2))  # (B, T, width)
 
 
-class CaptionBlock(nn.Module):
-    """Encoder block (self-attention, MLP) or, with cross=True, decoder block (causal self-attention, cross-attention
-    to the memory, MLP). post_ln: BERT's layer, the authors', each sublayer f as LN(x + dropout(f(x))) (LayerNorm
-    eps 1e-12, dropout on the attention probabilities too); else pre-LN, x + dropout(f(LN(x)))."""
+def feed_forward(width):
+    return nn.Sequential(OrderedDict([  # erf GELU, as BERT's
+        ("c_fc", nn.Linear(width, 4 * width)), ("gelu", nn.GELU()), ("c_proj", nn.Linear(4 * width, width))]))
 
-    def __init__(self, width, heads, dropout, cross=False, post_ln=False):
+
+def caches(kv_cache):
+    """A decoder layer's self- and cross-attention caches (None when not decoding step by step)."""
+    return (None, None) if kv_cache is None else (kv_cache.setdefault("self", {}), kv_cache.setdefault("cross", {}))
+
+
+def init_weights_(module):
+    """normal(0, 0.02), biases 0: BERT's (until_module.py 70-85) and GPT-2's."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear):
+            nn.init.zeros_(m.bias)
+
+
+# decoding, a method of both captioners below (through their encode and decode)
+
+
+@torch.no_grad()
+def generate(self, memory, bos, eos, max_len=None, use_kv_cache=True):
+    """Batched greedy decoding -> ids (B, <= max_len), <eos> included where reached, 0 (pad) after it. The cache
+    runs the decoder on the newest token only; without it, on the whole prefix, as the authors decode."""
+    max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
+    mem = self.encode(memory)
+    out = torch.full((len(memory), 1), bos, dtype=torch.long, device=memory.device)
+    kv_caches = [{} for _ in self.decoder] if use_kv_cache else None
+    done = torch.zeros(len(memory), dtype=torch.bool, device=memory.device)
+    for t in range(max_len):
+        step, start = (out[:, -1:], t) if use_kv_cache else (out, 0)  # the newest token, or the whole prefix
+        nxt = self.decode(step, mem, kv_caches, start)[:, -1].argmax(-1).masked_fill(done, 0)  # (B,)
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        done |= nxt == eos
+        if done.all():
+            break
+    return out[:, 1:]
+
+
+@torch.no_grad()
+def beam_search(self, memory, bos, eos, beam=3, max_len=None):
+    """Batched beam search with the key/value cache; the best beam by log-probability per token."""
+    max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
+    mem = [m.repeat_interleave(beam, dim=0) for m in self.encode(memory)]  # each (B*K, M, width)
+    B, K, dev = memory.shape[0], beam, memory.device
+    out = torch.full((B * K, 1), bos, dtype=torch.long, device=dev)
+    scores = torch.full((B, K), float("-inf"), device=dev)
+    scores[:, 0] = 0  # all beams start equal: keep one so the first step gives K different words
+    done, lengths = torch.zeros(B * K, dtype=torch.bool, device=dev), torch.zeros(B * K, device=dev)
+    kv_caches = [{} for _ in self.decoder]
+    for t in range(max_len):
+        logp = self.decode(out[:, -1:], mem, kv_caches, start=t)[:, -1].float().log_softmax(-1)  # (B*K, V)
+        V = logp.shape[-1]
+        logp[done] = float("-inf")
+        logp[done, 0] = 0  # a finished beam continues with padding at no cost
+        scores, idx = (scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=-1)  # (B, K)
+        src = (idx // V + torch.arange(B, device=dev)[:, None] * K).view(-1)  # the beam each came from
+        nxt = (idx % V).view(-1)
+        out = torch.cat([out[src], nxt[:, None]], dim=1)
+        lengths = lengths[src] + (~done[src]).float()
+        done = done[src] | (nxt == eos)
+        for c in kv_caches:  # the prefix's keys/values follow their beam; the memory's is the same for all beams
+            c["self"]["k"], c["self"]["v"] = c["self"]["k"][src], c["self"]["v"][src]
+        if done.all():
+            break
+    best = (scores.view(-1) / lengths.clamp(min=1)).view(B, K).argmax(-1)  # length-normalized
+    return out.view(B, K, -1)[torch.arange(B, device=dev), best, 1:]
+
+
+# The authors' captioner, as their code built it (modules/module_decoder.py; the paper's text says 768 wide,
+# "learned from scratch": the code made the numbers): BERT's post-LN layers, 3 encoder layers over the pair
+# encoder's 2(n+1) tokens, 3 decoder layers, decoder layer i cross-attending to encoder layer i's output; CLIP's BPE
+# words, the word and position embeddings CLIP's own (tied), and so is the output projection, after BERT's
+# prediction head.
+
+
+@dataclass
+class CaptionerConfig:
+    vocab_size: int = 49408  # CLIP's BPE tokens
+    memory_len: int = 100  # the pair encoder's 2(n+1) tokens, as wide as the captioner
+    width: int = 512  # the authors': 3+3 layers, 512 wide, 8 heads, FFN 2048, dropout 0.1
+    heads: int = 8
+    enc_layers: int = 3
+    dec_layers: int = 3
+    max_len: int = 32  # generated tokens, the end token included
+    dropout: float = 0.1
+
+
+class BertLayer(nn.Module):
+    """BERT's post-LN layer, each sublayer f as LN(x + dropout(f(x))), LayerNorm eps 1e-12, dropout on the
+    attention probabilities too: self-attention and MLP (encoder), with cross=True causal self-attention,
+    cross-attention to the memory, MLP (decoder)."""
+
+    def __init__(self, width, heads, dropout, cross=False):
         super().__init__()
-        self.post_ln, eps = post_ln, 1e-12 if post_ln else 1e-5
-        self.ln_1 = LayerNorm(width, eps=eps)
-        self.attn = Attention(width, heads, dropout if post_ln else 0.0)
-        self.ln_x = LayerNorm(width, eps=eps) if cross else None
-        self.cross_attn = Attention(width, heads, dropout if post_ln else 0.0) if cross else None
-        self.ln_2 = LayerNorm(width, eps=eps)
-        self.mlp = nn.Sequential(OrderedDict([  # erf GELU, as BERT's
-            ("c_fc", nn.Linear(width, 4 * width)), ("gelu", nn.GELU()), ("c_proj", nn.Linear(4 * width, width))]))
+        self.ln_1 = LayerNorm(width, eps=1e-12)
+        self.attn = Attention(width, heads, dropout)
+        if cross:
+            self.ln_x = LayerNorm(width, eps=1e-12)
+            self.cross_attn = Attention(width, heads, dropout)
+        self.ln_2 = LayerNorm(width, eps=1e-12)
+        self.mlp = feed_forward(width)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x, memory=None, kv_cache=None):
-        c_self, c_cross = (None if kv_cache is None else kv_cache.setdefault(k, {}) for k in ("self", "cross"))
-        sublayers = [(self.ln_1, lambda h: self.attn(h, causal=self.cross_attn is not None, kv_cache=c_self))]
-        if self.cross_attn is not None:  # the query and the residual: the self-attention's output
-            sublayers.append((self.ln_x, lambda h: self.cross_attn(h, memory, kv_cache=c_cross)))
-        for ln, f in sublayers + [(self.ln_2, self.mlp)]:
-            x = ln(x + self.drop(f(x))) if self.post_ln else x + self.drop(f(ln(x)))
-        return x
+        c_self, c_cross = caches(kv_cache)
+        x = self.ln_1(x + self.drop(self.attn(x, causal=memory is not None, kv_cache=c_self)))
+        if memory is not None:  # a decoder layer: the query and the residual are the self-attention's output
+            x = self.ln_x(x + self.drop(self.cross_attn(x, memory, kv_cache=c_cross)))
+        return self.ln_2(x + self.drop(self.mlp(x)))
 
 
 class Captioner(nn.Module):
-    def __init__(self, cfg: CaptionerConfig, clip=None):
+    def __init__(self, cfg: CaptionerConfig, clip):
         super().__init__()
-        self.cfg, post = cfg, cfg.post_ln
-        assert clip is not None or not cfg.clip_words, "clip_words: pass the CLIP whose embeddings are tied in"
-        assert cfg.mem_proj or cfg.memory_dim == cfg.width, "without mem_proj the memory must be as wide as the model"
-        self.mem_proj = nn.Linear(cfg.memory_dim, cfg.width) if cfg.mem_proj else None
-        self.mem_pos = nn.Parameter(torch.zeros(cfg.memory_len, cfg.width)) if cfg.mem_proj else None
-        # which image a memory token comes from (before, after), shared by its n+1 tokens. Cross-attention is blind
-        # to the order of its memory; the authors' pair encoder tells the images apart (e1, e2) before the last blocks
-        self.mem_image = nn.Parameter(torch.zeros(2, cfg.width)) if cfg.mem_image else None
-        # after minus before at each position, projected and added to both images' tokens there, so that a token
-        # says what changed where it is (cross-attention cannot subtract)
-        self.mem_diff = nn.Linear(cfg.memory_dim, cfg.width) if cfg.mem_diff else None
-        self.encoder = nn.ModuleList([CaptionBlock(cfg.width, cfg.heads, cfg.dropout, post_ln=post)
-                                      for _ in range(cfg.enc_layers)])
-        self.ln_enc = None if post else LayerNorm(cfg.width)
-        if cfg.clip_words:  # tied: the decoder reads and writes CLIP's own BPE embeddings (modeling.py 182-195)
-            self.token_embedding, self.positional_embedding = clip.token_embedding, clip.positional_embedding
-        else:
-            self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
-            self.positional_embedding = nn.Parameter(torch.zeros(cfg.max_len + 1, cfg.width))  # <bos> + max_len
-        self.ln_emb = LayerNorm(cfg.width, eps=1e-12) if post else None
-        self.decoder = nn.ModuleList([CaptionBlock(cfg.width, cfg.heads, cfg.dropout, cross=True, post_ln=post)
+        self.cfg = cfg
+        self.encoder = nn.ModuleList([BertLayer(cfg.width, cfg.heads, cfg.dropout) for _ in range(cfg.enc_layers)])
+        self.decoder = nn.ModuleList([BertLayer(cfg.width, cfg.heads, cfg.dropout, cross=True)
                                       for _ in range(cfg.dec_layers)])
-        self.ln_final = None if post else LayerNorm(cfg.width)
         # BERT's prediction head: dense + GELU + LayerNorm, then the word embeddings transposed, plus a bias
         self.head = nn.Sequential(OrderedDict([("dense", nn.Linear(cfg.width, cfg.width)), ("gelu", nn.GELU()),
-                                               ("ln", LayerNorm(cfg.width, eps=1e-12))])) if post else None
-        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size)) if post else None
+                                               ("ln", LayerNorm(cfg.width, eps=1e-12))]))
+        self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+        self.ln_emb = LayerNorm(cfg.width, eps=1e-12)
         self.drop = nn.Dropout(cfg.dropout)
-        for m in self.modules():  # normal(0, 0.02), biases 0: BERT's (until_module.py 70-85) and GPT-2's
-            if isinstance(m, nn.Linear) or (isinstance(m, nn.Embedding) and not cfg.clip_words):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear):
-                nn.init.zeros_(m.bias)
-        for p, std in ((self.mem_pos, 0.01), (self.mem_image, 0.02),
-                       (None if cfg.clip_words else self.positional_embedding, 0.01)):  # CLIP's stay as they are
-            if p is not None:
-                nn.init.normal_(p, std=std)
+        init_weights_(self)
+        # tied: the decoder reads and writes CLIP's own BPE embeddings (modeling.py 182-195), as they are
+        self.token_embedding, self.positional_embedding = clip.token_embedding, clip.positional_embedding
+
+    def encode(self, memory):
+        """Pair-encoder tokens (B, 2(n+1), width) -> each encoder layer's output (the memory itself without any)."""
+        x, outs = memory.to(self.head.dense.weight.dtype), []
+        for block in self.encoder:
+            x = block(x)
+            outs.append(x)
+        return outs or [x]
+
+    def decode(self, tokens, mems, kv_caches=None, start=0):
+        """Token ids (B, T) at positions start..start+T-1, encode's list -> next-token logits (B, T, vocab);
+        decoder layer i reads mems[i] (the last where there are fewer)."""
+        x = self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]]
+        x = self.drop(self.ln_emb(x))
+        for i, block in enumerate(self.decoder):
+            x = block(x, mems[min(i, len(mems) - 1)], None if kv_caches is None else kv_caches[i])
+        return self.head(x) @ self.token_embedding.weight.t() + self.head_bias
+
+    def forward(self, memory, tokens):
+        """Teacher forcing: (B, M, width), (B, T) -> logits (B, T, vocab)."""
+        return self.decode(tokens, self.encode(memory))
 
     def pool(self, memory):
-        """Not the authors' (caption.py --mem-pool): pair-encoder tokens (B, 2(n+1), D) -> (B, 2(m+1), D), each image's
-        g x g patch tokens averaged over k x k cells (k = cfg.mem_pool; m = (g/k)^2), its [CLS] kept. What the
-        captioner reads per step is what it costs: 290 memory tokens at a 12x12 grid, 74 pooled 2x2."""
+        return memory  # the authors' read every token
+
+    generate, beam_search = generate, beam_search
+
+
+# The mini preset's captioner (README "Where the quickstart differs from the paper"): pre-LN layers, its own words,
+# each memory token projected, placed and marked with its image, optionally told what changed at its position, the
+# patch grid pooled; every decoder layer reads the last encoder output.
+
+
+@dataclass
+class MiniCaptionerConfig:
+    vocab_size: int = 100  # the training captions' own words
+    memory_dim: int = 128  # the pair encoder's embed_dim
+    memory_len: int = 74  # its 2(m+1) tokens, each image's grid pooled (mem_pool)
+    width: int = 128
+    heads: int = 4
+    enc_layers: int = 0
+    dec_layers: int = 2
+    max_len: int = 32
+    dropout: float = 0.1
+    mem_diff: bool = True  # each memory token also gets what changed at its position
+    mem_pool: int = 2  # each image's patch grid averaged over mem_pool x mem_pool cells first
+
+
+class PreLNBlock(nn.Module):
+    """Pre-LN x + dropout(f(LN(x))): self-attention and MLP, with cross=True causal self-attention,
+    cross-attention to the memory, MLP."""
+
+    def __init__(self, width, heads, dropout, cross=False):
+        super().__init__()
+        self.ln_1 = LayerNorm(width)
+        self.attn = Attention(width, heads)
+        if cross:
+            self.ln_x = LayerNorm(width)
+            self.cross_attn = Attention(width, heads)
+        self.ln_2 = LayerNorm(width)
+        self.mlp = feed_forward(width)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x, memory=None, kv_cache=None):
+        c_self, c_cross = caches(kv_cache)
+        x = x + self.drop(self.attn(self.ln_1(x), causal=memory is not None, kv_cache=c_self))
+        if memory is not None:
+            x = x + self.drop(self.cross_attn(self.ln_x(x), memory, kv_cache=c_cross))
+        return x + self.drop(self.mlp(self.ln_2(x)))
+
+
+class MiniCaptioner(nn.Module):
+    def __init__(self, cfg: MiniCaptionerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.mem_proj = nn.Linear(cfg.memory_dim, cfg.width)
+        self.mem_pos = nn.Parameter(torch.zeros(cfg.memory_len, cfg.width))
+        # which image a memory token comes from (before, after): cross-attention is blind to its memory's order
+        self.mem_image = nn.Parameter(torch.zeros(2, cfg.width))
+        # after minus before at each position, added to both images' tokens there (cross-attention cannot subtract)
+        self.mem_diff = nn.Linear(cfg.memory_dim, cfg.width) if cfg.mem_diff else None
+        self.encoder = nn.ModuleList([PreLNBlock(cfg.width, cfg.heads, cfg.dropout) for _ in range(cfg.enc_layers)])
+        self.ln_enc = LayerNorm(cfg.width)
+        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
+        self.positional_embedding = nn.Parameter(torch.zeros(cfg.max_len + 1, cfg.width))  # <bos> + max_len
+        self.decoder = nn.ModuleList([PreLNBlock(cfg.width, cfg.heads, cfg.dropout, cross=True)
+                                      for _ in range(cfg.dec_layers)])
+        self.ln_final = LayerNorm(cfg.width)
+        self.drop = nn.Dropout(cfg.dropout)
+        init_weights_(self)
+        for p, std in ((self.mem_pos, 0.01), (self.mem_image, 0.02), (self.positional_embedding, 0.01)):
+            nn.init.normal_(p, std=std)
+
+    def pool(self, memory):
+        """Pair-encoder tokens (B, 2(n+1), D) -> (B, 2(m+1), D), each image's g x g patch tokens averaged over
+        k x k cells (k = cfg.mem_pool; m = (g/k)^2), its [CLS] kept."""
         k = self.cfg.mem_pool
-        if k == 1:
-            return memory
         B, T, D = memory.shape
         g = math.isqrt(T // 2 - 1)
         x = memory.reshape(2 * B, T // 2, D)  # before's and after's tokens of each pair, one after the other
@@ -438,84 +564,24 @@ class Captioner(nn.Module):
         return torch.cat([x[:, :1], grid.flatten(2).transpose(1, 2)], dim=1).reshape(B, -1, D)
 
     def encode(self, memory):
-        """Pair-encoder tokens, pooled (B, 2(m+1), memory_dim) -> what the decoder layers read, a list of
-        (B, 2(m+1), width): post-LN, each encoder layer's output, decoder layer i reading the i-th (the last where
-        there are fewer; the memory itself where there are none); pre-LN, the last output, normed, for every layer."""
+        """Pooled pair-encoder tokens (B, 2(m+1), memory_dim) -> [what every decoder layer reads] (B, 2(m+1), width)."""
         n1 = memory.shape[1] // 2
-        x = memory = memory.to(self.decoder[0].ln_1.weight.dtype)
-        if self.mem_proj is not None:
-            x = self.mem_proj(memory) + self.mem_pos
-        if self.mem_image is not None:
-            x = x + self.mem_image.repeat_interleave(n1, dim=0)  # (2(m+1), width): before's, after's
+        memory = memory.to(self.mem_proj.weight.dtype)
+        x = self.mem_proj(memory) + self.mem_pos + self.mem_image.repeat_interleave(n1, dim=0)
         if self.mem_diff is not None:
             x = x + self.mem_diff(memory[:, n1:] - memory[:, :n1]).repeat(1, 2, 1)
-        if self.mem_proj is not None:
-            x = self.drop(x)  # a learned input, dropped out as the word embeddings are
-        outs = []
+        x = self.drop(x)  # a learned input, dropped out as the word embeddings are
         for block in self.encoder:
             x = block(x)
-            outs.append(x)
-        return (outs or [x]) if self.ln_enc is None else [self.ln_enc(x)]
+        return [self.ln_enc(x)]
 
     def decode(self, tokens, mems, kv_caches=None, start=0):
-        """Token ids (B, T) at positions start..start+T-1, encode's list -> next-token logits (B, T, vocab), the
-        output projection being the word embeddings (tied)."""
-        x = self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]]
-        x = self.drop(x if self.ln_emb is None else self.ln_emb(x))
+        x = self.drop(self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]])
         for i, block in enumerate(self.decoder):
-            x = block(x, mems[min(i, len(mems) - 1)], None if kv_caches is None else kv_caches[i])
-        if self.head is None:
-            return self.ln_final(x) @ self.token_embedding.weight.t()
-        return self.head(x) @ self.token_embedding.weight.t() + self.head_bias
+            x = block(x, mems[0], None if kv_caches is None else kv_caches[i])
+        return self.ln_final(x) @ self.token_embedding.weight.t()
 
     def forward(self, memory, tokens):
-        """Teacher forcing: (B, M, memory_dim), (B, T) -> logits (B, T, vocab)."""
         return self.decode(tokens, self.encode(memory))
 
-    @torch.no_grad()
-    def generate(self, memory, bos, eos, max_len=None, use_kv_cache=True):
-        """Batched greedy decoding -> ids (B, <= max_len), <eos> included where reached, 0 (pad) after it.
-        With the key/value cache each step runs the decoder on the newest token only; without it, on the whole
-        prefix, as the authors decode (they run all 32 steps and cut at the end token: the same words)."""
-        max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
-        mem = self.encode(memory)
-        out = torch.full((len(memory), 1), bos, dtype=torch.long, device=memory.device)
-        kv_caches = [{} for _ in self.decoder] if use_kv_cache else None
-        done = torch.zeros(len(memory), dtype=torch.bool, device=memory.device)
-        for t in range(max_len):
-            step, start = (out[:, -1:], t) if use_kv_cache else (out, 0)  # the newest token, or the whole prefix
-            nxt = self.decode(step, mem, kv_caches, start)[:, -1].argmax(-1).masked_fill(done, 0)  # (B,)
-            out = torch.cat([out, nxt[:, None]], dim=1)
-            done |= nxt == eos
-            if done.all():
-                break
-        return out[:, 1:]
-
-    @torch.no_grad()
-    def beam_search(self, memory, bos, eos, beam=3, max_len=None):
-        """Batched beam search with the key/value cache; the best beam by log-probability per token."""
-        max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
-        mem = [m.repeat_interleave(beam, dim=0) for m in self.encode(memory)]  # each (B*K, M, width)
-        B, K, dev = memory.shape[0], beam, memory.device
-        out = torch.full((B * K, 1), bos, dtype=torch.long, device=dev)
-        scores = torch.full((B, K), float("-inf"), device=dev)
-        scores[:, 0] = 0  # all beams start equal: keep one so the first step gives K different words
-        done, lengths = torch.zeros(B * K, dtype=torch.bool, device=dev), torch.zeros(B * K, device=dev)
-        kv_caches = [{} for _ in self.decoder]
-        for t in range(max_len):
-            logp = self.decode(out[:, -1:], mem, kv_caches, start=t)[:, -1].float().log_softmax(-1)  # (B*K, V)
-            V = logp.shape[-1]
-            logp[done] = float("-inf")
-            logp[done, 0] = 0  # a finished beam continues with padding at no cost
-            scores, idx = (scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=-1)  # (B, K)
-            src = (idx // V + torch.arange(B, device=dev)[:, None] * K).view(-1)  # the beam each came from
-            nxt = (idx % V).view(-1)
-            out = torch.cat([out[src], nxt[:, None]], dim=1)
-            lengths = lengths[src] + (~done[src]).float()
-            done = done[src] | (nxt == eos)
-            for c in kv_caches:  # the prefix's keys/values follow their beam; the memory's is the same for all beams
-                c["self"]["k"], c["self"]["v"] = c["self"]["k"][src], c["self"]["v"][src]
-            if done.all():
-                break
-        best = (scores.view(-1) / lengths.clamp(min=1)).view(B, K).argmax(-1)  # length-normalized
-        return out.view(B, K, -1)[torch.arange(B, device=dev), best, 1:]
+    generate, beam_search = generate, beam_search

@@ -1,8 +1,8 @@
 """Every picture of clip4idc, drawn with PIL and numpy: the gallery of test pairs with their captions, where the
 pair encoder looked (attention heat maps), and training curves.
 
-    python caption.py --ckpt captioner.pt --gallery gallery.png           # test pairs, captions, heat maps
-    python caption.py --ckpt captioner.pt --before a.png --after b.png --explain why.png
+    python evaluate.py --ckpt captioner.pt --gallery gallery.png          # test pairs, captions, heat maps
+    python evaluate.py --ckpt captioner.pt --before a.png --after b.png --explain why.png
 
 The stages write their training curves (`<checkpoint>.curves.png`) after every epoch. The drawing takes images,
 numbers and text; the last section runs a captioner's encoder to get its maps, and measures on a synthetic set how

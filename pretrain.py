@@ -41,10 +41,11 @@ import adapt
 import clip_load
 import data
 import synth
-from model import PAIR_KEYS
-from train_utils import (HelpFormatter, Progress, at_least, check_resume, check_sizes, fmt_time, freeze, last_path,
-                         load_resume, log, make_optimizer, param_groups, restore, rng_state, run_flags, save_atomic,
-                         setup, train_epoch, warmup_cosine, where)
+from model import CLIP, PAIR_KEYS, CLIPConfig
+from train_utils import (HelpFormatter, Progress, Settings, at_least, check_resume, check_sizes, end_epoch, fmt_time,
+                         freeze, given_flags, last_path, load_resume, log, make_optimizer, new_run, param_groups,
+                         pick_device, resume_run, run_flags, save_atomic, save_state, setup, train_epoch,
+                         warmup_cosine, where)
 
 ROOT = "data/clevr_pretrain"
 # the text tower is 64 wide: its token embedding (49,408 BPE ids x width) is most of the file, 6.3 MB in fp16
@@ -53,6 +54,11 @@ DEFAULTS = dict(scenes=12000, image_size=96, patch_size=8, vision_width=128, vis
                 text_layers=4, embed_dim=128, context_length=77, batch_size=128, negatives=1, lr=5e-4,
                 weight_decay=0.1, warmup=0.02, samples=300_000, eval_every=150)
 CLEVR = dict(samples=150_000, eval_every=300)  # --world clevr: the shipped mini12-clevr's recipe
+MODES = {  # what each mode but training reads: another flag given is an error
+    "--export": {"export", "out"},
+    "--probe-pairs": {"probe_pairs", "pairs_root", "device", "amp", "seed"},
+    "--eval-only": {"eval_only", "ckpt", "out", "root", "scenes", "render_seed", "world", "workers", "eval_images",
+                    "clevr_root", "device", "amp", "seed"}}
 
 
 def get_args(argv=None):
@@ -100,22 +106,32 @@ def get_args(argv=None):
                    "(adapt.py's on no real data)")
     p.add_argument("--export", default=None, help="write --out's weights as a shipped fp16 file at this path and stop")
     p.add_argument("--workers", type=at_least(1), default=None, help="render/decode processes (default: all cores)")
-    args = p.parse_args(argv)
-    vars(args).update({k: (CLEVR if args.world == "clevr" else d)[k] for k in ("samples", "eval_every")
-                       if getattr(args, k, None) is None})
+    args, given = p.parse_args(argv), given_flags(p, argv)
+    s = vars(args)
+    s.update({k: (CLEVR if args.world == "clevr" else d)[k] for k in ("samples", "eval_every") if k not in given})
+    if args.root == ROOT and args.world != "ours":  # one set per world
+        s["root"] = f"{ROOT}_{args.world}"
     check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                       "--text-width": args.text_width})
-    if args.clevr_root and not args.eval_only:
-        p.error("argument --clevr-root: goes with --eval-only")
+    mode = next((f"--{m}" for m in ("export", "probe-pairs", "eval-only") if s[m.replace("-", "_")]), "")
+    unread = given - MODES[mode] if mode else given & {"ckpt", "clevr_root", "pairs_root"}
+    if unread:
+        flag = "--" + sorted(unread)[0].replace("_", "-")
+        p.error(f"argument {flag}: not read " + (f"with {mode}" if mode else "when training: it goes with " + (
+            "--probe-pairs" if flag == "--pairs-root" else "--eval-only")))
     if args.clevr_root and not (Path(args.clevr_root) / "scenes.json").is_file():  # before any scene is rendered
         p.error(f"argument --clevr-root: no scenes.json in {args.clevr_root} (CLEVR's scene records, as "
                 f"CLEVR-Change's generator writes them): give a set rendered by it")
-    check_resume(p, args)
+    check_resume(p, args.resume, args.out)
     for flag, wants in (("--export", args.export), ("--eval-only", args.eval_only and not args.ckpt)):
         if wants and not os.path.isfile(args.out):
             p.error(f"argument {flag}: no run's weights at --out {args.out}: give the --out a run wrote"
                     + (", or --ckpt" if flag == "--eval-only" else ""))
-    return args
+    if args.eval_only:  # the checkpoint's sizes
+        cfg = clip_load.clip_config(args.ckpt or args.out)
+        s.update(image_size=cfg.image_resolution, context_length=cfg.context_length)
+    s["device"] = pick_device(args.device)
+    return Settings(**s)
 
 
 # -----------------------------------------------------------------------------
@@ -434,14 +450,11 @@ def main(argv=None):
                     f"{table[f, t]:.0f}" for t in PAIR_TARGETS) + " |\n" for f in PAIR_FEATURES)
                 + "| chance (val pairs) | " + " | ".join(f"{c:.0f} ({n})" for c, n in chance.values()) + " |")
         return table
-    if args.eval_only:  # the file first: a bad one says so before any scene is rendered
+    if args.eval_only:
         model = clip_load.load_clip(args.ckpt or args.out, ctx.device)
-        args.image_size, args.context_length = model.cfg.image_resolution, model.cfg.context_length
-    if args.root == ROOT and args.world != "ours":  # one set per world
-        args.root = f"{ROOT}_{args.world}"
     root = data.resolve_synth(args.root, args.scenes, args.render_seed, workers=args.workers, world=args.world)
     log(f"== pretrain.py: a small CLIP pretrained on single synthetic scenes, on {where(ctx)} ==")
-    log("   " + " ".join(f"{k}={v}" for k, v in sorted(vars(args).items())))
+    log("   " + args.line())
     train = scene_images(root, "train", args.workers)
     held_out = (scene_images(root, "val", args.workers) + scene_images(root, "test", args.workers))[:args.eval_images]
     probe_train = train[:2 * args.eval_images]
@@ -461,8 +474,10 @@ def main(argv=None):
         return m
 
     # a CLIP from nothing, as adapt.py's scratch preset builds one (n_inter: unused here; the mini preset's third)
-    spec = {**vars(args), "clip": None, "n_inter": args.vision_layers // 3, "shared_p": 0.0}  # p as the authors draw it
-    model = adapt.new_model(argparse.Namespace(**spec))
+    model = CLIP(CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size,
+                            args.context_length, transformer_width=args.text_width,
+                            transformer_layers=args.text_layers, transformer_heads=max(1, args.text_width // 64),
+                            n_inter=args.vision_layers // 3))
     if args.mimetic_init:
         mimetic_init_(model.visual)
     model = model.to(ctx.device)
@@ -481,49 +496,50 @@ def main(argv=None):
         f"text {args.text_layers}x{args.text_width}); {total} steps of {args.batch_size} images, each with "
         f"{args.negatives} hard negative(s): {total * args.batch_size / len(train):.1f} epochs")
 
-    step, history = 0, []
-    if args.resume:
-        state = restore(load_resume(args.out), model, optimizer, scheduler)
-        step, history = state["step"], state["history"]
-        log(f"   resumed from {last_path(args.out)} at step {step}")
+    run = resume_run(load_resume(args.out), model, optimizer, scheduler, args) if args.resume else new_run()
 
-    def loss_fn(batch):
+    def step(batch):  # forward, loss, backward, clip, optimizer step, schedule
+        optimizer.zero_grad(set_to_none=True)
         images = clip_load.normalize(batch["images"].to(ctx.device))
         ids = clip_load.trim(batch["ids"]).to(ctx.device)  # up to the longest text's end token
-        tokens = image_tokens(model.visual, images) if args.object_loss else None  # token 0 is encode_image's output
-        img = model.encode_image(images) if tokens is None else tokens[:, 0]
-        loss = adapt.contrastive_loss(img, model.encode_text(ids), model.logit_scale)
-        if not args.object_loss:
-            return loss, len(images)
-        objects, phrases = batch["objects"].to(ctx.device), clip_load.trim(batch["phrases"]).to(ctx.device)
-        loss = loss + args.object_loss * object_loss(tokens[objects[:, 0], objects[:, 1]], model.encode_text(phrases),
-                                                     objects[:, 2], model.logit_scale)
-        return loss, len(images)
+        with ctx.amp:
+            tokens = image_tokens(model.visual, images) if args.object_loss else None  # token 0: encode_image's
+            img = model.encode_image(images) if tokens is None else tokens[:, 0]
+            loss = adapt.contrastive_loss(img, model.encode_text(ids), model.logit_scale)
+            if args.object_loss:
+                objects, phrases = batch["objects"].to(ctx.device), clip_load.trim(batch["phrases"]).to(ctx.device)
+                loss = loss + args.object_loss * object_loss(tokens[objects[:, 0], objects[:, 1]],
+                                                             model.encode_text(phrases), objects[:, 2],
+                                                             model.logit_scale)
+        loss.backward()
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], args.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        return loss.detach()
 
+    # rounds of --eval-every steps, each evaluated on the held-out scenes and saved
     rounds, t_start = math.ceil(total / args.eval_every), time.time()
-    while step < total:
-        r = step // args.eval_every
+    while run["step"] < total:
+        r = run["step"] // args.eval_every
         stop = min(total, (r + 1) * args.eval_every)
-        progress = Progress(r, rounds, step, total, args.log_every, unit="images")
-        loss = train_epoch(ctx, model, Steps(ds, args.batch_size, args.seed, step, stop), loss_fn, optimizer,
-                           scheduler, progress, args.grad_clip)
-        step = progress.step
+        model.train()
+        loss = train_epoch(ctx, Steps(ds, args.batch_size, args.seed, run["step"], stop), step, optimizer, run,
+                           Progress(r, rounds, total, args.log_every, unit="images"))
         m = evaluate(model, held_out, probe_train, cache, args, ctx)
-        history.append({"step": step, "samples": step * args.batch_size, "loss": loss, **m})
-        log(f"step {step}/{total} ({step * args.batch_size:,} images, {fmt_time(time.time() - t_start)}) | "
-            f"loss {loss:.4f} | held-out {fmt(m)}")
+        end_epoch(run, loss, {"step": run["step"], "samples": run["step"] * args.batch_size, **m}, 0.0, True)
+        log(f"step {run['step']}/{total} ({run['step'] * args.batch_size:,} images, "
+            f"{fmt_time(time.time() - t_start)}) | loss {loss:.4f} | held-out {fmt(m)}")
         save_atomic({"model": model.state_dict(), "config": asdict(model.cfg), "args": vars(args),
-                     "history": history}, args.out)
-        save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "rng": rng_state(), "step": step, "history": history},
-                    last_path(args.out))
-        if args.time_limit is not None and time.time() - t_start > 60 * args.time_limit and step < total:
-            log(f"--time-limit {args.time_limit:g} min reached at step {step}/{total}: the state is in "
+                     "history": run["history"]}, args.out)
+        save_state(args.out, model, optimizer, scheduler, run, args)
+        if args.time_limit is not None and time.time() - t_start > 60 * args.time_limit and run["step"] < total:
+            log(f"--time-limit {args.time_limit:g} min reached at step {run['step']}/{total}: the state is in "
                 f"{last_path(args.out)}; continue with --resume")
-            return history
-    log(f"done: {step * args.batch_size:,} images in {fmt_time(time.time() - t_start)} ({where(ctx)}): "
-        f"held-out {fmt(history[-1])} -> {args.out}")
-    return history
+            return run["history"]
+    log(f"done: {run['step'] * args.batch_size:,} images in {fmt_time(time.time() - t_start)} "
+        f"({where(ctx, speed=True)}): held-out {fmt(run['history'][-1])} -> {args.out}")
+    return run["history"]
 
 
 if __name__ == "__main__":

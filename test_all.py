@@ -73,6 +73,7 @@ import bench
 import caption
 import clip_load
 import data
+import evaluate as evaluate_py
 import metrics
 import model
 import model as M
@@ -103,6 +104,16 @@ TINY = M.CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=4, vision_w
 # that the authors' captioner reads it
 MH = M.CLIPConfig(**{**TINY.__dict__, "n_inter": 3, "embed_dim": 128})
 CPU = ["--device", "cpu"]  # every stage run by a test names its device: on a CUDA machine the CPU tests stay on the CPU
+
+
+def preset_settings(stage, preset, *argv, **resolved):
+    """A stage's (adapt, caption) settings under `preset` and the flags `argv`, as its settings() merges them, with
+    what a CLIP file, the data and the device would decide given in `resolved`: no file read."""
+    p = stage.parser()
+    flags, given = p.parse_args([*argv]), train_utils.given_flags(p, [*argv])
+    return train_utils.Settings(**{**vars(flags), **stage.PRESETS[preset], **{k: getattr(flags, k) for k in given},
+                                   "preset": preset, **resolved})
+
 TINY_ADAPT = [*CPU, "--preset", "scratch", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
               "--vision-layers", "2", "--n-inter", "1", "--text-width", "128", "--text-layers", "1",
               "--embed-dim", "16", "--batch-size", "8", "--eval-batch-size", "16", "--log-every", "1"]  # from scratch
@@ -332,7 +343,7 @@ def ctrl_c_in_second_epoch(monkeypatch, stage):
     real_epoch = train_utils.train_epoch
 
     def interrupt(*a, **k):
-        if a[6].epoch == 1:  # the Progress argument's epoch
+        if a[5].epoch == 1:  # the Progress argument's epoch
             raise KeyboardInterrupt
         return real_epoch(*a, **k)
     monkeypatch.setattr(stage, "train_epoch", interrupt)
@@ -541,15 +552,22 @@ def test_bf16_autocast_runs():
     assert_close(v.float(), model.encode_pair(images, images).vector.detach(), atol=0.1)
 
 
-PRE_LN = dict(post_ln=False, mem_proj=True, mem_image=True)  # the mini preset's captioner, beside the authors' post-LN
+def new_captioner(kind, memory_dim=None, **sizes):
+    """The mini captioner (pre-LN, mem_pool 1 and no mem_diff unless given) or the authors' (post-LN) on random word and position
+    embeddings of its width, standing for the CLIP's it ties in; memory_dim: the mini's memory width."""
+    if kind == "mini":
+        return M.MiniCaptioner(M.MiniCaptionerConfig(**{"mem_pool": 1, "mem_diff": False, **sizes}, memory_dim=memory_dim))
+    words = SimpleNamespace(token_embedding=torch.nn.Embedding(sizes["vocab_size"], sizes["width"]),
+                            positional_embedding=torch.nn.Parameter(0.01 * torch.randn(77, sizes["width"])))
+    return M.Captioner(M.CaptionerConfig(**sizes), words)
 
 
-@pytest.mark.parametrize("style", [PRE_LN, dict(post_ln=True, mem_proj=True)], ids=["pre-LN", "post-LN"])
-def test_kv_cache_equals_no_kv_cache(style):
+@pytest.mark.parametrize("kind", ["mini", "authors"])
+def test_kv_cache_equals_no_kv_cache(kind):
     torch.manual_seed(0)
-    cap = Captioner(CaptionerConfig(vocab_size=50, memory_dim=32, memory_len=10, width=64, heads=4, enc_layers=2,
-                                    dec_layers=2, max_len=12, **style)).eval()
-    memory = torch.randn(16, 10, 32)
+    cap = new_captioner(kind, 64, vocab_size=50, memory_len=10, width=64, heads=4, enc_layers=2, dec_layers=2,
+                        max_len=12).eval()
+    memory = torch.randn(16, 10, 64)
     cached, full = cap.generate(memory, 1, 2, use_kv_cache=True), cap.generate(memory, 1, 2, use_kv_cache=False)
     assert torch.equal(cached, full)
     # the cached step's logits are the full prefix's last-position logits
@@ -584,10 +602,10 @@ def test_kv_cache_equals_no_kv_cache(style):
 BOS, EOS = 1, 2
 
 
-def sharp_captioner(seed=0, vocab=6, max_len=5, style=PRE_LN):
+def sharp_captioner(seed=0, vocab=6, max_len=5):
     torch.manual_seed(seed)
-    cap = Captioner(CaptionerConfig(vocab_size=vocab, memory_dim=8, memory_len=6, width=32, heads=4, enc_layers=1,
-                                    dec_layers=2, max_len=max_len, dropout=0.0, **style)).eval()
+    cap = new_captioner("mini", 8, vocab_size=vocab, memory_len=6, width=32, heads=4, enc_layers=1, dec_layers=2,
+                        max_len=max_len, dropout=0.0).eval()
     with torch.no_grad():  # unit-gain matrices; word embeddings small beside the positions (tied to the output,
         for name, p in cap.named_parameters():  # large ones would make every caption repeat its first word)
             if name == "mem_image":  # its own generator, small: the tokens, not their image, decide the captions
@@ -721,9 +739,8 @@ def test_mem_diff_tells_each_token_what_changed_at_its_position():
     encoder layer, nothing else mixes them), and not at all where the two images agree there; off, it is the
     plain captioner, weight for weight."""
     torch.manual_seed(0)
-    cfg = dict(vocab_size=20, memory_dim=24, memory_len=2 * 13, width=32, heads=4, enc_layers=0, dec_layers=1,
-               **PRE_LN)
-    plain, diff = (M.Captioner(M.CaptionerConfig(**cfg, mem_diff=d)).eval() for d in (False, True))
+    cfg = dict(vocab_size=20, memory_len=2 * 13, width=32, heads=4, enc_layers=0, dec_layers=1)
+    plain, diff = (new_captioner("mini", 24, **cfg, mem_diff=d).eval() for d in (False, True))
     assert plain.mem_diff is None and diff.mem_diff.weight.shape == (32, 24)
     diff.load_state_dict(plain.state_dict(), strict=False)  # the same weights, mem_diff's aside
     half = torch.randn(3, 13, 24)
@@ -742,9 +759,8 @@ def test_mem_pool_averages_each_images_patch_grid():
     """--mem-pool k: each image's g x g patch tokens are averaged over k x k cells in row-major order (a 4x4 grid
     pooled 2x2: cell 0 is patches 0, 1, 4, 5), its [CLS] kept, the two images apart."""
     torch.manual_seed(0)
-    cfg = M.CaptionerConfig(vocab_size=20, memory_dim=24, memory_len=2 * (4 + 1), width=32, heads=4, enc_layers=0,
-                            dec_layers=2, mem_diff=True, mem_pool=2, mem_proj=True)
-    cap = M.Captioner(cfg).eval()
+    cap = new_captioner("mini", 24, vocab_size=20, memory_len=2 * (4 + 1), width=32, heads=4, enc_layers=0,
+                        dec_layers=2, mem_diff=True, mem_pool=2).eval()
     memory = torch.randn(3, 2 * (16 + 1), 24)  # 3 pairs, a 4x4 grid and [CLS] an image
     pooled = cap.pool(memory)
     assert pooled.shape == (3, 10, 24)
@@ -764,9 +780,9 @@ def test_frozen_features_are_the_memory_the_images_give():
     either (4 heads, a 4x4 grid pooled 2x2, one encoder layer and --mem-diff)."""
     torch.manual_seed(0)
     clip = M.CLIP(TINY).eval()
-    cfg = M.CaptionerConfig(vocab_size=20, memory_dim=TINY.embed_dim, memory_len=2 * (4 + 1), width=64, heads=4,
-                            enc_layers=1, dec_layers=1, mem_diff=True, mem_pool=2, **PRE_LN)
-    model = caption.PairCaptioner(clip, M.Captioner(cfg)).eval()
+    cap = new_captioner("mini", TINY.embed_dim, vocab_size=20, memory_len=2 * (4 + 1), width=64, heads=4,
+                        enc_layers=1, dec_layers=1, mem_diff=True, mem_pool=2)
+    model = caption.PairCaptioner(clip, cap).eval()
     images = torch.randint(0, 256, (2, 3, 3, 32, 32), dtype=torch.uint8)
     batch = {"before": images[0], "after": images[1], "index": torch.arange(3)}
     ctx = SimpleNamespace(amp=contextlib.nullcontext(), device=torch.device("cpu"))
@@ -780,18 +796,15 @@ def test_frozen_features_are_the_memory_the_images_give():
 
 
 def test_the_small_presets_mem_pool_follows_the_patch_grid(capsys):
-    """caption.resolve_mem_pool: the mini preset (None) pools 2x2 on a grid of 12x12 or more that 2 divides and
-    reads every patch of a smaller or odd one (the 6x6 CLIP, ViT-B/32's 7x7); a k the grid does not divide is a
-    clear --mem-pool error."""
-    for (size, patch), want in {(96, 8): 2, (96, 16): 1, (224, 32): 1, (208, 16): 1, (224, 16): 2}.items():
-        clip = SimpleNamespace(cfg=SimpleNamespace(image_resolution=size, vision_patch_size=patch))
-        args = SimpleNamespace(mem_pool=None, ckpt="x.pt")
-        assert caption.resolve_mem_pool(args, clip) == want == args.mem_pool, (size, patch)
-    clip = SimpleNamespace(cfg=SimpleNamespace(image_resolution=96, vision_patch_size=8))
-    assert caption.resolve_mem_pool(SimpleNamespace(mem_pool=3, ckpt="x.pt"), clip) == 3  # 12 / 3: 4x4 cells
+    """caption.mem_pool_for: the mini preset pools 2x2 on a grid of 12x12 or more that 2 divides and reads every
+    patch of a smaller or odd one (the 6x6 CLIP, ViT-B/32's 7x7); a k the grid does not divide is a clear
+    --mem-pool error, before any data is made."""
+    for grid, want in {12: 2, 6: 1, 7: 1, 13: 1, 14: 2}.items():
+        assert caption.mem_pool_for(grid) == want, grid
+    assert caption.settings(["--ckpt", "mini12-synth", "--mem-pool", "3", "--data-root", "absent"]).mem_pool == 3
     with pytest.raises(SystemExit):
-        caption.resolve_mem_pool(SimpleNamespace(mem_pool=5, ckpt="x.pt"), clip)
-    assert "argument --mem-pool: 5 does not divide x.pt's 12x12 patch grid" in capsys.readouterr().err
+        caption.settings(["--ckpt", "mini12-synth", "--mem-pool", "5"])
+    assert "argument --mem-pool: 5 does not divide mini12-synth's 12x12 patch grid" in capsys.readouterr().err
 
 
 def test_caption_mem_diff_is_saved_and_read_back(tmp_path):
@@ -828,8 +841,8 @@ def paper_captioner(seed=0, clip_cfg=PAPER_CLIP):
     torch.manual_seed(seed)
     clip = M.CLIP(clip_cfg)
     grid = clip_cfg.image_resolution // clip_cfg.vision_patch_size
-    cfg = CaptionerConfig(vocab_size=clip_cfg.vocab_size, memory_dim=clip_cfg.embed_dim, memory_len=2 * (grid ** 2 + 1),
-                          width=clip_cfg.transformer_width, heads=clip_cfg.transformer_width // 64, clip_words=True)
+    cfg = CaptionerConfig(vocab_size=clip_cfg.vocab_size, memory_len=2 * (grid ** 2 + 1),
+                          width=clip_cfg.transformer_width, heads=clip_cfg.transformer_width // 64)
     pair = caption.PairCaptioner(clip, Captioner(cfg, clip)).eval()
     with torch.no_grad():
         for name, p in pair.named_parameters():
@@ -919,12 +932,15 @@ def test_the_authors_layout_loads_key_for_key(tmp_path, capsys, monkeypatch):
     ours, vocab = caption.load_captioner(tmp_path / "pytorch_model.bin.clevr")
     assert len(vocab) == 49408 and vocab[clip_load.SOT] == "<|startoftext|>" and vocab[518] == "the</w>"
     torch.save({k: v for k, v in sd.items() if k.startswith("clip.")}, tmp_path / "pytorch_model.bin.stage1")
-    # caption.py evaluates a file with decoder.* keys, never trains it; clip.* alone is an encoder to train on
+    # a file with decoder.* keys is evaluated (evaluate.py), never trained on; clip.* alone is an encoder to train on
     assert caption.read_ckpt_info(tmp_path / "pytorch_model.bin.clevr") == {"stage": "caption", "authors": True}
     assert caption.read_ckpt_info(tmp_path / "pytorch_model.bin.stage1") == {"stage": "adapt", "authors": True}
-    monkeypatch.chdir(tmp_path)  # no data/clevr_change here: no synthetic set stands in for real data
     with pytest.raises(SystemExit):
         caption.main([*CPU, "--ckpt", str(tmp_path / "pytorch_model.bin.clevr")])
+    assert "is a captioner: evaluate it with `python evaluate.py --ckpt" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # no data/clevr_change here: no synthetic set stands in for real data
+    with pytest.raises(SystemExit):
+        evaluate_py.main([*CPU, "--ckpt", str(tmp_path / "pytorch_model.bin.clevr")])
     assert "--data-root: no clevr dataset at data/clevr_change for the authors' weights" in capsys.readouterr().err
     assert ours.captioner.token_embedding.weight is ours.clip.token_embedding.weight  # tied, not a copy
     before, after = pair_images()
@@ -1131,7 +1147,7 @@ def test_what_trains_and_decays_is_the_authors(n_inter, monkeypatch):
         theirs = {n: rules[n] for n in _with_grad(their.named_parameters(), their(*inputs, **extra)) if n in rules}
         if stage == 1:
             model = M.CLIP(cfg)
-            args = adapt.get_args([*CPU, "--clip", A_FILE, "--n-inter", str(n_inter)])
+            args = preset_settings(adapt, "paper", "--n-inter", str(n_inter))
             rule = adapt.lr_rule(args)
             train_utils.freeze(model.named_parameters(), rule)
             groups = train_utils.param_groups(model.named_parameters(), rule, args.weight_decay,
@@ -1140,8 +1156,7 @@ def test_what_trains_and_decays_is_the_authors(n_inter, monkeypatch):
             theirs = {n.removeprefix("clip."): v for n, v in theirs.items()}
         else:
             model = paper_captioner(clip_cfg=cfg).train()
-            args = caption.get_args([*CPU, "--ckpt", A_FILE, "--data", "clevr"])
-            caption.apply_preset(args, {})
+            args = preset_settings(caption, "paper", data="clevr")
             rule = caption.lr_rule(args)
             train_utils.freeze(model.named_parameters(), rule)
             groups = train_utils.param_groups(model.named_parameters(), rule, args.weight_decay,
@@ -1318,8 +1333,8 @@ def test_stage2_step_is_the_authors(monkeypatch, tmp_path):
     batch = {"before": torch.cat([before, before]), "after": torch.cat([after, distractor]),
              "ids": torch.cat([change, same])}
     with torch.no_grad():
-        got = caption.batch_loss(ours, batch, "cpu", paired=True)[0]
-        one_mean = caption.batch_loss(ours, batch, "cpu")[0]
+        got = caption.batch_loss(ours, batch, "cpu", paired=True)
+        one_mean = caption.batch_loss(ours, batch, "cpu")
     assert got.item() == pytest.approx(their_loss.item(), rel=1e-5)
     assert abs(one_mean.item() - their_loss.item()) > 0.1 * their_loss.item()
     # the loader: each change pair, then its own distractor, in CLEVR-Change's total order
@@ -1357,19 +1372,17 @@ def test_paper_captioner_reads_clips_own_words_frozen_on_clevr():
     are the CLIP's Parameters, not copies; under the CLEVR rule they stay frozen through a training step while the
     captioner and the pair encoder's blocks move."""
     clip = M.CLIP(PAPER_CLIP)
-    args = caption.get_args([*CPU, "--ckpt", A_FILE, "--data", "clevr", "--width", "128", "--heads", "2"])
-    caption.apply_preset(args, {})
-    ctx = SimpleNamespace(device=torch.device("cpu"), amp=contextlib.nullcontext())
-    pair = caption.new_model(args, {"stage": "adapt"}, caption.build_vocab([], "clip"), ctx, clip)
+    args = preset_settings(caption, "paper", "--heads", "2", data="clevr", width=128)
+    pair = caption.new_model(args, caption.build_vocab([], "authors"), clip)
     assert pair.captioner.token_embedding is clip.token_embedding
     assert pair.captioner.positional_embedding is clip.positional_embedding
-    assert pair.captioner.cfg.post_ln and pair.captioner.cfg.enc_layers == 3 == pair.captioner.cfg.dec_layers
+    assert isinstance(pair.captioner, M.Captioner) and pair.captioner.cfg.enc_layers == 3 == pair.captioner.cfg.dec_layers
     rule = caption.lr_rule(args)
     train_utils.freeze(pair.named_parameters(), rule)
     opt = torch.optim.AdamW(train_utils.param_groups(pair.named_parameters(), rule, 0.01), lr=1e-3)
     before_step = copy.deepcopy(pair.state_dict())
     items = [SimpleNamespace(captions=["the small red cube has been moved", "there is no change"])]
-    ids = caption.encode_captions(items, caption.build_vocab([], "clip"), caption.MAX_LEN)[:, :10]
+    ids = caption.encode_captions(items, caption.build_vocab([], "authors"), caption.MAX_LEN)[:, :10]
     assert ids[0, 0] == clip_load.SOT and clip_load.EOT in ids[0].tolist()
     b, a = pair_images(2)
     loss = caption.caption_loss(pair(ids[:, :-1], before=b, after=a), ids[:, 1:])
@@ -1420,7 +1433,7 @@ def test_greedy_stops_at_the_end_token_and_text_is_cut_as_theirs():
     b, a = pair_images(3)
     out = pair.caption(before=b, after=a)
     assert out.tolist() == [[clip_load.EOT]] * 3
-    vocab = caption.build_vocab([], "clip")
+    vocab = caption.build_vocab([], "authors")
     the, cube = clip_load.encode("the cube")
     assert caption.to_text([the, cube, clip_load.EOT, the, 0], vocab) == "the cube"
     assert caption.to_text([the, 0, cube, clip_load.EOT], vocab) == "the"  # their cut at the first "!"
@@ -1440,7 +1453,7 @@ def test_greedy_stops_at_the_end_token_and_text_is_cut_as_theirs():
     (lambda d: torch.save({f"clip.{k}": v for k, v in M.CLIP(TINY).state_dict().items()}, d / "f"),
      "is not a captioner but an adapted encoder"),  # the authors' stage-1 file
     (lambda d: torch.save({"model": M.CLIP(TINY).state_dict(), "stage": "caption", "captioner": {}}, d / "f"),
-     "from before commit aa7f13b changed its layout: evaluate it after `git checkout fe39aa0`"),  # ours, before
+     "a captioner.pt of an earlier layout: evaluate it after `git checkout 7dea046`"),  # ours, before
 ], ids=["random bytes", "empty", "adapted.pt", "OpenAI archive", "their stage 1", "older captioner.pt"])
 def test_what_is_not_a_captioner_is_one_line_naming_the_file(tmp_path, make, what):
     make(tmp_path)
@@ -1452,7 +1465,7 @@ def test_what_is_not_a_captioner_is_one_line_naming_the_file(tmp_path, make, wha
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_readme_command_evaluates_the_authors_checkpoint(tmp_path):
-    """README's command on their released layout: `python caption.py --ckpt pytorch_model.bin.clevr --data clevr
+    """README's command on their released layout: `python evaluate.py --ckpt pytorch_model.bin.clevr --data clevr
     --data-root DIR` says first that it found the authors' captioner, never trains, captions the test split with
     their greedy decoding, scores it and writes captions.json; the train split's images need not be there (its
     captions make the constant-caption baseline)."""
@@ -1470,10 +1483,10 @@ def test_readme_command_evaluates_the_authors_checkpoint(tmp_path):
     torch.save(authors_layout(paper_captioner(clip_cfg=small)), tmp_path / "pytorch_model.bin.clevr")
     args = ["--ckpt", str(tmp_path / "pytorch_model.bin.clevr"), "--data", "clevr", "--amp", "off", *CPU, "--workers",
             "0", "--data-root", str(tmp_path / "clevr"), "--results", str(tmp_path / "captions.json")]
-    out = subprocess.run([sys.executable, "caption.py", *args], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "evaluate.py", *args], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines()[0].endswith("the authors' CLIP4IDC captioner: evaluated, never trained")
+    assert out.stdout.splitlines()[0].endswith("the authors' CLIP4IDC captioner")
     assert "epoch" not in out.stdout and not (tmp_path / "captioner.pt").exists()
     results = json.loads((tmp_path / "captions.json").read_text())
     assert len(results["predictions"]) == 8 and "CIDEr-D" in results["scores"]
@@ -1495,14 +1508,14 @@ def test_mini_and_compare_captioners_are_the_ones_of_before(preset, seed):
     """The mini and compare presets' captioners, built as caption.py builds them (preset, seed, the shipped CLIP),
     trained 3 steps with dropout and read: the logits they gave before the authors' captioner came in (stored at
     fe39aa0). So README's and RESULTS.md's figures made through caption.py still hold at HEAD."""
-    args = caption.get_args(["--ckpt", "mini12-synth", "--preset", preset, "--seed", str(seed), *CPU])
-    caption.apply_preset(args, {})
-    ctx = train_utils.setup(seed, "cpu", "off")
+    args = caption.settings(["--ckpt", "mini12-synth", "--preset", preset, "--seed", str(seed), *CPU, "--data-root",
+                             "absent"])
+    train_utils.setup(seed, "cpu", "off")
     clip = load_clip("mini12-synth", "cpu", args.n_inter)
     captions = ["the small red cube moved", "there is no change", "a big blue sphere was added",
                 "the cylinder turned green"]
     vocab = caption.build_vocab(captions)
-    cap = caption.new_model(args, {}, vocab, ctx, clip).captioner
+    cap = caption.new_model(args, vocab, clip).captioner
     memory = torch.randn(4, cap.cfg.memory_len, cap.cfg.memory_dim, generator=torch.Generator().manual_seed(123))
     ids = caption.encode_captions([SimpleNamespace(captions=[c]) for c in captions], vocab, caption.MAX_LEN)[:, :8]
     opt = torch.optim.AdamW(cap.parameters(), lr=1e-3)
@@ -1593,6 +1606,9 @@ def test_offline_download_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="could not download .*Offline"):
         load_clip("ViT-B/32")
     assert not list(tmp_path.iterdir())  # no half file left behind
+    (tmp_path / "clevr").mkdir()  # a real dataset: the paper preset, so ViT-B/32, or the way out
+    with pytest.raises(SystemExit, match="could not download .*or pass --preset mini"):
+        adapt.settings(["--data-root", str(tmp_path / "clevr")])
 
 
 def test_a_corrupt_or_missing_shipped_file_is_a_clear_error(tmp_path, monkeypatch):
@@ -1611,16 +1627,16 @@ def test_a_corrupt_or_missing_shipped_file_is_a_clear_error(tmp_path, monkeypatc
 
 def test_the_mini_banner_says_which_clip_it_adapts(tmp_path, capsys):
     """--preset mini with a shipped name says the shipped file is adapted; with a file of one's own (a pretrain.py
-    export) it names that file, and does not claim the shipped one."""
+    export) it does not claim the shipped one, and its settings line names that file."""
     snap = tmp_path / "pretrained.pt"
-    snap.write_bytes(b"")  # the banner reads only the name
+    torch.save({"model": load_clip("mini12-synth").state_dict()}, snap)
     ctx = train_utils.setup(0, "cpu", "off")
     for clip in ("mini-synth", "mini12-synth", str(snap)):
-        adapt.banner(ctx, adapt.get_args(["--preset", "mini", "--clip", clip]))
+        adapt.banner(ctx, adapt.settings(["--preset", "mini", "--clip", clip, "--data-root", str(tmp_path)]))
         out = capsys.readouterr().out
         shipped = clip in clip_load.SHIPPED
         assert ("PRETRAINED ON SYNTHETIC SCENES" in out) == shipped, out
-        assert (clip_load.SHIPPED[clip][0] if shipped else f"adapting the CLIP in {snap}") in out, out
+        assert (clip_load.SHIPPED[clip][0] if shipped else f"clip={snap}") in out, out
 
 
 def shared_captions():
@@ -2381,8 +2397,8 @@ def test_an_evaluation_only_set_with_clevr_records(trained, tmp_path, capsys):
     records = [{"image_index": i, "change": {"type": t, "object_index": 0}, "default_scene": scene(obj[t]),
                 "semantic_scene": scene(after[t])} for i, (t, _) in CHANGES.items()]
     (root / "scenes.json").write_text(json.dumps({"scenes": records}))
-    res = caption.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--data-root", str(root), "--results",
-                        str(tmp_path / "r.json"), "--workers", "0"])
+    res = evaluate_py.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--data-root", str(root), "--results",
+                            str(tmp_path / "r.json"), "--workers", "0"])
     out = capsys.readouterr().out
     assert res["baseline"]["candidates"].startswith("fixed") and res["baseline"]["caption"] in synth.NO_CHANGE
     assert "best of the fixed no-change sentences" in out and "read back against the scenes" in out
@@ -2447,15 +2463,14 @@ def test_reversed_pairs_get_their_own_tokens(adapt_synth, openai_archive, pool):
     """caption.loaders encodes --reverse's pairs together with the forward ones (the intra blocks' work shared):
     each reversed pair's stored tokens are the frozen encoder's on (after, before), and in the items' order; with
     --mem-pool 2 they are stored pooled, as the captioner reads them (the 4x4 grid's 2x2 cells)."""
-    args = caption.get_args(["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "mini",
-                             "--workers", "0", "--eval-batch-size", "5", "--mem-pool", str(pool)])
+    args = caption.settings(["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "mini",
+                             "--workers", "0", "--eval-batch-size", "5", "--mem-pool", str(pool), *CPU])
     ctx = train_utils.setup(0, "cpu")
-    caption.apply_preset(args, {})
     clip = clip_load.load_clip(openai_archive)
-    name, root, splits, vocab, captions = caption.load_data(args, {}, None, ctx)
+    splits, vocab, captions = caption.load_data(args)
     n = len(splits["train"]) // 2
     assert args.reverse and n > 5 and splits["train"][n].id == splits["train"][0].id + "_r"
-    model = caption.new_model(args, {}, vocab, ctx, clip).eval()
+    model = caption.new_model(args, vocab, clip).eval()
     train = caption.loaders(model, splits, captions, args, ctx)[0].dataset
     assert len(train.features) == 2 * n
     pairs = data.ImageDataset(splits["train"], clip.cfg.image_resolution)  # the images, read one pair at a time
@@ -2928,7 +2943,7 @@ def test_static_caption_length_gives_the_same_loss_and_gradients():
 
 @pytest.mark.slow
 def test_loss_decreases_on_synthetic_batches(adapt_synth):
-    args = adapt.get_args(TINY_ADAPT + ["--data-root", str(adapt_synth)])
+    args = adapt.settings(TINY_ADAPT + ["--data-root", str(adapt_synth)])
     torch.manual_seed(0)
     model = adapt.new_model(args)
     items = data.load_items("clevr", adapt_synth, "train", setting="semantic")[:8]
@@ -2936,7 +2951,7 @@ def test_loss_decreases_on_synthetic_batches(adapt_synth):
     batch = next(iter(data.make_loader(ds, 8, shuffle=True)))
     batch = [clip_load.normalize(batch["before"]), clip_load.normalize(batch["after"]), batch["ids"]]
     train_utils.freeze(model.named_parameters(), adapt.lr_rule(args))
-    opt = torch.optim.AdamW(adapt.param_groups(model.named_parameters(), adapt.lr_rule(args), 0.0))
+    opt = torch.optim.AdamW(train_utils.param_groups(model.named_parameters(), adapt.lr_rule(args), 0.0))
     net = adapt.PairText(model)
     losses = []
     for _ in range(30):
@@ -3025,7 +3040,7 @@ def test_compare_preset_computes_the_fixed_intra_blocks_once(adapt_synth, tmp_pa
     assert min(trained.values()) > 2e-4  # the inter blocks learned: an equality of two untrained models proves nothing
     assert max(max_change(cached["model"], plain["model"], plain["model"]).values()) < 2e-5, "cached != plain"
     for extra in (["--swap-prob", "0.5"], ["--freeze-blocks", "3"]):
-        args = adapt.get_args(argv + extra)
+        args = adapt.settings(argv + extra)
         assert real(adapt.new_model(args), [], args, train_utils.setup(0, "cpu", "off"), None) is None, extra
 
 
@@ -3033,13 +3048,14 @@ def test_compare_preset_computes_the_fixed_intra_blocks_once(adapt_synth, tmp_pa
 def test_a_diverged_evaluation_stops_the_run(adapt_synth, tmp_path, monkeypatch):
     """Weights gone NaN in epoch 2 (the loss of its steps still finite): NaN similarities would rank every pair
     first (R@mean 100) and be saved as the best model. The run stops instead, and epoch 1's model stays chosen."""
-    real_epoch = train_utils.train_epoch
+    real_epoch, real_model, models = train_utils.train_epoch, adapt.new_model, []
+    monkeypatch.setattr(adapt, "new_model", lambda args: models.append(real_model(args)) or models[-1])
 
     def diverge(*a, **k):
         loss = real_epoch(*a, **k)
-        if a[6].epoch == 1:  # the Progress argument's epoch: the second
+        if a[5].epoch == 1:  # the Progress argument's epoch: the second
             with torch.no_grad():
-                dict(a[1].named_parameters())["clip.visual.proj"].fill_(float("nan"))
+                models[0].visual.proj.fill_(float("nan"))
         return loss
     monkeypatch.setattr(adapt, "train_epoch", diverge)
     with pytest.raises(SystemExit, match="after epoch 2: the encoder's features are NaN"):
@@ -3054,7 +3070,7 @@ def test_swap_default_is_the_authors_on_real_clevr(adapt_synth, tmp_path, capsys
     shutil.copytree(adapt_synth, real, ignore=shutil.ignore_patterns("synth.json"))
     adapt.main(TINY_ADAPT + ["--data-root", str(real), "--epochs", "1", "--out", str(tmp_path / "a.pt")])
     assert torch.load(tmp_path / "a.pt", weights_only=False)["args"]["swap_prob"] == 0.5
-    assert "distractor swap p=0.5" in capsys.readouterr().out
+    assert " swap_prob=0.5 " in capsys.readouterr().out  # the settings line
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -3080,14 +3096,15 @@ def test_cider_by_change_type_scores_each_type_alone():
 
 
 @pytest.mark.slow
-def test_reverse_needs_the_scene_records(trained, tmp_path):
+def test_reverse_needs_the_scene_records(trained, tmp_path, capsys):
     """--reverse captions a pair backwards from the renderer's record of the change: on a set without one (real
     CLEVR-Change, here a tiny one in its format) asking for it is a clear error, and the mini preset's default
     leaves it off (the fixture's run trained on the pairs as they are)."""
     tmp, _ = trained
     assert torch.load(tmp / "captioner.pt", weights_only=False)["args"]["reverse"] is False
-    with pytest.raises(SystemExit, match="scenes.json.*--no-reverse"):
+    with pytest.raises(SystemExit):
         run(tmp, "--reverse", "--out", str(tmp_path / "x.pt"), epochs=1)
+    assert re.search(r"argument --reverse: .*scenes\.json", capsys.readouterr().err)
 
 
 def test_overfit_exact_captions(trained):
@@ -3109,31 +3126,31 @@ def test_overfit_exact_captions(trained):
 @pytest.mark.slow
 def test_two_image_cli(trained, capsys, tmp_path):
     tmp, _ = trained
-    caption.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
-                  "--after", str(REAL / "CLEVR_new_000000_del.png")])
+    evaluate_py.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
+                      "--after", str(REAL / "CLEVR_new_000000_del.png")])
     assert capsys.readouterr().out.strip() == CHANGES[0][1]
     # any size and mode: 8-bit grey and 16-bit grey images of other sizes still give a caption of known words
     grey = Image.open(REAL / "CLEVR_new_000000.png").convert("L").resize((200, 90))
     grey.save(tmp_path / "grey.png")
     Image.fromarray((np.asarray(grey).astype(np.uint16) * 257)).save(tmp_path / "grey16.png")
-    caption.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--before", str(tmp_path / "grey.png"),
-                  "--after", str(tmp_path / "grey16.png")])
+    evaluate_py.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--before", str(tmp_path / "grey.png"),
+                      "--after", str(tmp_path / "grey16.png")])
     vocab = set(torch.load(tmp / "captioner.pt", weights_only=True)["vocab"]) - set(caption.SPECIALS)
     said = capsys.readouterr().out.split()
     assert said and set(said) <= vocab  # words it learnt (an empty caption is no caption)
     # evaluating a saved captioner (beam search) and drawing the gallery
-    out = caption.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--results", str(tmp_path / "r.json"), "--beam", "2",
-                        "--gallery", str(tmp_path / "g.png"), "--workers", "0"])
+    out = evaluate_py.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--results", str(tmp_path / "r.json"), "--beam",
+                            "2", "--gallery", str(tmp_path / "g.png"), "--workers", "0"])
     assert out["scores"]["CIDEr-D"] > 0 and Image.open(tmp_path / "g.png").size[1] > 100
     # --explain: the caption, the two images and their heat maps in one PNG (two rows of 192 px images)
-    caption.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
-                  "--after", str(REAL / "CLEVR_new_000000_del.png"), "--explain", str(tmp_path / "why.png")])
+    evaluate_py.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
+                      "--after", str(REAL / "CLEVR_new_000000_del.png"), "--explain", str(tmp_path / "why.png")])
     w, h = Image.open(tmp_path / "why.png").size
     assert h > 2 * 192 and w > 2 * 192 and CHANGES[0][1] in capsys.readouterr().out
     assert Image.open(tmp / "captioner.curves.png").size == (1280, 240)  # written after every epoch
-    with pytest.raises(SystemExit, match="trained captioner"):
-        caption.main([*CPU, "--ckpt", str(tmp / "adapted.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
-                      "--after", str(REAL / "CLEVR_new_000000_del.png")])
+    with pytest.raises(SystemExit, match="is not a captioner but an encoder"):
+        evaluate_py.main([*CPU, "--ckpt", str(tmp / "adapted.pt"), "--before", str(REAL / "CLEVR_new_000000.png"),
+                          "--after", str(REAL / "CLEVR_new_000000_del.png")])
 
 
 @pytest.mark.slow
@@ -3238,7 +3255,7 @@ def test_pretrain_lowers_its_loss_and_resumes_exactly(tmp_path, capsys):
     a, b = (torch.load(tmp_path / f, weights_only=False)["model"] for f in ("full.pt", "cut.pt"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the shipped form: fp16, OpenAI's keys and no pair parameters, read by the loader of OpenAI's file
-    pretrain.main(args + ["--out", str(tmp_path / "full.pt"), "--export", str(tmp_path / "ship.pt")])
+    pretrain.main(["--out", str(tmp_path / "full.pt"), "--export", str(tmp_path / "ship.pt")])
     sd, _ = clip_load.read_state_dict(tmp_path / "ship.pt")
     assert all(v.dtype == torch.float16 for v in sd.values()) and not any(k in sd for k in M.PAIR_KEYS)
     loaded = clip_load.load_clip(tmp_path / "ship.pt", n_inter=1)
@@ -3421,7 +3438,7 @@ def test_training_rule_in_plain_sight():
     cfg = M.CLIPConfig(embed_dim=64, image_resolution=64, vision_layers=4, vision_width=128, vision_patch_size=16,
                        context_length=24, transformer_width=128, transformer_heads=2, transformer_layers=2, n_inter=2)
     m = M.CLIP(cfg)
-    rule = adapt.lr_rule(adapt.get_args(["--clip", A_FILE]))
+    rule = adapt.lr_rule(preset_settings(adapt, "paper"))
     train_utils.param_groups(m.named_parameters(), rule, 0.2)
     assert all(p.requires_grad for p in m.parameters())
     train_utils.freeze(m.named_parameters(), rule)
@@ -3435,13 +3452,14 @@ def test_training_rule_in_plain_sight():
     # tower train at --lr-clip. The compare preset freezes its 4 intra blocks; for 6 + 0 (--n-inter 0) the same
     # flag leaves the last blocks training, each image alone, and e1, e2, p, ln_mid after them (the authors')
     m = M.CLIP(cfg)
-    args = adapt.get_args(["--clip", A_FILE, "--freeze-blocks", "2", "--lr-clip", "3e-4"])
-    assert adapt.get_args(["--clip", A_FILE]).freeze_blocks == 0
-    assert adapt.get_args(["--preset", "compare"]).freeze_blocks == 4
+    args = preset_settings(adapt, "paper", "--freeze-blocks", "2", "--lr-clip", "3e-4")
+    assert preset_settings(adapt, "paper").freeze_blocks == 0
+    assert adapt.settings(["--preset", "compare", "--data-root", "absent"]).freeze_blocks == 4
     # the paper preset's epochs, the authors' scripts': 12 on CLEVR-Change, 20 on Spot-the-Diff (a flag given wins)
-    paper = lambda *a: adapt.get_args(["--preset", "paper", *a]).epochs
+    paper = lambda *a: adapt.settings(["--preset", "paper", "--clip", "mini12-synth", "--data-root", "absent", *a]
+                                      ).epochs
     assert (paper(), paper("--data", "spot"), paper("--data", "spot", "--epochs", "3")) == (12, 20, 3)
-    rule_6_0 = adapt.lr_rule(adapt.get_args(["--preset", "compare", "--n-inter", "0"]))
+    rule_6_0 = adapt.lr_rule(preset_settings(adapt, "compare", "--n-inter", "0"))
     assert rule_6_0("visual.transformer.resblocks.3.mlp.c_fc.weight") is None
     assert rule_6_0("visual.bef_embedding") == 1e-3
     assert rule_6_0("visual.transformer.resblocks.4.mlp.c_fc.weight") == 3e-4 == rule_6_0("visual.proj")
@@ -3498,18 +3516,17 @@ def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     the same in both presets, from their flags' defaults: the authors' 0.01 and 0.1); its rule: the captioner at
     --lr, the text tower never, the pair encoder frozen or at --encoder-lr but its input embeddings (e1, e2, p,
     ln_mid too at 12 + 0: the authors' module uses them), the tied word embeddings frozen but on Spot-the-Diff."""
-    for preset in caption.PRESETS.values():
-        assert {"lr", "encoder_lr", "freeze_encoder", "batch_size", "epochs"} <= set(preset)
-    args = caption.get_args(["--ckpt", A_FILE])
-    assert caption.apply_preset(args, {}) == "paper" and (args.weight_decay, args.warmup) == (0.01, 0.1)
+    assert len({tuple(p) for p in caption.PRESETS.values()}) == 1  # complete: every preset sets every key
+    args = preset_settings(caption, "paper")
+    assert (args.weight_decay, args.warmup) == (0.01, 0.1)
     assert all(getattr(args, k) == v for k, v in caption.PRESETS["paper"].items())
-    args = caption.get_args(["--ckpt", "mini-synth", "--warmup", "0.3", "--weight-decay", "0.5"])
-    assert caption.apply_preset(args, {}) == "mini" and (args.warmup, args.weight_decay) == (0.3, 0.5)
+    args = caption.settings(["--ckpt", "mini-synth", "--warmup", "0.3", "--weight-decay", "0.5", "--data-root",
+                             "absent"])
+    assert args.preset == "mini" and (args.warmup, args.weight_decay) == (0.3, 0.5)
     assert args.epochs == caption.PRESETS["mini"]["epochs"]
     assert caption.lr_rule(args)("clip.visual.bef_embedding") is None  # frozen encoder (the mini preset)
     # the paper preset: the authors' rule (main_task_caption.py 640-667, --freeze_layer_num 0)
-    args = caption.get_args(["--ckpt", A_FILE, "--lr", "2e-4", "--encoder-lr", "1e-6", "--data", "clevr"])
-    caption.apply_preset(args, {})
+    args = preset_settings(caption, "paper", "--lr", "2e-4", "--encoder-lr", "1e-6", data="clevr")
     rule = caption.lr_rule(args)
     assert rule("captioner.decoder.0.attn.q_proj.weight") == 2e-4 == rule("captioner.head_bias")
     assert rule("clip.visual.transformer.resblocks.0.attn.in_proj_weight") == 1e-6 == rule("clip.visual.proj")
@@ -3517,15 +3534,16 @@ def test_caption_rule_and_presets_in_plain_sight(tmp_path):
                                                     "visual.positional_embedding", "visual.ln_pre.bias"))
     assert rule("clip.visual.bef_embedding") == 1e-6 and rule("clip.transformer.resblocks.0.ln_1.weight") is None
     assert rule("clip.token_embedding.weight") is None is rule("clip.positional_embedding")  # the tied words, CLEVR
-    args.data = "spot"  # the authors train the word embeddings there, at the CLIP's rate
-    assert caption.lr_rule(args)("clip.token_embedding.weight") == 1e-6 == rule("clip.visual.ln_post.weight")
-    assert caption.lr_rule(args)("clip.visual.bef_embedding") == 1e-6
+    spot = caption.lr_rule(preset_settings(caption, "paper", "--encoder-lr", "1e-6", data="spot"))
+    assert spot("clip.token_embedding.weight") == 1e-6 == rule("clip.visual.ln_post.weight")  # theirs: trained there
+    assert spot("clip.visual.bef_embedding") == 1e-6
     # after adapt.py --preset compare: mini without after minus before (the inter blocks compare), 30 epochs of 64
-    args = caption.get_args(["--ckpt", "mini-synth"])
-    assert caption.apply_preset(args, {"args": {"preset": "compare"}}) == "compare" and args.mem_diff is False
-    assert (args.epochs, args.batch_size) == (30, 64)
+    torch.save({"model": load_clip("mini-synth").state_dict(), "stage": "adapt", "args": {"preset": "compare"}},
+               tmp_path / "adapted.pt")
+    args = caption.settings(["--ckpt", str(tmp_path / "adapted.pt"), "--data-root", "absent"])
+    assert args.preset == "compare" and args.mem_diff is False and (args.epochs, args.batch_size) == (30, 64)
     assert all(getattr(args, k) == v for k, v in caption.PRESETS["mini"].items()
-               if k not in ("mem_diff", "epochs", "batch_size"))
+               if k not in ("mem_diff", "epochs", "batch_size", "mem_pool", "reverse"))
 
 
 @pytest.mark.slow
@@ -3537,7 +3555,7 @@ def test_step_flops_match_torch_counter():
     cfg = M.CLIPConfig(embed_dim=64, image_resolution=64, vision_layers=5, vision_width=128, vision_patch_size=16,
                        context_length=24, transformer_width=128, transformer_heads=2, transformer_layers=2, n_inter=2)
     m = M.CLIP(cfg)
-    rule = adapt.lr_rule(adapt.get_args(["--clip", A_FILE, "--n-inter", "2"]))
+    rule = adapt.lr_rule(preset_settings(adapt, "paper", "--n-inter", "2"))
     train_utils.freeze(m.named_parameters(), rule)  # conv1 and the embeddings frozen, as the paper preset
     x, ids = torch.randn(3, 3, 64, 64), bench.random_ids(3, 24, "cpu")
     old = M.USE_SDPA
@@ -3595,15 +3613,12 @@ def test_selection_ties_go_to_the_later_epoch_as_the_authors(tmp_path):
     stops after 11 epochs without one (their early_stop > 10), the mini presets keep their strict rule and 10."""
     assert train_utils.improved(2.0, 2.0, True) and not train_utils.improved(2.0, 2.0, False)
     assert train_utils.improved(2.5, 2.0, False) and not train_utils.improved(1.5, 2.0, True)
-    model = M.CLIP(TINY)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    args = adapt.get_args([*CPU, "--clip", A_FILE, "--out", str(tmp_path / "a.pt")])
-    assert args.select == "text->pair R@1"
-    val = {"text->pair R@1": 30.0, "R@mean": 10.0}
-    sched = train_utils.warmup_cosine(opt, 10)
-    best = adapt.save_epoch(model, opt, sched, args, tmp_path, val, 1, 5, -1.0, [{"epoch": 1, **val}])
-    best = adapt.save_epoch(model, opt, sched, args, tmp_path, {**val, "R@mean": 99.0}, 2, 10, best, [])
-    assert best == 30.0 and torch.load(tmp_path / "a.pt", weights_only=False)["metrics"]["epoch"] == 2  # the later
+    assert adapt.PRESETS["paper"]["select"] == "text->pair R@1"
+    run, val = train_utils.new_run(), {"text->pair R@1": 30.0, "R@mean": 10.0}
+    saved = [train_utils.end_epoch(run, 1.0, val, val["text->pair R@1"], tie_counts=True),
+             train_utils.end_epoch(run, 1.0, {**val, "R@mean": 99.0}, val["text->pair R@1"], tie_counts=True)]
+    assert saved == [True, True] and (run["best"], run["best_epoch"], run["epochs_without_gain"]) == (30.0, 2, 0)
+    assert not train_utils.end_epoch(run, 1.0, val, 30.0, tie_counts=False) and run["epochs_without_gain"] == 1
     paper, mini = caption.PRESETS["paper"], caption.PRESETS["mini"]
     assert (paper["patience"], paper["tie_is_gain"], mini["patience"], mini["tie_is_gain"]) == (11, True, 10, False)
 
@@ -3630,7 +3645,7 @@ def test_warmup_cosine_is_the_mini_presets_schedule():
 
 def _steps(graphed, n=5, rule_name="adamw", rates=None):
     """n training steps of a tiny CLIP (2 heads per tower) on random pairs -> (losses, weights, learning rates):
-    train_utils.train_step, or GraphedStep (adapt.py --cuda-graphs), which a CPU runs uncaptured; AdamW and its
+    adapt.py's eager step, or GraphedStep (adapt.py --cuda-graphs), which a CPU runs uncaptured; AdamW and its
     schedule (the mini presets) or BertAdam and the authors' (the paper preset's). rates: a list that gets each
     step's (lr tensor objects, their values) as the step reads them."""
     torch.manual_seed(0)
@@ -3656,12 +3671,22 @@ def _steps(graphed, n=5, rule_name="adamw", rates=None):
     words = ["a red cube", "the small red metal cube changed to blue", "no change", "a ball", "the cylinder moved"]
     batches = [{"before": torch.randn(5, 3, 32, 32, generator=g), "after": torch.randn(5, 3, 32, 32, generator=g),
                 "ids": tokenize(words[i:] + words[:i])} for i in range(n)]
-    loss_fn = lambda b: (adapt.contrastive_loss(*net(b["before"], b["after"], b["ids"])), len(b["ids"]))
+    def update(b):  # adapt.py's
+        with ctx.amp:
+            loss = adapt.contrastive_loss(*net(b["before"], b["after"], b["ids"]))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        return loss.detach()
+
+    def step(b):
+        optimizer.zero_grad(set_to_none=True)
+        loss = update(b)
+        scheduler.step()
+        return loss
     if graphed:
-        step = train_utils.GraphedStep(ctx, loss_fn, optimizer, scheduler, params)
-    else:
-        step = lambda batch: train_utils.train_step(ctx, batch, loss_fn, optimizer, scheduler, params)
-    losses = [float(step(b)[0]) for b in batches]
+        step = train_utils.GraphedStep(ctx, update, optimizer, scheduler, params)
+    losses = [float(step(b)) for b in batches]
     return losses, model.state_dict(), [float(group["lr"]) for group in optimizer.param_groups]
 
 
@@ -3750,10 +3775,17 @@ def test_train_epoch_stops_on_nan():
     opt = train_utils.make_optimizer([{"params": list(model.parameters()), "lr": 0.1}], "cpu")
     sched = train_utils.warmup_cosine(opt, 10)
     ctx = train_utils.setup(0, "cpu")
-    batches = [torch.ones(4, 2)] * 3 + [torch.full((4, 2), float("nan"))] + [torch.ones(4, 2)] * 3
-    loss_fn = lambda b: (model(b).pow(2).mean(), len(b))
+    batches = [{"x": torch.ones(4, 2)}] * 3 + [{"x": torch.full((4, 2), float("nan"))}] + [{"x": torch.ones(4, 2)}] * 3
+
+    def step(b):
+        opt.zero_grad()
+        loss = model(b["x"]).pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss.detach()
     with pytest.raises(SystemExit, match="loss became nan between steps 4 and 6 .*--resume"):
-        train_utils.train_epoch(ctx, model, batches, loss_fn, opt, sched, train_utils.Progress(0, 1, 0, 7, 3))
+        train_utils.train_epoch(ctx, batches, step, opt, train_utils.new_run(), train_utils.Progress(0, 1, 7, 3))
 
 
 def test_device_cuda_gets_an_index(monkeypatch):
@@ -3798,18 +3830,24 @@ BAD_FLAGS = {
                  "--patch-size 0", "--text-width 0", "--text-layers 0", "--embed-dim 0", "--lr-new -1",
                  "--lr-clip nan", "--weight-decay -1", "--grad-clip -1", "--eval-batch-size 0", "--log-every 0",
                  "--clip nowhere.pt", "--data-root nowhere", "--data spot => --data-root",
-                 "--resume --out nowhere.pt", "--seed x"],
-    "caption.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu", "--beam 0",
+                 "--resume --out nowhere.pt", "--seed x", "--clip mini12-synth --vision-width 64 => --vision-width",
+                 "--data spot --swap-prob 0.5 => --swap-prob", "--n-inter 0 --shared-p 3 => --shared-p",
+                 "--preset scratch --clip mini12-synth => --clip", "--authors-numerics => --authors-numerics"],
+    "caption.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu",
                    "--patience 0", "--ckpt nowhere.pt", "--workers -1", "--n-inter -1",
                    "--width 0", "--heads 0", "--enc-layers -1", "--dec-layers 0", "--dropout 1",
                    "--epochs 0", "--batch-size 0", "--lr -1", "--encoder-lr -1", "--weight-decay -1", "--warmup 1",
                    "--grad-clip -1", "--log-every 0", "--eval-batch-size 0",
-                   "--ckpt mini-synth --before nowhere.png --after x => --before",
-                   "--ckpt mini-synth --before a.png => --after",
                    "--ckpt mini-synth --resume --out x.pt => --resume", "--ckpt mini-synth --n-inter 9 => --n-inter",
                    "--ckpt mini-synth --width 130 --heads 4 => --heads",
                    "--ckpt mini-synth --no-freeze-encoder => --encoder-lr", "--mem-pool 0",
-                   "--ckpt mini-synth --mem-pool 4 => --mem-pool"],
+                   "--ckpt mini-synth --mem-pool 4 => --mem-pool", "--ckpt mini-synth --preset paper => --preset",
+                   "--ckpt mini-synth --encoder-lr 1e-5 => --encoder-lr",
+                   "--ckpt mini-synth --preset paper --mem-diff => --mem-diff",
+                   "--ckpt mini-synth --data spot --pair-distractors => --pair-distractors"],
+    "evaluate.py": ["--device cuda", "--device gpu", "--beam 0", "--ckpt nowhere.pt", "--workers -1",
+                    "--eval-batch-size 0", "--before a.png => --after", "--explain why.png => --explain",
+                    "--before a.png --after b.png --gallery g.png => --gallery"],
     "pretrain.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu", "--scenes 0",
                     "--image-size 0", "--patch-size 0", "--image-size 100 => --image-size", "--vision-width 0",
                     "--vision-width 200", "--vision-layers 0", "--text-width 0", "--text-layers 0", "--embed-dim 0",
@@ -3882,7 +3920,9 @@ def test_every_bad_flag_is_one_line_not_a_traceback(script, tmp_path):
 
 
 # every command the documents show runs at HEAD: it parses with its script's own argument parser
-SCRIPTS = {m.__name__ + ".py": m for m in (adapt, caption, pretrain, bench, synth, metrics)}  # each has get_args
+# each script's function that decides its settings (parse, check, resolve) from a command line
+SCRIPTS = {"adapt.py": adapt.settings, "caption.py": caption.settings, "evaluate.py": evaluate_py.get_args,
+           **{m.__name__ + ".py": m.get_args for m in (pretrain, bench, synth, metrics)}}
 PLACEHOLDERS = {"S": "0", "N": "2", "LR": "1e-5"}  # the rest in capitals (SET, DIR, CKPT, CLIP, DEV) are paths
 FILE_FLAGS = ("--ckpt", "--clip", "--before", "--after", "--refs", "--cands", "--paraphrase")
 
@@ -3922,10 +3962,14 @@ def test_shown_commands_are_read():
 @pytest.mark.parametrize("doc", documents())
 def test_every_shown_command_parses_at_head(doc, tmp_path, monkeypatch, capsys):
     """Every command in README.md, RESULTS.md, BENCHMARKS.md and the assets' READMEs that runs one of the
-    project's scripts parses with that script's own argument parser (get_args: its flags, subcommands and checks),
+    project's scripts parses with that script's own settings (its flags, subcommands and checks),
     placeholders in capitals replaced by valid values and the files it names made (empty) in an empty folder."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(clip_load, "CACHE", tmp_path / "clip_cache")  # no ViT-B-32.pt found: presets as a newcomer's
+    # the weights' sizes without reading the (empty) files: ViT-B/32's, the shipped ones their own; no set rendered
+    real = clip_load.clip_config
+    monkeypatch.setattr(clip_load, "clip_config", lambda c: real(c) if c in clip_load.SHIPPED else M.CLIPConfig())
+    monkeypatch.setattr(data, "resolve_root", lambda name, root=None, *a, **k: Path(root or data.ROOTS[name]))
     wrong, n = [], 0
     for script, argv, python in shown_commands((Path(__file__).resolve().parent / doc).read_text()):
         if script not in SCRIPTS:
@@ -3947,7 +3991,7 @@ def test_every_shown_command_parses_at_head(doc, tmp_path, monkeypatch, capsys):
                 (Path(value) / "scenes.json").touch()
         n += 1
         try:
-            SCRIPTS[script].get_args(argv)
+            SCRIPTS[script](argv)
         except SystemExit as e:
             if e.code not in (0, None):
                 wrong.append(f"{script} {' '.join(argv)}: {capsys.readouterr().err.strip().splitlines()[-1:]}")
@@ -3960,19 +4004,53 @@ def test_every_shown_command_parses_at_head(doc, tmp_path, monkeypatch, capsys):
 # authors' frozen set, two learning rates), presets, ablations, bf16, killed runs
 
 @pytest.mark.slow
-def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypatch, capsys):
-    # adaptation: the paper preset chosen because ViT-B-32.pt is in the cache; its input size follows the CLIP
-    monkeypatch.setattr(clip_load, "CACHE", tmp_path)
-    assert adapt.get_args([]).preset == "mini"  # no OpenAI weights anywhere: the shipped small pretrained CLIP
-    assert adapt.get_args(["--clip", "mini-synth"]).preset == "mini"
-    assert adapt.get_args(["--preset", "scratch"]).clip is None  # the small model from nothing, one flag away
-    as_cached_release(monkeypatch, openai_archive)
-    assert adapt.get_args([]).preset == "paper"
-    assert adapt.get_args(["--clip", "mini-synth"]).preset == "mini"  # named, it wins over a cached ViT-B-32.pt
+def test_a_setting_given_is_decided_once_printed_saved_and_used(adapt_synth, tmp_path, capsys):
+    """Each stage: a flag given over its preset is in the settings line printed at the start, in the checkpoint's
+    settings, and in what it names (adapt.py --lr-new: the optimizer's rate of e1, e2, p, ln_mid; caption.py
+    --dec-layers: the captioner's layers; pretrain.py --batch-size: its steps). Settings cannot change once made."""
     out = tmp_path / "adapted.pt"
-    adapt.main(["--data-root", str(adapt_synth), "--out", str(out)] + FAST)
+    adapt.main(TINY_ADAPT + ["--data-root", str(adapt_synth), "--out", str(out), "--lr-new", "0.0042", "--epochs", "1",
+                             "--workers", "0"])
+    assert " lr_new=0.0042 " in capsys.readouterr().out
+    state = torch.load(train_utils.last_path(out), weights_only=False)
+    assert torch.load(out, weights_only=False)["args"]["lr_new"] == 0.0042 == state["args"]["lr_new"]
+    groups = [g for g in state["optimizer"]["param_groups"] if g["initial_lr"] == 0.0042]
+    assert sum(len(g["params"]) for g in groups) == len(M.PAIR_KEYS)  # e1, e2, p, ln_mid's two
+    tiny_clevr(tmp_path / "clevr")
+    tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
+    run(tmp_path, "--dec-layers", "3", epochs=1)
+    assert " dec_layers=3 " in capsys.readouterr().out
+    saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
+    assert saved["args"]["dec_layers"] == 3 == saved["captioner_config"]["dec_layers"]
+    assert len({k.split(".")[1] for k in saved["captioner"] if k.startswith("decoder.")}) == 3
+    pre = tmp_path / "pretrained.pt"
+    pretrain.main(TINY_PRETRAIN + ["--root", str(tmp_path / "scenes"), "--out", str(pre), "--samples", "64",
+                                   "--batch-size", "32", "--eval-every", "100"])
+    assert " batch_size=32 " in capsys.readouterr().out
+    state = torch.load(train_utils.last_path(pre), weights_only=False)
+    assert state["args"]["batch_size"] == 32 and state["step"] == 64 // 32
+    args = adapt.settings(TINY_ADAPT + ["--data-root", str(adapt_synth)])
+    with pytest.raises(AttributeError, match="decided before the run starts"):
+        args.epochs = 2
+
+
+@pytest.mark.slow
+def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypatch, capsys):
+    # adaptation: the preset follows what is given (--preset, else --clip, else the dataset), never the cache
+    monkeypatch.setattr(clip_load, "CACHE", tmp_path)
+    real = tmp_path / "real_clevr"  # a dataset folder without the synthetic set's synth.json
+    real.mkdir()
+    pick = lambda *a, root=adapt_synth: adapt.settings([*a, "--data-root", str(root)])
+    assert pick().preset == "mini"  # the synthetic set: the shipped small pretrained CLIP
+    assert pick("--clip", "mini-synth").preset == "mini" and pick("--clip", str(openai_archive)).preset == "paper"
+    assert pick("--preset", "scratch").clip is None  # the small model from nothing, one flag away
+    as_cached_release(monkeypatch, openai_archive)
+    assert pick().preset == "mini"  # OpenAI's weights in the cache change nothing
+    assert (pick(root=real).preset, pick(root=real).clip, pick(root=real).swap_prob) == ("paper", "ViT-B/32", 0.5)
+    out = tmp_path / "adapted.pt"
+    adapt.main(["--clip", str(openai_archive), "--data-root", str(adapt_synth), "--out", str(out)] + FAST)
     log = capsys.readouterr().out
-    assert "preset 'paper'" in log and "cuda_graphs=False" in log and "takes 32px images: --image-size 224 -> 32" in log
+    assert "preset 'paper'" in log and " cuda_graphs=False " in log and " image_size=32 " in log  # the file's size
     assert re.search(r"lr \d\.\d\de-0[45]/\d\.\d\de-0[78] ", log)  # both learning rates on the progress line
     train_utils.seed_everything(0)  # adapt.main's seed: the same fresh pair parameters
     start = clip_load.load_clip(openai_archive, n_inter=3).state_dict()
@@ -4010,10 +4088,10 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     assert history[-1]["loss"] < history[0]["loss"] < 2 * math.log(len(trained["vocab"])), history
     # the saved captioner, evaluated again, and on two images of one's own
     first = json.loads(results.read_text())["predictions"]
-    again = caption.main([*CPU, "--ckpt", str(cap), "--results", str(tmp_path / "again.json"), "--workers", "0"])
+    again = evaluate_py.main([*CPU, "--ckpt", str(cap), "--results", str(tmp_path / "again.json"), "--workers", "0"])
     assert [p["caption"] for p in again["predictions"]] == [p["caption"] for p in first]
     capsys.readouterr()
-    caption.main([*CPU, "--ckpt", str(cap), "--before", first[0]["before"], "--after", first[0]["after"]])
+    evaluate_py.main([*CPU, "--ckpt", str(cap), "--before", first[0]["before"], "--after", first[0]["after"]])
     assert capsys.readouterr().out.strip() == first[0]["caption"]
 
 
@@ -4169,13 +4247,17 @@ def fp32_matmuls():
 def watch_steps(monkeypatch):
     """Record each training step's (loss device, autocast dtype, weight dtype): what a run really trained in (a
     step captured as a CUDA graph is recorded in its warm-up and capture, not in its replays)."""
-    seen, real = [], train_utils.update
+    seen = []
 
-    def update(ctx, batch, loss_fn, optimizer, params, *args):
-        loss, n = real(ctx, batch, loss_fn, optimizer, params, *args)
-        seen.append((loss.device.type, getattr(ctx.amp, "fast_dtype", None), params[0].dtype))
-        return loss, n
-    monkeypatch.setattr(train_utils, "update", update)
+    def watch(real, weight):  # the loss under the step's autocast, and a weight of the model it came from
+        def loss(*args, **kwargs):
+            out = real(*args, **kwargs)
+            amp = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+            seen.append((out.device.type, amp, weight(*args).dtype))
+            return out
+        return loss
+    monkeypatch.setattr(adapt, "contrastive_loss", watch(adapt.contrastive_loss, lambda v, g, scale: scale))
+    monkeypatch.setattr(caption, "batch_loss", watch(caption.batch_loss, lambda model, *a: next(model.parameters())))
     return seen
 
 
@@ -4209,19 +4291,21 @@ def test_cuda_quickstart_stages_in_bf16_read_back_on_the_cpu(gpu, adapt_synth, t
                 "--batch-size", "8", "--eval-batch-size", "16", "--workers", "0", "--log-every", "1"])
     assert "preset 'mini'" in capsys.readouterr().out
     caption.main([*gpu, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"), "--epochs", "3",
-                  "--batch-size", "8", "--workers", "0", "--log-every", "1000", "--gallery", str(tmp_path / "g.png")])
+                  "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
+    evaluate_py.main([*gpu, "--ckpt", str(cap), "--results", str(tmp_path / "c.json"), "--workers", "0", "--gallery",
+                      str(tmp_path / "g.png")])
     assert len(steps) > 10 and set(steps) == {("cuda", torch.bfloat16, torch.float32)}, set(steps)
     assert (tmp_path / "g.png").stat().st_size > 0
     assert_cpu_checkpoints(out, cap)
-    again = {name: caption.main([*device, "--amp", "off", "--ckpt", str(cap), "--results",
-                                 str(tmp_path / f"{name}.json"), "--workers", "0"])
+    again = {name: evaluate_py.main([*device, "--amp", "off", "--ckpt", str(cap), "--results",
+                                     str(tmp_path / f"{name}.json"), "--workers", "0"])
              for name, device in (("gpu", gpu), ("cpu", CPU))}  # --amp off: no autocast, no TF32
     assert [p["caption"] for p in again["gpu"]["predictions"]] == [p["caption"] for p in again["cpu"]["predictions"]]
     assert again["gpu"]["scores"] == pytest.approx(again["cpu"]["scores"])
     pair = again["cpu"]["predictions"][0]
     capsys.readouterr()
     for device in (gpu, CPU):
-        caption.main([*device, "--ckpt", str(cap), "--before", pair["before"], "--after", pair["after"]])
+        evaluate_py.main([*device, "--ckpt", str(cap), "--before", pair["before"], "--after", pair["after"]])
     assert capsys.readouterr().out.split("\n")[:2] == [pair["caption"]] * 2
 
 

@@ -1,6 +1,5 @@
-"""What the training stages share: device setup, the lr schedule, the training epoch with its progress line,
-atomic resumable checkpoints.
-"""
+"""What the training stages share: settings, device setup, optimizers and schedules, the epoch's progress line,
+selection, atomic resumable checkpoints, the CUDA graph of a step."""
 import argparse
 import ctypes
 import functools
@@ -24,22 +23,20 @@ import torch
 
 
 def autocast(device, amp="auto"):
-    """The one place that decides mixed precision. auto: bf16 autocast on CUDA, fp32 on a CPU; "bf16" forces
-    autocast (a CPU runs it too, slowly: the tests check the CUDA numerics path that way); "off": fp32."""
+    """auto: bf16 autocast on CUDA, fp32 on a CPU; bf16: autocast anywhere (the tests' CUDA numerics on a CPU)."""
     if amp == "off" or (amp == "auto" and device.type != "cuda"):
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def devices_here():
-    """What --device can name on this machine, in words for an error message."""
+    """What --device can name here, for an error message."""
     n = torch.cuda.device_count()
     return "cpu" + (f", cuda (cuda:0 to cuda:{n - 1})" if n > 1 else ", cuda (cuda:0)" if n else "")
 
 
 def device_arg(text):
-    """argparse type of --device: a device this code runs on and this machine has. Else argparse's one-line error
-    (exit 2) naming the flag and what is here, instead of a traceback from deep in torch.cuda."""
+    """argparse type of --device: one this machine has, else argparse's one-line error naming what is here."""
     try:
         d = torch.device(text)
     except RuntimeError:
@@ -57,8 +54,7 @@ def device_arg(text):
 
 
 def at_least(low, kind=int, most=None, below=None):
-    """argparse type: a number (int or float) >= low, and <= most or < below when given. argparse names the flag
-    and the value in its error (exit 2): `argument --beam: must be at least 1, got 0`."""
+    """argparse type: a number >= low (and <= most, < below); argparse's error names the flag and the value."""
     def number(text):
         try:
             x = kind(text)
@@ -76,7 +72,7 @@ def at_least(low, kind=int, most=None, below=None):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help as the stages print it: the module's docstring as written, and each flag's default where it has one."""
+    """--help: the module's docstring as written, each flag's default where it has one."""
 
     def _get_help_string(self, action):
         hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
@@ -91,14 +87,43 @@ def run_flags(p, log_every=20, warmup=0.1):
     p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
                    help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=warmup,
-                   help="fraction of the steps of linear warmup, then cosine")
+                   help="fraction of the steps of linear warmup, then the schedule's decay")
     p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
     p.add_argument("--log-every", type=at_least(1), default=log_every, help="steps between progress lines")
 
 
+class Settings(SimpleNamespace):
+    """A run's settings, decided before any work (each stage's `settings`), printed and saved: read-only."""
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"settings are decided before the run starts: {name} stays {getattr(self, name, None)!r}")
+
+    __delattr__ = __setattr__
+
+    def line(self):
+        return " ".join(f"{k}={v}" for k, v in sorted(vars(self).items()))
+
+
+def given_flags(parser, argv=None):
+    """The settings (dests) the command line gives: parsed again with every default suppressed."""
+    saved = [(a, a.default) for a in parser._actions]
+    try:
+        for a, _ in saved:
+            a.default = argparse.SUPPRESS
+        return set(vars(parser.parse_args(argv)))
+    finally:
+        for a, default in saved:
+            a.default = default
+
+
+def pick_device(device=None):
+    """--device resolved: what was given, else cuda:0 where there is a GPU, else cpu."""
+    d = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return f"cuda:{d.index or 0}" if d.type == "cuda" else "cpu"
+
+
 def check_sizes(parser, image_size, patch_size, widths):
-    """A small ViT and text tower from flags: whole patches, and widths ({flag: width}) that split into
-    width // 64 heads (at least one). parser.error names the flag (exit 2)."""
+    """A model from flags: whole patches, widths ({flag: width}) that split into width // 64 heads (at least one)."""
     if image_size % patch_size:
         parser.error(f"argument --image-size: {image_size} is not a multiple of --patch-size {patch_size}")
     for flag, w in widths.items():
@@ -108,15 +133,13 @@ def check_sizes(parser, image_size, patch_size, widths):
 
 
 def flag_error(flag, message):
-    """A bad flag value that shows only once the checkpoint has chosen the preset (caption.py: --heads against the
-    preset's width): the same one line and exit code 2 as argparse's own errors."""
+    """A bad flag found after parsing: argparse's one line and exit code 2."""
     print(f"{os.path.basename(sys.argv[0])}: error: argument {flag}: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
 def keep_freed_memory():
-    """On a CPU under glibc: freed memory stays in the process for the next allocation (glibc would serve each
-    allocation above its mmap threshold with fresh pages, faulted in at every step). False without glibc."""
+    """glibc keeps freed memory for the next allocation (else large ones get fresh pages, faulted in every step)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
@@ -126,11 +149,9 @@ def keep_freed_memory():
 
 
 def setup(seed=0, device=None, amp="auto"):
-    """The run's device (default: CUDA when there is one), its numerics and its seed. fp32 master weights everywhere;
-    autocast as `autocast(device, amp)` says. On a CPU freed memory is kept for reuse (keep_freed_memory)."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """The run's device, numerics (fp32 weights, autocast as `autocast` says) and seed."""
+    device = torch.device(pick_device(device))
     if device.type == "cuda":
-        device = torch.device("cuda", device.index or 0)
         torch.cuda.set_device(device)  # CUDA graphs' streams and kernels go to the current device
         # TF32 matmuls beside bf16 autocast; --amp off is plain fp32 throughout
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = amp != "off"
@@ -142,8 +163,7 @@ def setup(seed=0, device=None, amp="auto"):
 
 @functools.lru_cache
 def matmul_gflops(n=2048, repeats=5):
-    """This CPU's fp32 speed: GFLOP/s of an n x n x n matmul (the best of `repeats`, after a warm-up), the figure
-    every timing in README is given beside."""
+    """This CPU's fp32 GFLOP/s, an n x n x n matmul's best of `repeats`: what every timing is given beside."""
     g = torch.Generator().manual_seed(0)  # its own: measuring must not move the run's random stream
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     a @ b
@@ -157,7 +177,7 @@ def seed_everything(seed):
 
 
 def rng_state():
-    """This process's random streams, saved with each resumable state."""
+    """This process's random streams (set_rng_state puts them back)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -165,7 +185,6 @@ def rng_state():
 
 
 def set_rng_state(state):
-    """Put back what rng_state saved."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -173,11 +192,11 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def where(ctx):
-    """The machine in a few words, for banners and timings: a CPU's speed is its fp32 GFLOP/s."""
+def where(ctx, speed=False):
+    """The machine in a few words; speed: a CPU's fp32 GFLOP/s too, beside a timing."""
     if ctx.device.type == "cuda":
         return torch.cuda.get_device_name(ctx.device)
-    return f"CPU, {torch.get_num_threads()} threads, {matmul_gflops():.0f} GFLOP/s fp32"
+    return f"CPU, {torch.get_num_threads()} threads" + (f", {matmul_gflops():.0f} GFLOP/s fp32" if speed else "")
 
 
 def log(*args):
@@ -253,7 +272,7 @@ def authors_decays(model, bert=None):
 
 class BertAdam(torch.optim.Optimizer):
     """The authors' BertAdam (their optimization.py 110-167): Adam without bias correction, decoupled decay, moments
-    in the weights' dtype, tensors without a gradient skipped (their per-tensor clip, after a global one, is a no-op)."""
+    in the weights' dtype, tensors without a gradient skipped (their per-tensor clip after a global one: a no-op)."""
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -285,40 +304,18 @@ def make_optimizer(groups, device, capturable=False, rule="adamw", betas=(0.9, 0
     return torch.optim.AdamW(groups, betas=betas, eps=1e-6, fused=fused, capturable=capturable)
 
 
-def update(ctx, batch, loss_fn, optimizer, params, grad_clip=1.0):
-    """`loss_fn(batch) -> (loss, n_samples)` under autocast, backward, clip, AdamW step, on gradients the caller
-    has zeroed. Returns the loss (still on the device: reading it would make the CPU wait for the GPU) and n."""
-    with ctx.amp:
-        loss, n = loss_fn(batch)
-    loss.backward()
-    if grad_clip:
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    optimizer.step()
-    return loss.detach(), n
-
-
-def train_step(ctx, batch, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
-    """One optimizer step (update), the gradients zeroed before and the schedule advanced after."""
-    optimizer.zero_grad(set_to_none=True)
-    out = update(ctx, batch, loss_fn, optimizer, params, grad_clip)
-    scheduler.step()
-    return out
-
-
 class GraphedStep:
-    """train_step captured once as a CUDA graph and replayed (adapt.py --cuda-graphs): forward, backward, clip
-    and step become one launch. It needs static shapes and a capturable optimizer; the learning rates become device
-    tensors that the schedule fills in place. The first batch warms up on a side stream, what it changed is put
-    back, then it is captured. Other shapes (a last, smaller batch) run eagerly; on a CPU nothing is captured."""
+    """A stage's `update(batch) -> loss` (forward, backward, clip, optimizer step on zeroed gradients) captured once
+    as a CUDA graph and replayed (--cuda-graphs), then the schedule's step. It needs static shapes and a capturable
+    optimizer; the learning rates become device tensors that the schedule fills in place. The first batch warms up
+    on a side stream, what it changed is put back, then it is captured. Other shapes (a last, smaller batch) run
+    eagerly; on a CPU nothing is captured."""
 
-    def __init__(self, ctx, loss_fn, optimizer, scheduler, params, grad_clip=1.0):
-        self.ctx, self.loss_fn, self.params, self.grad_clip = ctx, loss_fn, params, grad_clip
-        self.optimizer, self.scheduler, self.graph = optimizer, scheduler, None
+    def __init__(self, ctx, update, optimizer, scheduler, params):
+        self.ctx, self.body, self.params, self.optimizer, self.scheduler = ctx, update, params, optimizer, scheduler
+        self.graph = None
         for g in optimizer.param_groups:  # read by the graph from this address; the schedule fills it in place
             g["lr"] = torch.tensor(float(g["lr"]), device=ctx.device)
-
-    def body(self, batch):
-        return update(self.ctx, batch, self.loss_fn, self.optimizer, self.params, self.grad_clip)
 
     def __call__(self, batch):
         if self.ctx.device.type == "cuda" and self.graph is None:
@@ -327,7 +324,7 @@ class GraphedStep:
             for k, t in batch.items():
                 self.static[k].copy_(t, non_blocking=True)
             self.graph.replay()
-            out = self.out[0].clone(), self.out[1]  # a copy: the next replay overwrites the graph's own
+            out = self.out.clone()  # a copy: the next replay overwrites the graph's own
         else:  # eagerly, into the gradients the graph owns (zeroed in place, not reallocated)
             self.optimizer.zero_grad(set_to_none=self.graph is None)
             out = self.body(batch)
@@ -340,12 +337,12 @@ class GraphedStep:
         state = {p: {k: v.clone() for k, v in s.items()} for p, s in self.optimizer.state.items()}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # allocations, cuBLAS workspaces and AdamW's state, before capture
+        with torch.cuda.stream(side):  # allocations, cuBLAS workspaces and the optimizer's state, before capture
             for _ in range(3):
                 self.optimizer.zero_grad(set_to_none=True)
                 self.body(self.static)
         torch.cuda.current_stream().wait_stream(side)
-        with torch.no_grad():  # the warm-up's steps undone: the weights, and AdamW's state as it was (or fresh)
+        with torch.no_grad():  # the warm-up's steps undone: the weights, and the optimizer's state as it was (or fresh)
             for p, w in zip(self.params, weights):
                 p.copy_(w)
             for p, s in self.optimizer.state.items():
@@ -364,41 +361,54 @@ def shapes(batch):
 
 @dataclass
 class Progress:
-    """Where a run stands, for its progress lines: `epoch` (0-based) of `epochs`, optimizer `step` of
-    `total_steps` (train_epoch advances it), a line every `log_every` steps counting `unit`s per second."""
+    """What a progress line says: `epoch` (0-based) of `epochs`, the step of `total_steps`, every `log_every` steps,
+    counting `unit`s per second."""
     epoch: int
     epochs: int
-    step: int
     total_steps: int
     log_every: int = 20
     unit: str = "pairs"
 
 
-def train_epoch(ctx, model, loader, loss_fn, optimizer, scheduler, progress, grad_clip=1.0, graphed=None):
-    """One pass over `loader` (see train_step) -> mean loss, with the progress line (step, loss, lr, throughput,
-    ETA). `loss_fn(batch) -> (loss, n_samples)`. The loss is summed on the device and checked only at progress
-    lines (the CPU queues steps meanwhile): NaN/inf stops the run. `graphed` (a GraphedStep) replaces train_step."""
-    model.train()
-    t0, seen, count, checked = time.time(), 0, 0, progress.step
+def train_epoch(ctx, loader, step, optimizer, run, progress):
+    """`step(batch) -> loss` on each batch of `loader` -> the mean loss; run["step"] advanced, a progress line
+    (step, loss, lr, throughput, ETA) every progress.log_every steps. The loss is summed on the device and checked
+    only at those lines (the CPU queues steps meanwhile): NaN/inf stops the run."""
+    t0, seen, count, checked = time.time(), 0, 0, run["step"]
     total = torch.zeros((), device=ctx.device)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    step = graphed or (lambda batch: train_step(ctx, batch, loss_fn, optimizer, scheduler, params, grad_clip))
     for batch in loader:
-        loss, n = step(batch)
+        loss = step(batch)
         total += loss.float()
-        progress.step, seen, count = progress.step + 1, seen + n, count + 1
-        if progress.step % progress.log_every == 0 or count == len(loader):
+        run["step"], seen, count = run["step"] + 1, seen + len(next(iter(batch.values()))), count + 1
+        if run["step"] % progress.log_every == 0 or count == len(loader):
             if not torch.isfinite(total):  # the one host sync per log line
-                raise SystemExit(f"loss became {loss.item()} between steps {checked + 1} and {progress.step} (epoch "
+                raise SystemExit(f"loss became {loss.item()} between steps {checked + 1} and {run['step']} (epoch "
                                  f"{progress.epoch + 1}): stopping. The last good checkpoint is on disk; check the "
                                  f"data, or start again with a lower learning rate (--resume would keep the old one).")
-            checked = progress.step
-            rate = seen / (time.time() - t0)
-            eta = (progress.total_steps - progress.step) * (time.time() - t0) / count
+            checked = run["step"]
+            eta = (progress.total_steps - run["step"]) * (time.time() - t0) / count
             lrs = "/".join(f"{lr:.2e}" for lr in sorted({float(g["lr"]) for g in optimizer.param_groups}, reverse=True))
-            log(f"epoch {progress.epoch + 1}/{progress.epochs} step {progress.step}/{progress.total_steps} | "
-                f"loss {loss.item():.4f} | lr {lrs} | {rate:.1f} {progress.unit}/s | ETA {fmt_time(eta)}")
+            log(f"epoch {progress.epoch + 1}/{progress.epochs} step {run['step']}/{progress.total_steps} | loss "
+                f"{loss.item():.4f} | lr {lrs} | {seen / (time.time() - t0):.1f} {progress.unit}/s | ETA "
+                f"{fmt_time(eta)}")
     return total.item() / max(1, count)
+
+
+def new_run():
+    """Where a run stands, saved with each resumable state: epochs and steps done, the best val figure, its
+    epoch, epochs since it, every epoch's figures."""
+    return dict(epoch=0, step=0, best=-1.0, best_epoch=0, epochs_without_gain=0, history=[])
+
+
+def end_epoch(run, loss, figures, score, tie_counts):
+    """An epoch's loss and val figures into `run`; selection on `score` -> whether it is the best so far."""
+    better = improved(score, run["best"], tie_counts)
+    run["epoch"] += 1
+    run["history"].append({"epoch": run["epoch"], "loss": loss, **figures})
+    run["epochs_without_gain"] = 0 if better else run["epochs_without_gain"] + 1
+    if better:
+        run.update(best=score, best_epoch=run["epoch"])
+    return better
 
 
 def improved(score, best, tie_counts):
@@ -445,11 +455,11 @@ def last_path(out):
     return f"{root}.last{ext or '.pt'}"
 
 
-def check_resume(parser, args):
+def check_resume(parser, resume, out):
     """--resume where the run writing --out left no state: argparse's one-line error (exit 2)."""
-    if args.resume and not os.path.isfile(last_path(args.out)):
-        parser.error(f"argument --resume: no resumable state at {last_path(args.out)} (written after each epoch or "
-                     f"evaluation of a run with --out {args.out}); start without --resume")
+    if resume and not os.path.isfile(last_path(out)):
+        parser.error(f"argument --resume: no resumable state at {last_path(out)} (written after each epoch of a run "
+                     f"with --out {out}); start without --resume")
 
 
 def load_resume(out, device="cpu"):
@@ -460,14 +470,33 @@ def load_resume(out, device="cpu"):
         raise SystemExit(f"--resume: cannot read {path} ({type(e).__name__}: {e}); start without --resume") from None
 
 
-def restore(state, model, optimizer, scheduler):
-    """--resume: a resumable state (load_resume) put back into the model, optimizer, scheduler and this process's
-    random streams -> that state (the stage reads its own counters from it)."""
+def save_state(out, model, optimizer, scheduler, run, args, **extra):
+    """The resumable state of the run writing `out`, after each epoch (last_path): run's keys (new_run) beside the
+    model's, optimizer's, schedule's and random streams' state."""
+    save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "rng": rng_state(), **run, "args": vars(args), **extra}, last_path(out))
+
+
+RESUMABLE = {"resume", "device", "workers", "log_every", "eval_batch_size", "image_cache", "time_limit"}  # may change
+
+
+def resume_run(state, model, optimizer, scheduler, args):
+    """--resume: save_state's file (load_resume) put back into the model, optimizer, scheduler and the random
+    streams -> its run (new_run's keys). The run continues as it was set: another setting is an error."""
+    if missing := [k for k in new_run() if k not in state]:
+        raise SystemExit(f"--resume: the resumable state has no {missing[0]} (an older clip4idc's): start without "
+                         f"--resume")
+    for k, v in state.get("args", {}).items():
+        if k not in RESUMABLE and vars(args).get(k, v) != v:
+            raise SystemExit(f"--resume: the run was set {k}={v!r}, this command {k}={getattr(args, k)!r}: resume it "
+                             f"with the flags it was started with")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
-    return state
+    run = {k: state[k] for k in new_run()}
+    log(f"   resumed from epoch {run['epoch']}'s state (best val {run['best']:.2f}, epoch {run['best_epoch']})")
+    return run
 
 
 def interrupted(out):

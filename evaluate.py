@@ -1,0 +1,120 @@
+"""Evaluate a trained captioner (caption.py's captioner.pt, or the authors' released one), or caption two images.
+
+    python evaluate.py --ckpt captioner.pt                        # test scores, baseline, predictions (--beam 3)
+    python evaluate.py --ckpt captioner.pt --gallery gallery.png  # and test pairs drawn with their captions
+    python evaluate.py --ckpt pytorch_model.bin.clevr --amp off   # the authors' released captioner
+    python evaluate.py --ckpt captioner.pt --before a.png --after b.png --explain why.png   # your own two images
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+import caption
+import clip_load
+import data
+import plots
+from train_utils import HelpFormatter, at_least, device_arg, given_flags, log, setup
+
+PAIR_ONLY = {"explain"}  # with --before/--after
+TEST_ONLY = {"data", "data_root", "skip_missing", "results", "gallery", "workers", "eval_batch_size"}
+
+
+def parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--ckpt", default="captioner.pt", help="a captioner: caption.py's, or the authors' released one "
+                   "(pytorch_model.bin.clevr)")
+    p.add_argument("--data", choices=["clevr", "spot", "ier", "levir"], default=None,
+                   help="dataset (default: the one the captioner was trained on, else clevr)")
+    p.add_argument("--data-root", default=None, help="dataset directory (default: the captioner's, else data/...)")
+    p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
+    p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
+    p.add_argument("--beam", type=at_least(1), default=1, help="beam size (1: greedy, as the paper)")
+    p.add_argument("--gallery", default=None, help="also draw test pairs with their captions into this PNG")
+    p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
+    p.add_argument("--eval-batch-size", type=at_least(1), default=64, help="pairs per decoding batch")
+    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
+                   help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
+    p.add_argument("--before", default=None, help="caption this image pair instead of the test split")
+    p.add_argument("--after", default=None, help="the 'after' image of --before")
+    p.add_argument("--explain", default=None, help="with --before/--after: also draw the caption, the two images "
+                                                   "and where the encoder looked into this PNG")
+    return p
+
+
+def get_args(argv=None):
+    p = parser()
+    args, given = p.parse_args(argv), given_flags(p, argv)
+    if bool(args.before) != bool(args.after):
+        p.error("--before and --after go together")
+    for flag in sorted(given & (TEST_ONLY if args.before else PAIR_ONLY)):
+        p.error(f"argument --{flag.replace('_', '-')}: not used when "
+                + ("captioning two images (--before/--after)" if args.before else "scoring the test split: give "
+                   "--before and --after"))
+    if not os.path.isfile(args.ckpt):
+        p.error(f"argument --ckpt: no file at {args.ckpt}: train a captioner with `python caption.py` first")
+    for flag, path in (("--before", args.before), ("--after", args.after)):
+        if path and not os.path.isfile(path):
+            p.error(f"argument {flag}: no image at {path}")
+    return args
+
+
+def caption_images(args, info):
+    """The caption of --before/--after, alone on stdout; --explain: the images and the encoder's maps too."""
+    ctx = setup(0, args.device, args.amp)
+    model, vocab = caption.load_captioner(args.ckpt, ctx.device)
+    size = model.clip.cfg.image_resolution  # any size and mode: squashed to the encoder's input, RGB
+    before, after = (clip_load.load_image(p, size)[None].to(ctx.device) for p in (args.before, args.after))
+    with ctx.amp:
+        text = caption.to_text(model.caption(args.beam, before=before, after=after)[0].tolist(), vocab)
+    print(text)
+    if args.explain:
+        if model.clip.cfg.n_inter == 0:
+            raise SystemExit(f"--explain draws the last inter block's attention: this encoder "
+                             f"({model.clip.cfg.vision_layers} + 0) has none")
+        maps = plots.encoder_maps(model, [(args.before, args.after)], size, ctx.device)[0]
+        plots.explain(args.explain, plots.rgb(args.before), plots.rgb(args.after), text, maps)
+        print(f"caption, images and attention maps -> {args.explain}")
+    return text
+
+
+def evaluate_captioner(args, info):
+    """caption.final_test on the test split (and --gallery); the authors' weights under bf16 also decoded in fp32,
+    their reference, and the captions that differ counted."""
+    ctx = setup(0, args.device, args.amp)
+    name, root = caption.data_source(args.data, args.data_root, info)  # before the weights are read
+    model, vocab = caption.load_captioner(args.ckpt, ctx.device)
+    train_items = data.load_items(name, root, "train", "total", images=False)  # the baseline's captions only
+    test_items = data.load_items(name, root, "test", "total", args.skip_missing)
+    loader = data.make_loader(data.ImageDataset(test_items, model.clip.cfg.image_resolution), args.eval_batch_size,
+                              workers=args.workers, device=ctx.device)
+    results = caption.final_test(model, loader, train_items, test_items, vocab, ctx, name, root, args.results,
+                                 args.beam)
+    if info.get("authors") and isinstance(ctx.amp, torch.autocast):
+        fp32 = caption.predict(model, loader, test_items, vocab, setup(0, ctx.device, "off"), args.beam)
+        differ = sum(p["caption"] != fp32[p["id"]] for p in results["predictions"])
+        log(f"bf16 against fp32 (--amp off, the reference for their weights): {differ} of {len(fp32)} captions differ")
+    if args.gallery:
+        preds = {p["id"]: p["caption"] for p in results["predictions"]}
+        plots.draw_gallery(args.gallery, test_items, preds, model, model.clip.cfg.image_resolution, ctx.device)
+    return results
+
+
+def main(argv=None):
+    args = get_args(argv)
+    info = caption.read_ckpt_info(args.ckpt)
+    if info.get("stage") != "caption":
+        raise SystemExit(f"--ckpt {args.ckpt} is not a captioner but an encoder: train a captioner on it with "
+                         f"`python caption.py --ckpt {args.ckpt}`")
+    whose = "the authors' CLIP4IDC" if info.get("authors") else "caption.py's"
+    print(f"--ckpt {args.ckpt}: {whose} captioner", file=sys.stderr if args.before else sys.stdout, flush=True)
+    return caption_images(args, info) if args.before else evaluate_captioner(args, info)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except data.BadImage as e:  # an undecodable image: its name and what to do, no traceback
+        raise SystemExit(data.exit_message(e)) from None
