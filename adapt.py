@@ -36,22 +36,23 @@ SIZES = dict(image_size=None, vision_width=None, vision_layers=None, patch_size=
 PRESETS = {
     # the authors' (main_task_retrieval.py, scripts/retrieve_clevr.sh)
     "paper": dict(clip="ViT-B/32", n_inter=3, **SIZES, batch_size=128, epochs=12, lr_new=1e-4, lr_clip=1e-7,
-                  weight_decay=0.2, optimizer="bertadam", select="text->pair R@1", workers=8, draw_captions=False,
-                  swap_prob=None, shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
+                  weight_decay=0.2, optimizer="bertadam", betas=(0.9, 0.98), select="text->pair R@1",
+                  tie_is_gain=True, workers=8, draw_captions=False, swap_prob=None, shared_p=0.0, freeze_blocks=0,
+                  cuda_graphs=None),
     # the shipped small CLIP (12x12 patches of 8 px: an object spans several), 4 + 2 blocks, the authors' policy
     # scaled down (CLIP at their 1e-7, so the captions keep what pretraining saw)
     "mini": dict(clip="mini12-synth", n_inter=2, **SIZES, batch_size=32, epochs=1, lr_new=1e-3, lr_clip=1e-7,
-                 weight_decay=0.05, optimizer="adamw", select="R@mean", workers=0, draw_captions=True,
-                 swap_prob=None, shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
+                 weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), select="R@mean", tie_is_gain=True,
+                 workers=0, draw_captions=True, swap_prob=None, shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
     # not the paper's: mini whose inter blocks learn to compare (the intra blocks frozen, p alike in both images)
     "compare": dict(clip="mini12-synth", n_inter=2, **SIZES, batch_size=32, epochs=12, lr_new=1e-3, lr_clip=3e-4,
-                    weight_decay=0.05, optimizer="adamw", select="R@mean", workers=0, draw_captions=True,
-                    swap_prob=None, shared_p=10.0, freeze_blocks=4, cuda_graphs=None),
+                    weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), select="R@mean", tie_is_gain=True,
+                    workers=0, draw_captions=True, swap_prob=None, shared_p=10.0, freeze_blocks=4, cuda_graphs=None),
     # the from-scratch ablation: ViT-B/32's 9 + 3 blocks at 1/12 of its width; nothing frozen, one rate
     "scratch": dict(clip=None, n_inter=3, image_size=96, vision_width=64, vision_layers=12, patch_size=16,
                     text_width=128, text_layers=3, embed_dim=128, batch_size=32, epochs=3, lr_new=3e-4, lr_clip=3e-4,
-                    weight_decay=0.05, optimizer="adamw", select="R@mean", workers=0, draw_captions=False,
-                    swap_prob=None, shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
+                    weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), select="R@mean", tie_is_gain=True,
+                    workers=0, draw_captions=False, swap_prob=None, shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
 }
 
 
@@ -103,7 +104,8 @@ def parser():
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the training step (CUDA), static shapes: captions padded to --context-length")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="capture the training "
-                   "step as one CUDA graph (train_utils.GraphedStep); default: on for the paper preset on CUDA")
+                   "step as one CUDA graph (train_utils.GraphedStep; a CPU runs it eagerly); default: on for the paper "
+                   "preset on CUDA without --compile or --authors-numerics")
     p.add_argument("--eval-batch-size", type=at_least(1), default=256, help="pairs per batch when encoding for eval")
     return p
 
@@ -381,7 +383,7 @@ def main(argv=None):
     log("   what trains:\n" + policy_table(model.named_parameters(), rule))
     theirs = args.optimizer == "bertadam"
     groups = param_groups(model.named_parameters(), rule, args.weight_decay, authors_decays(model) if theirs else None)
-    optimizer = make_optimizer(groups, ctx.device, args.cuda_graphs, args.optimizer, betas=(0.9, 0.98))
+    optimizer = make_optimizer(groups, ctx.device, args.cuda_graphs, args.optimizer, args.betas)
     total_steps = args.epochs * len(loader)
     scheduler = (authors_schedule if theirs else warmup_cosine)(optimizer, total_steps, args.warmup)
     # the temperature's parameter clamped after each step, as the authors' (main_task_retrieval.py 287-291)
@@ -419,7 +421,7 @@ def main(argv=None):
     if args.cuda_graphs:
         step = GraphedStep(ctx, update, optimizer, scheduler, params)
 
-    # select on val, never on test; the later of two equal epochs
+    # select on val, never on test
     t_start = time.time()
     try:
         for epoch in range(run["epoch"], args.epochs):
@@ -431,7 +433,7 @@ def main(argv=None):
             val = evaluate(model, splits["val"], args, ctx, cache)
             if val is None:
                 raise SystemExit(diverged(epoch + 1))
-            better = end_epoch(run, loss, val, val[args.select], tie_counts=True)
+            better = end_epoch(run, loss, val, val[args.select], args.tie_is_gain)
             if better:
                 save_atomic(checkpoint(model, args, {"val": val, "epoch": epoch + 1}), args.out)
             log(f"epoch {epoch + 1}/{args.epochs} done in {time.time() - t0:.0f}s | loss {loss:.4f} | "

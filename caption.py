@@ -41,15 +41,16 @@ PRESETS = {
     # epochs without gain (main_task_caption.py 743-750)
     "paper": dict(captioner="authors", width=None, heads=None, enc_layers=3, dec_layers=3, mem_diff=None,
                   mem_pool=None, batch_size=16, lr=1e-4, encoder_lr=1e-7, freeze_encoder=False, epochs=50,
-                  reverse=False, optimizer="bertadam", patience=11, tie_is_gain=True, pair_distractors=True),
+                  reverse=False, optimizer="bertadam", betas=(0.9, 0.999), patience=11, tie_is_gain=True,
+                  pair_distractors=True),
     # a CPU, adapt.py's small encoders, frozen; mem_pool None: mem_pool_for the grid; reverse None: on a synthetic set
     "mini": dict(captioner="mini", width=128, heads=4, enc_layers=0, dec_layers=2, mem_diff=True, mem_pool=None,
                  batch_size=32, lr=1e-3, encoder_lr=0.0, freeze_encoder=True, epochs=15, reverse=None,
-                 optimizer="adamw", patience=10, tie_is_gain=False, pair_distractors=False),
+                 optimizer="adamw", betas=(0.9, 0.98), patience=10, tie_is_gain=False, pair_distractors=False),
     # after adapt.py --preset compare: mini without after minus before (it would compare for the inter blocks)
     "compare": dict(captioner="mini", width=128, heads=4, enc_layers=0, dec_layers=2, mem_diff=False, mem_pool=None,
                     batch_size=64, lr=1e-3, encoder_lr=0.0, freeze_encoder=True, epochs=30, reverse=None,
-                    optimizer="adamw", patience=10, tie_is_gain=False, pair_distractors=False),
+                    optimizer="adamw", betas=(0.9, 0.98), patience=10, tie_is_gain=False, pair_distractors=False),
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
@@ -95,7 +96,8 @@ def parser():
     p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout (paper 0.1)")
     # optimization
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
-    p.add_argument("--batch-size", type=at_least(1), default=None, help=f"pairs per step {pre('batch_size')}")
+    p.add_argument("--batch-size", type=at_least(1), default=None, help="pairs per step (--pair-distractors: change "
+                   f"pairs, each with its distractor) {pre('batch_size')}")
     p.add_argument("--lr", type=at_least(0.0, float), default=None, help=f"captioner learning rate {pre('lr')}")
     p.add_argument("--encoder-lr", type=at_least(0.0, float), default=None,
                    help=f"pair-encoder learning rate, with --no-freeze-encoder {pre('encoder_lr')}")
@@ -568,7 +570,7 @@ def main(argv=None):
     decays = authors_decays(model, bert="captioner") if theirs else None
     groups = param_groups(model.named_parameters(), rule, args.weight_decay, decays)
     params = [p for g in groups for p in g["params"]]
-    optimizer = make_optimizer(groups, ctx.device, rule=args.optimizer, betas=(0.9, 0.999 if theirs else 0.98))
+    optimizer = make_optimizer(groups, ctx.device, rule=args.optimizer, betas=args.betas)
     describe(model, rule, params, args)
     train_loader, val_loader, test_loader = loaders(model, splits, caption_ids, args, ctx)
     total_steps = args.epochs * len(train_loader)

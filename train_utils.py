@@ -274,7 +274,7 @@ class BertAdam(torch.optim.Optimizer):
     """The authors' BertAdam (their optimization.py 110-167): Adam without bias correction, decoupled decay, moments
     in the weights' dtype, tensors without a gradient skipped (their per-tensor clip after a global one: a no-op)."""
 
-    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):  # their defaults
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -297,7 +297,8 @@ class BertAdam(torch.optim.Optimizer):
 
 
 def make_optimizer(groups, device, capturable=False, rule="adamw", betas=(0.9, 0.98)):
-    """BertAdam (the paper presets) or AdamW (the mini presets; fused on CUDA; capturable: in a CUDA graph)."""
+    """BertAdam (the paper presets) or AdamW (the mini presets; fused on CUDA; capturable: in a CUDA graph), eps
+    1e-6 both."""
     if rule == "bertadam":
         return BertAdam(groups, lr=groups[0]["lr"], betas=betas, eps=1e-6)
     fused = capturable or torch.device(device).type == "cuda"
