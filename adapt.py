@@ -111,8 +111,8 @@ def parser():
 
 
 def settings(argv=None):
-    """Every setting of the run, decided once -> Settings: --preset (else the rule in its help), the flags given
-    over it, then what the CLIP file, the dataset and the device decide. A flag the run would ignore is an error."""
+    """Every setting, decided once -> Settings: --preset (else its help's rule), the flags given over it, then what
+    the CLIP file, the dataset and the device decide. A flag the run would ignore is an error."""
     p = parser()
     flags, given = p.parse_args(argv), given_flags(p, argv)
     preset = flags.preset or ("mini" if flags.clip in clip_load.SHIPPED else "paper" if flags.clip else
@@ -160,8 +160,7 @@ def settings(argv=None):
 
 
 def new_model(args):
-    """CLIP (a file: OpenAI's, the shipped mini one; or a small one from nothing) with fresh pair parameters: the
-    authors' random p, or with --shared-p one code per position, alike in both images."""
+    """CLIP (from a file, or from nothing) with fresh pair parameters (--shared-p: p alike in both images)."""
     clip = clip_load.load_clip(args.clip, n_inter=args.n_inter) if args.clip else CLIP(CLIPConfig(
         args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size, args.context_length,
         transformer_width=args.text_width, transformer_layers=args.text_layers,
@@ -179,15 +178,15 @@ class PairText(torch.nn.Module):
         self.clip = clip
 
     def forward(self, before, after, ids, intra=None):
-        """intra: the pairs' intra-block tokens (B, 2, n+1, width) computed already (fixed_intra), for the images."""
+        """intra: the pairs' intra-block tokens (B, 2, n+1, width), computed already (fixed_intra)."""
         v = self.clip.encode_pair(before, after) if intra is None else self.clip.visual.inter(intra.flatten(1, 2))
         return v.vector, self.clip.encode_text(ids), self.clip.logit_scale
 
 
 @torch.no_grad()
 def fixed_intra(model, items, args, ctx, cache):
-    """When nothing before the inter blocks trains (the compare preset), each training pair's intra-block tokens
-    (eq. 2) are the same every epoch: computed here once, (pairs, 2, n+1, width) on the CPU; else None."""
+    """Where nothing before the inter blocks trains (the compare preset), each training pair's intra-block tokens
+    (eq. 2), computed once: (pairs, 2, n+1, width) on the CPU; else None."""
     n_intra = model.cfg.vision_layers - model.cfg.n_inter
     if not (args.clip and args.freeze_blocks >= n_intra and args.swap_prob == 0 and model.cfg.n_inter):
         return None
@@ -212,9 +211,8 @@ def two_gpu_gradient_(model):
 
 
 def contrastive_loss(v, g, logit_scale):
-    """eq. (6)-(8): InfoNCE over the batch, pair -> text and text -> pair, averaged. v: pair vectors (B, D), g:
-    caption features (B * (1 + K), D), row i v's row i's; rows B.. are hard negatives (pretrain.py's), in v -> g
-    only. In fp32, autocast off: at scale 100 bf16 would shift the logits."""
+    """eq. (6)-(8): InfoNCE over the batch, pair -> text and text -> pair, averaged, in fp32. v (B, D), g
+    (B * (1 + K), D): row i is v's row i's caption, rows B.. hard negatives (pretrain.py's), in v -> g only."""
     with torch.autocast(v.device.type, enabled=False):
         v, g = F.normalize(v.float(), dim=-1), F.normalize(g.float(), dim=-1)
         scale = logit_scale.float().clamp(max=math.log(100)).exp()  # temperature >= 0.01, as the authors clamp it
@@ -224,9 +222,8 @@ def contrastive_loss(v, g, logit_scale):
 
 
 def lr_rule(args):
-    """The learning-rate rule, parameter name -> learning rate (None: frozen): the new pair parameters at lr_new,
-    CLIP's at lr_clip; the authors' frozen embeddings only when from CLIP, and the first --freeze-blocks image
-    blocks. Weight decay: train_utils.param_groups."""
+    """Parameter name -> learning rate (None: frozen): the pair parameters at lr_new, CLIP's at lr_clip; frozen:
+    a CLIP file's input embeddings (the authors') and the first --freeze-blocks image blocks."""
     def lr(name):
         if name.startswith(PAIR_KEYS):  # e1, e2, p, ln_mid (at N + 0 too, as the authors')
             return args.lr_new
@@ -283,8 +280,7 @@ def retrieval_metrics(sim, owner):
 
 
 def chance_metrics(P):
-    """The same figures for random similarities: R@K = K / P, mean and median ranks (P + 1) / 2, both ways (in
-    pair -> text a larger set ranks higher, but each ranking gives the P sets the P ranks once)."""
+    """The figures of random similarities: R@K = K / P, mean and median ranks (P + 1) / 2, both ways."""
     out = {}
     for d in ("pair->text", "text->pair"):
         out.update({f"{d} R@{k}": 100 * min(k, P) / P for k in (1, 5, 10)})
@@ -293,8 +289,7 @@ def chance_metrics(P):
 
 
 def evaluate(model, items, args, ctx, cache=None):
-    """Retrieval figures on `items`, or None when the features are not finite (a diverged model: a NaN similarity
-    would rank first, R@1 100, and be saved as the best)."""
+    """Retrieval figures on `items`; None when the features are not finite (a NaN would rank first)."""
     v, g, owner = encode_split(model, items, args, ctx, cache)
     return retrieval_metrics(v @ g.t(), owner) if torch.isfinite(v).all() and torch.isfinite(g).all() else None
 
@@ -328,8 +323,7 @@ def banner(ctx, args):
 
 
 def load_data(args, ctx, model):
-    """The splits, the image cache and the training loader (the intra-block tokens in place of the images where
-    those blocks are fixed: fixed_intra)."""
+    """The splits, the image cache, the training loader (with fixed_intra's tokens in place of the images)."""
     split = lambda s: data.load_items(args.data, args.data_root, s, setting="semantic", skip_missing=args.skip_missing)
     splits = {s: split(s) for s in ("train", "val", "test")}
     # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share

@@ -104,8 +104,8 @@ def parser():
     p.add_argument("--freeze-encoder", action=argparse.BooleanOptionalAction, default=None,
                    help=f"keep the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=0.01, help="weight decay")
-    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help="bertadam: the authors' (b2 0.999, "
-                   f"warmup then linear decay, their decay sets); adamw: b2 0.98, cosine, no decay on 1-D tensors "
+    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help="bertadam: the authors' (warmup "
+                   "then linear decay, their decay sets); adamw: ours (cosine, no decay on 1-D tensors) "
                    f"{pre('optimizer')}")
     p.add_argument("--pair-distractors", action=argparse.BooleanOptionalAction, default=None, help="CLEVR: each "
                    f"change pair with its own distractor, two losses summed (the authors') {pre('pair_distractors')}")

@@ -231,15 +231,13 @@ def authors_schedule(optimizer, total_steps, warmup_frac=0.1, kind="cosine"):
 
 
 def freeze(named_params, rule):
-    """A stage's learning-rate rule (its lr_rule: parameter name -> learning rate, or None for frozen) applied:
-    the frozen parameters take no gradient; the others do."""
+    """A stage's lr_rule (name -> learning rate, None: frozen) applied to requires_grad."""
     for name, p in named_params:
         p.requires_grad_(rule(name) is not None)
 
 
 def param_groups(named_params, rule, weight_decay, decays=None):
-    """Adam groups of the trained parameters, by learning rate and decay: decays(name, p) says which decay (default:
-    the matrices; the paper presets: authors_decays)."""
+    """Adam groups of the trained parameters by rate and decay; decays(name, p): which decay (default: matrices)."""
     groups = {}
     for name, p in named_params:
         if (lr := rule(name)) is not None:
@@ -249,8 +247,7 @@ def param_groups(named_params, rule, weight_decay, decays=None):
 
 
 def policy_table(named_params, rule):
-    """The training rule as a reader checks it: one line per parameter group (the name up to its block number, at
-    most 3 levels) and rate: frozen or its learning rate, and how many parameters."""
+    """The rule as a table: a line per parameter group (the name up to its block number) and rate, its size."""
     rows = {}
     for name, p in named_params:
         parts = name.split(".")
@@ -307,10 +304,9 @@ def make_optimizer(groups, device, capturable=False, rule="adamw", betas=(0.9, 0
 
 class GraphedStep:
     """A stage's `update(batch) -> loss` (forward, backward, clip, optimizer step on zeroed gradients) captured once
-    as a CUDA graph and replayed (--cuda-graphs), then the schedule's step. It needs static shapes and a capturable
-    optimizer; the learning rates become device tensors that the schedule fills in place. The first batch warms up
-    on a side stream, what it changed is put back, then it is captured. Other shapes (a last, smaller batch) run
-    eagerly; on a CPU nothing is captured."""
+    as a CUDA graph and replayed (--cuda-graphs), then the schedule's step. The learning rates become device tensors
+    the schedule fills in place; the first batch warms up on a side stream, its changes undone, then is captured.
+    Other shapes (a last, smaller batch) run eagerly, as everything on a CPU."""
 
     def __init__(self, ctx, update, optimizer, scheduler, params):
         self.ctx, self.body, self.params, self.optimizer, self.scheduler = ctx, update, params, optimizer, scheduler
@@ -362,8 +358,7 @@ def shapes(batch):
 
 @dataclass
 class Progress:
-    """What a progress line says: `epoch` (0-based) of `epochs`, the step of `total_steps`, every `log_every` steps,
-    counting `unit`s per second."""
+    """A progress line's `epoch` (0-based) of `epochs`, of `total_steps`, every `log_every` steps, `unit`s/s."""
     epoch: int
     epochs: int
     total_steps: int
@@ -372,9 +367,8 @@ class Progress:
 
 
 def train_epoch(ctx, loader, step, optimizer, run, progress):
-    """`step(batch) -> loss` on each batch of `loader` -> the mean loss; run["step"] advanced, a progress line
-    (step, loss, lr, throughput, ETA) every progress.log_every steps. The loss is summed on the device and checked
-    only at those lines (the CPU queues steps meanwhile): NaN/inf stops the run."""
+    """`step(batch) -> loss` on each batch -> the mean loss; run["step"] advanced, a progress line every
+    progress.log_every steps. The loss is summed on the device and checked only there: NaN/inf stops the run."""
     t0, seen, count, checked = time.time(), 0, 0, run["step"]
     total = torch.zeros((), device=ctx.device)
     for batch in loader:
@@ -396,13 +390,12 @@ def train_epoch(ctx, loader, step, optimizer, run, progress):
 
 
 def new_run():
-    """Where a run stands, saved with each resumable state: epochs and steps done, the best val figure, its
-    epoch, epochs since it, every epoch's figures."""
+    """Where a run stands (saved in its resumable state)."""
     return dict(epoch=0, step=0, best=-1.0, best_epoch=0, epochs_without_gain=0, history=[])
 
 
 def end_epoch(run, loss, figures, score, tie_counts):
-    """An epoch's loss and val figures into `run`; selection on `score` -> whether it is the best so far."""
+    """An epoch's loss and val figures into `run` -> whether `score` is the best so far (improved)."""
     better = improved(score, run["best"], tie_counts)
     run["epoch"] += 1
     run["history"].append({"epoch": run["epoch"], "loss": loss, **figures})
@@ -427,7 +420,7 @@ def fmt_time(seconds):
 
 
 def to_cpu(obj):
-    """Every tensor in a checkpoint's dicts, lists and tuples moved to the CPU (CPU tensors stay as they are)."""
+    """Every tensor in a checkpoint's dicts, lists and tuples on the CPU."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
@@ -438,9 +431,8 @@ def to_cpu(obj):
 
 
 def save_atomic(obj, path):
-    """torch.save to a temporary file, renamed into place: a process killed while writing leaves the previous
-    checkpoint whole (and a partial temporary file, removed by the next save of the same path). Tensors are
-    written from the CPU whatever device trained them, so a file written on a GPU loads on any machine."""
+    """torch.save of the CPU tensors to a temporary file renamed into place: a kill while writing leaves the
+    previous checkpoint whole (and a partial file, removed by the next save)."""
     path = str(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -451,7 +443,7 @@ def save_atomic(obj, path):
 
 
 def last_path(out):
-    """Where the resumable state of a run writing `out` lives: adapted.pt -> adapted.last.pt."""
+    """adapted.pt -> adapted.last.pt, its resumable state."""
     root, ext = os.path.splitext(str(out))
     return f"{root}.last{ext or '.pt'}"
 
@@ -472,8 +464,8 @@ def load_resume(out, device="cpu"):
 
 
 def save_state(out, model, optimizer, scheduler, run, args, **extra):
-    """The resumable state of the run writing `out`, after each epoch (last_path): run's keys (new_run) beside the
-    model's, optimizer's, schedule's and random streams' state."""
+    """The resumable state of the run writing `out`: run's keys beside the model's, optimizer's, schedule's and
+    random streams' state."""
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "rng": rng_state(), **run, "args": vars(args), **extra}, last_path(out))
 
