@@ -4321,13 +4321,14 @@ def vit_b32_archive(gpu, tmp_path_factory):
 @pytest.mark.cuda
 @pytest.mark.slow
 def test_cuda_paper_preset_on_vit_b32(gpu, vit_b32_archive, adapt_synth, tmp_path, monkeypatch, capsys):
-    """The paper path on the GPU: a ViT-B/32 archive in the cache chooses the paper preset (9 + 3 blocks at 224 px,
-    the step captured as a CUDA graph), both stages train under bf16 autocast (adaptation at two learning rates,
-    the encoder fine-tuned while captioning), and their checkpoints hold CPU tensors."""
+    """The paper path on the GPU: --clip ViT-B/32 (a random-weight archive in the cache) chooses the paper preset
+    (9 + 3 blocks at 224 px, the step captured as a CUDA graph), both stages train under bf16 autocast (adaptation
+    at two learning rates, the encoder fine-tuned while captioning), and their checkpoints hold CPU tensors."""
     as_cached_release(monkeypatch, vit_b32_archive)
     steps = watch_steps(monkeypatch)
     out, cap = tmp_path / "adapted.pt", tmp_path / "captioner.pt"
-    adapt.main([*gpu, "--data-root", str(adapt_synth), "--out", str(out), "--epochs", "1", "--batch-size", "16",
+    adapt.main([*gpu, "--clip", "ViT-B/32", "--data-root", str(adapt_synth), "--out", str(out), "--epochs", "1",
+                "--batch-size", "16",
                 "--eval-batch-size", "32", "--workers", "0", "--log-every", "1"])
     log = capsys.readouterr().out
     assert "preset 'paper'" in log and "lr 1.00e-04/1.00e-07" in log
