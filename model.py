@@ -401,11 +401,10 @@ def beam_search(self, memory, bos, eos, beam=3, max_len=None):
     return out.view(B, K, -1)[torch.arange(B, device=dev), best, 1:]
 
 
-# The authors' captioner, as their code built it (modules/module_decoder.py; the paper's text says 768 wide,
-# "learned from scratch": the code made the numbers): BERT's post-LN layers, 3 encoder layers over the pair
-# encoder's 2(n+1) tokens, 3 decoder layers, decoder layer i cross-attending to encoder layer i's output; CLIP's BPE
-# words, the word and position embeddings CLIP's own (tied), and so is the output projection, after BERT's
-# prediction head.
+# The authors' captioner as their code built it (modules/module_decoder.py; the code made the paper's numbers):
+# BERT's post-LN layers, 3 encoder layers over the pair encoder's tokens, 3 decoder layers, decoder layer i
+# cross-attending to encoder layer i's output; CLIP's BPE words, its word and position embeddings tied in, and the
+# output projection, after BERT's prediction head.
 
 
 @dataclass
@@ -421,9 +420,8 @@ class CaptionerConfig:
 
 
 class BertLayer(nn.Module):
-    """BERT's post-LN layer, each sublayer f as LN(x + dropout(f(x))), LayerNorm eps 1e-12, dropout on the
-    attention probabilities too: self-attention and MLP (encoder), with cross=True causal self-attention,
-    cross-attention to the memory, MLP (decoder)."""
+    """BERT's post-LN layer, LN(x + dropout(f(x))) for each sublayer f (eps 1e-12, dropout on the attention
+    probabilities too): self-attention, MLP; with cross=True causal self-attention, cross-attention, MLP."""
 
     def __init__(self, width, heads, dropout, cross=False):
         super().__init__()
@@ -488,9 +486,9 @@ class Captioner(nn.Module):
     generate, beam_search = generate, beam_search
 
 
-# The mini preset's captioner (README "Where the quickstart differs from the paper"): pre-LN layers, its own words,
-# each memory token projected, placed and marked with its image, optionally told what changed at its position, the
-# patch grid pooled; every decoder layer reads the last encoder output.
+# The mini presets' captioner: pre-LN layers, its own words, each memory token projected, placed and marked with its
+# image, optionally told what changed at its position, the patch grid pooled; every decoder layer reads the last
+# encoder output.
 
 
 @dataclass
@@ -509,8 +507,8 @@ class MiniCaptionerConfig:
 
 
 class PreLNBlock(nn.Module):
-    """Pre-LN x + dropout(f(LN(x))): self-attention and MLP, with cross=True causal self-attention,
-    cross-attention to the memory, MLP."""
+    """Pre-LN x + dropout(f(LN(x))): self-attention, MLP; with cross=True causal self-attention, cross-attention,
+    MLP."""
 
     def __init__(self, width, heads, dropout, cross=False):
         super().__init__()
