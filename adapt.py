@@ -24,9 +24,8 @@ import plots
 from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, authors_fp16_, share_joint_positions_
 from train_utils import (GraphedStep, HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule,
                          check_resume, check_sizes, end_epoch, freeze, given_flags, interrupted, load_resume, log,
-                         make_optimizer,
-                         new_run, param_groups, pick_device, policy_table, resume_run, run_flags, save_atomic,
-                         save_state, setup, train_epoch, warmup_cosine, where)
+                         make_optimizer, new_run, over_preset, param_groups, pick_device, policy_table, resume_run,
+                         run_flags, save_atomic, save_state, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # settings: a preset (complete, literal), the flags given over it, then what the weights, data and device decide
@@ -117,16 +116,10 @@ def settings(argv=None):
     flags, given = p.parse_args(argv), given_flags(p, argv)
     preset = flags.preset or ("mini" if flags.clip in clip_load.SHIPPED else "paper" if flags.clip else
                               "paper" if data.is_real(flags.data, flags.data_root) else "mini")
-    s = {**vars(flags), **PRESETS[preset], **{k: getattr(flags, k) for k in given}, "preset": preset}
+    bad = lambda flag, why: p.error(f"argument {flag}: {why}")
+    s = over_preset(flags, given, PRESETS, preset, bad)
     if preset == "paper" and flags.data == "spot" and "epochs" not in given:
         s["epochs"] = 20  # their retrieve_spot.sh
-    bad = lambda flag, why: p.error(f"argument {flag}: {why}")
-    if s["authors_numerics"]:
-        if s["optimizer"] != "bertadam":
-            bad("--authors-numerics", "their fp16 state is BertAdam's: give --optimizer bertadam")
-        if "amp" in given:
-            bad("--amp", "--authors-numerics runs their fp16, without autocast: leave --amp out")
-        s["amp"] = "off"
     if "swap_prob" in given and flags.data != "clevr":
         bad("--swap-prob", f"only CLEVR-Change has distractor images to swap in, not {flags.data}")
     if "shared_p" in given and s["n_inter"] == 0:

@@ -29,9 +29,9 @@ from model import (INPUT_EMBEDDINGS, Captioner, CaptionerConfig, MiniCaptioner, 
                    authors_fp16_)
 from train_utils import (HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule,
                          check_resume, end_epoch, flag_error, fmt_time, freeze, given_flags, interrupted,
-                         load_resume, log, make_optimizer, new_run, param_groups, pick_device, policy_table,
-                         resume_run, run_flags,
-                         save_atomic, save_state, setup, train_epoch, warmup_cosine, where)
+                         load_resume, log, make_optimizer, new_run, over_preset, param_groups, pick_device,
+                         policy_table, resume_run, run_flags, save_atomic, save_state, setup, train_epoch,
+                         warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # settings: a preset (complete, literal), the flags given over it, then what the weights, data and device decide
@@ -133,16 +133,10 @@ def settings(argv=None):
     adapted_with = info.get("args", {}).get("preset")
     preset = flags.preset or ({"scratch": "mini"}.get(adapted_with, adapted_with) if adapted_with else
                               "mini" if flags.ckpt in clip_load.SHIPPED else "paper")
-    s = {**vars(flags), **PRESETS[preset], **{k: getattr(flags, k) for k in given}, "preset": preset}
+    s = over_preset(flags, given, PRESETS, preset, bad)
     authors = s["captioner"] == "authors"
     if authors and (mini_only := sorted(given & {"width", "mem_diff", "mem_pool"})):
         bad("--" + mini_only[0].replace("_", "-"), "the authors' captioner (preset paper) has no such setting")
-    if s["authors_numerics"]:
-        if s["optimizer"] != "bertadam":
-            bad("--authors-numerics", f"their fp16 state is BertAdam's: give --optimizer bertadam (preset {preset})")
-        if "amp" in given:
-            bad("--amp", "--authors-numerics runs their fp16, without autocast: leave --amp out")
-        s["amp"] = "off"
     if s["freeze_encoder"] and "encoder_lr" in given:
         bad("--encoder-lr", "the encoder is frozen (--freeze-encoder): give --no-freeze-encoder too")
     if not s["freeze_encoder"] and s["encoder_lr"] <= 0:

@@ -111,8 +111,7 @@ def preset_settings(stage, preset, *argv, **resolved):
     what a CLIP file, the data and the device would decide given in `resolved`: no file read."""
     p = stage.parser()
     flags, given = p.parse_args([*argv]), train_utils.given_flags(p, [*argv])
-    return train_utils.Settings(**{**vars(flags), **stage.PRESETS[preset], **{k: getattr(flags, k) for k in given},
-                                   "preset": preset, **resolved})
+    return train_utils.Settings(**{**train_utils.over_preset(flags, given, stage.PRESETS, preset, p.error), **resolved})
 
 TINY_ADAPT = [*CPU, "--preset", "scratch", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
               "--vision-layers", "2", "--n-inter", "1", "--text-width", "128", "--text-layers", "1",

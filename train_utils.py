@@ -116,6 +116,19 @@ def given_flags(parser, argv=None):
             a.default = default
 
 
+def over_preset(flags, given, presets, preset, bad):
+    """The flags given over their preset's values (flags: parsed, given: given_flags); --authors-numerics: the
+    authors' fp16 state is BertAdam's and has no autocast. bad(flag, why): argparse's error."""
+    s = {**vars(flags), **presets[preset], **{k: getattr(flags, k) for k in given}, "preset": preset}
+    if s["authors_numerics"]:
+        if s["optimizer"] != "bertadam":
+            bad("--authors-numerics", f"their fp16 state is BertAdam's: give --optimizer bertadam (preset {preset})")
+        if "amp" in given:
+            bad("--amp", "--authors-numerics runs their fp16, without autocast: leave --amp out")
+        s["amp"] = "off"
+    return s
+
+
 def pick_device(device=None):
     """--device resolved: what was given, else cuda:0 where there is a GPU, else cpu."""
     d = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
