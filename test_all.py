@@ -93,7 +93,6 @@ SHARED = Path(__file__).resolve().parent.parent / "shared"  # real annotations, 
 ASSETS = Path(__file__).resolve().parent / "assets"  # shipped: one real CLEVR pair, 8 triples of CLEVR's renders
 REAL = ASSETS / "real_pair"
 SIZE = (96, 64)  # synthetic sets render this small: the tests' sets take seconds
-A_FILE = __file__  # any file that exists: --clip and --ckpt must name one (get_args checks; these tests never load it)
 
 # one tiny config per purpose, each with 2 attention heads per tower (heads = width / 64, as OpenAI's) where a
 # transformer runs: shape bugs hide behind one head
@@ -3496,7 +3495,7 @@ def test_shared_p_lines_up_the_two_images_of_a_mimetic_clip():
 def test_caption_loss_is_the_mean_over_words_not_padding():
     """caption_loss, paper Sec. 3.3: -(1/N) sum log p(w_t | w_<t, pair) over the N words of a padded batch, <eos>
     included and padding not, computed here by hand, word by word, on captions of different lengths as
-    encode_captions pads them and caption.train shifts them (inputs ids[:, :-1], targets ids[:, 1:])."""
+    encode_captions pads them and caption.batch_loss shifts them (inputs ids[:, :-1], targets ids[:, 1:])."""
     vocab = caption.build_vocab(["a red cube", "the small gray metal sphere has been moved", "no change"])
     items = [data.Item(str(i), "b.png", "a.png", [c]) for i, c in
              enumerate(["a red cube", "the small gray metal sphere has been moved", "no change"])]
@@ -3689,9 +3688,9 @@ def _steps(graphed, n=5, rule_name="adamw", rates=None):
     return losses, model.state_dict(), [float(group["lr"]) for group in optimizer.param_groups]
 
 
-def test_graphed_step_is_train_step():
+def test_graphed_step_is_the_eager_step():
     """GraphedStep (adapt.py --cuda-graphs) on a CPU, where nothing is captured: over 5 steps the losses, weights and
-    learning rates of train_step (fp32; its fused AdamW against the default one: equal to float tolerance), with
+    learning rates of adapt.py's eager step (fp32; its fused AdamW against the default one: equal to float tolerance), with
     its learning rates held as tensors that the schedule fills in place. The capture itself needs a GPU (the
     cuda group)."""
     (l1, w1, lr1), (l2, w2, lr2) = _steps(False), _steps(True)
@@ -3705,7 +3704,7 @@ def test_graphed_step_is_train_step():
 
 def test_graphed_step_reads_the_authors_rate_each_step():
     """GraphedStep with BertAdam and the authors' schedule (the paper preset's step under --cuda-graphs), on a CPU:
-    the same losses and weights as train_step, and its rates are tensors that stay the same objects (a captured graph
+    the same losses and weights as the eager step, and its rates are tensors that stay the same objects (a captured graph
     reads them at their address) while the schedule fills them anew before each step: a rate read once as a Python
     number would be captured once and never change."""
     eager, graphed = [], []
