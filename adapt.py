@@ -253,10 +253,9 @@ def encode_split(model, items, args, ctx, cache=None):
 
 
 def retrieval_metrics(sim, owner):
-    """sim (P, T) pair-caption similarities, owner[t] caption t's pair, ranked as the authors rank (their
-    metrics.py): text -> pair, the caption's own pair among all pairs; pair -> text, the pair's own caption *set*
-    among all sets, a set scoring its best caption. Ranks 1-based, ties pessimistic (theirs: arbitrary). MdR as
-    theirs: np.median (pair -> text), torch.median, the lower (text -> pair)."""
+    """sim (P, T) pair-caption similarities, owner[t] caption t's pair, ranked as the authors' metrics.py: text ->
+    pair, the caption's own pair among all; pair -> text, the pair's own caption *set* among all, a set scoring
+    its best caption. Ties pessimistic (theirs: arbitrary); MdR np.median's (pair -> text), torch's (text -> pair)."""
     P, T = sim.shape
     own = sim[owner, torch.arange(T)]  # (T,)
     t2p = (sim >= own[None, :]).sum(0)  # (T,)

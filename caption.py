@@ -294,9 +294,8 @@ def encode_all(model, loader, ctx, both_ways=False):
 
 
 def load_captioner(path, device="cpu"):
-    """A captioner file -> (PairCaptioner in eval mode, vocab): ours (captioner.pt) or the authors' released one
-    (their `clip.*` / `decoder.*` state dict, e.g. pytorch_model.bin.clevr: model.Captioner, heads = width / 64 as
-    their 8 at 512, n_inter 3 as their 9 + 3)."""
+    """A captioner file -> (PairCaptioner in eval mode, vocab): ours, or the authors' released one (`clip.*` and
+    `decoder.*`: model.Captioner with heads = width / 64, their 8 at 512, and n_inter 3, their 9 + 3)."""
     sd, extra = clip_load.read_state_dict(path := clip_load.resolve(path))
     if extra.get("stage") == "caption" and extra.get("format") != FORMAT:
         raise SystemExit(f"{path} is a captioner.pt of an earlier layout: evaluate it after `git checkout 7dea046`, "
@@ -340,9 +339,8 @@ def read_ckpt_info(path):
 
 def lr_rule(args):
     """Parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py 640-667): the captioner at
-    --lr; the pair encoder at --encoder-lr (unless --freeze-encoder) but its input embeddings; the text tower never
-    (theirs gets no gradient); CLIP's word embeddings on Spot-the-Diff only. The authors' captioner's tied word and
-    position embeddings are named clip.* (PairCaptioner holds the CLIP first)."""
+    --lr; the pair encoder but its input embeddings at --encoder-lr (unless frozen); the text tower never; CLIP's word
+    embeddings on Spot-the-Diff only (the authors' captioner's tied ones go by their clip.* names)."""
     def lr(name):
         if name.startswith("captioner."):
             return args.lr

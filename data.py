@@ -277,9 +277,8 @@ def use_image_cache(items, size, flag=None, directory=None):
 
 
 class ImageCache:
-    """Every image of some items decoded once to uint8 [N, 3, S, S] in a file read through a memmap: built once
-    over the cores, reused by later runs, its pages shared by workers. Its name hashes the preprocessing, the size
-    and every image's path, size and time; built in a temporary folder, renamed when complete."""
+    """Every image of some items decoded once to uint8 [N, 3, S, S] in a file read through a memmap, reused by later
+    runs; its name hashes the preprocessing, the size and every image's path, size and time."""
 
     def __init__(self, items, size, workers=2, log_every=0, directory=None):
         paths = image_paths(items)
@@ -415,9 +414,9 @@ def set_epoch(loader, epoch):
 
 
 class CaptionDataset(_Pairs):
-    """Training samples of both stages -> {"before", "after" (or "features"), "ids", "index"}. draw=False: one
-    sample per caption; draw=True: one per pair, a caption drawn per epoch. `ids`: every caption's token row (default:
-    CLIP's BPE). swap_prob: the chance of the scene's non-semantic before image (CLEVR)."""
+    """Training samples -> {"before", "after" (or "features"), "ids", "index"}: one per caption, or (draw) one per
+    pair with a caption drawn per epoch; `ids`: the captions' token rows (default: CLIP's BPE); swap_prob: the
+    chance of the scene's non-semantic before image (CLEVR)."""
 
     def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None, seed=0, ids=None,
                  draw=False, features=None):

@@ -301,9 +301,8 @@ def build_model(sd, n_inter=3):
 
 
 class Attention(nn.Module):
-    """Self-attention (source=None) or cross-attention to `source`. `kv_cache` (a dict per layer and kind) serves
-    decoding: self-attention appends the new positions' keys/values to the prefix's, cross-attention projects the
-    memory once; hence queries and keys/values projected apart."""
+    """Self-attention (source=None) or cross-attention to `source`. `kv_cache` (a dict per layer and kind): decoding
+    appends the new positions' keys/values to the prefix's and projects the memory once."""
 
     def __init__(self, width, heads, dropout=0.0):
         super().__init__()

@@ -316,10 +316,9 @@ def make_optimizer(groups, device, capturable=False, rule="adamw", betas=(0.9, 0
 
 
 class GraphedStep:
-    """A stage's `update(batch) -> loss` (forward, backward, clip, optimizer step on zeroed gradients) captured once
-    as a CUDA graph and replayed (--cuda-graphs), then the schedule's step. The learning rates become device tensors
-    the schedule fills in place; the first batch warms up on a side stream, its changes undone, then is captured.
-    Other shapes (a last, smaller batch) run eagerly, as everything on a CPU."""
+    """A stage's `update(batch) -> loss` (forward, backward, clip, optimizer step) captured once as a CUDA graph and
+    replayed, then the schedule's step. The rates become device tensors the schedule fills in place; the first batch
+    warms up on a side stream, undone, then is captured. Other shapes run eagerly, as everything on a CPU."""
 
     def __init__(self, ctx, update, optimizer, scheduler, params):
         self.ctx, self.body, self.params, self.optimizer, self.scheduler = ctx, update, params, optimizer, scheduler
