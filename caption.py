@@ -173,7 +173,7 @@ def settings(argv=None):
         if "pair_distractors" in given and s["pair_distractors"]:
             bad("--pair-distractors", f"only CLEVR-Change has distractor pairs, not {name}")
         s["pair_distractors"] = False
-    s.update(data=name, data_root=str(root), device=pick_device(s["device"]))
+    s.update(data=name, data_root=str(root), device=pick_device(s["device"]), adapted=info.get("stage") == "adapt")
     return Settings(**s)
 
 
@@ -547,7 +547,7 @@ def main(argv=None):
     log(f"caption.py: preset {args.preset} on {where(ctx)} | {args.line()}")
     state = load_resume(args.out) if args.resume else None
     clip = clip_load.load_clip(args.ckpt, ctx.device, args.n_inter)
-    if read_ckpt_info(args.ckpt).get("stage") != "adapt":
+    if not args.adapted:
         log(f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
             f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")
     if args.authors_numerics:

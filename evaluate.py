@@ -61,7 +61,7 @@ def get_args(argv=None):
     return args
 
 
-def caption_images(args, info):
+def caption_images(args):
     """The caption of --before/--after, alone on stdout; --explain: the images and the encoder's maps too."""
     ctx = setup(0, args.device, args.amp)
     model, vocab = caption.load_captioner(args.ckpt, ctx.device)
@@ -110,7 +110,7 @@ def main(argv=None):
                          f"`python caption.py --ckpt {args.ckpt}`")
     whose = "the authors' CLIP4IDC" if info.get("authors") else "caption.py's"
     print(f"--ckpt {args.ckpt}: {whose} captioner", file=sys.stderr if args.before else sys.stdout, flush=True)
-    return caption_images(args, info) if args.before else evaluate_captioner(args, info)
+    return caption_images(args) if args.before else evaluate_captioner(args, info)
 
 
 if __name__ == "__main__":

@@ -3621,6 +3621,20 @@ def test_selection_ties_go_to_the_later_epoch_as_the_authors(tmp_path):
     assert (paper["patience"], paper["tie_is_gain"], mini["patience"], mini["tie_is_gain"]) == (11, True, 10, False)
 
 
+def test_resume_refuses_other_settings():
+    """--resume continues a run as it was set: a setting that differs from the saved one (a learning rate the saved
+    optimizer would overwrite) is an error naming it; the run-only ones (device, workers, logging) may change."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = train_utils.warmup_cosine(opt, 10)
+    saved = {"args": {"lr_new": 1e-3, "workers": 0}, "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "scheduler": sched.state_dict(), "rng": train_utils.rng_state(), **train_utils.new_run()}
+    with pytest.raises(SystemExit, match="the run was set lr_new=0.001, this command lr_new=0.002"):
+        train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=2e-3, workers=0))
+    run = train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=1e-3, workers=4))
+    assert run == train_utils.new_run()
+
+
 def test_warmup_cosine_is_the_mini_presets_schedule():
     """train_utils.warmup_cosine, step by step against its formula: the rate climbs linearly from lr / warmup at
     step 0 to the full lr at the last warmup step, then falls along a half cosine to 0 at the last step; each
