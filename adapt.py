@@ -3,11 +3,10 @@
     python adapt.py --data clevr                 # writes adapted.pt
     python adapt.py --data clevr --n-inter 0     # every block intra, none inter (Table 7: 12 + 0; the mini: 6 + 0)
 
-The pair encoder (model.py) turns (before, after) into a vector v, CLIP's text tower the caption into g; the
-symmetric InfoNCE loss over the batch (eq. 6-8) pulls each pair to its own caption. Retrieval on val after every
-epoch chooses the checkpoint; test is evaluated once, at the end. Presets: paper (the authors' settings), mini (the
-small CLIP pretrain.py pretrained on synthetic scenes, minutes on a CPU), compare (not the paper's: mini whose inter
-blocks are taught to compare), scratch (a small CLIP-shaped model from nothing).
+The pair encoder (model.py) turns (before, after) into a vector v, CLIP's text tower the caption into g; a
+symmetric InfoNCE loss (eq. 6-8) pulls each pair to its own caption. Val retrieval after each epoch chooses the
+checkpoint, test is evaluated once. Presets: paper (the authors'), mini (the shipped small CLIP, minutes on a CPU),
+compare (not the paper's: mini's inter blocks taught to compare), scratch (a small CLIP from nothing).
 """
 import argparse
 import math
@@ -23,9 +22,10 @@ import data
 import plots
 from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, authors_fp16_, share_joint_positions_
 from train_utils import (GraphedStep, HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule,
-                         check_resume, check_sizes, end_epoch, freeze, given_flags, interrupted, load_resume, log,
-                         make_optimizer, new_run, over_preset, param_groups, pick_device, policy_table, resume_run,
-                         run_flags, save_atomic, save_state, setup, train_epoch, warmup_cosine, where)
+                         check_resume, check_sizes, end_epoch, freeze, given_flags, image_cache_flag, interrupted,
+                         load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset, param_groups,
+                         pick_device, policy_table, resume_run, run_flags, save_atomic, save_state, setup,
+                         train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # settings: a preset (complete, literal), the flags given over it, then what the weights, data and device decide
@@ -38,16 +38,15 @@ PRESETS = {
                   weight_decay=0.2, optimizer="bertadam", betas=(0.9, 0.98), select="text->pair R@1",
                   tie_is_gain=True, workers=8, draw_captions=False, swap_prob=None, shared_p=0.0, freeze_blocks=0,
                   cuda_graphs=None),
-    # the shipped small CLIP (12x12 patches of 8 px: an object spans several), 4 + 2 blocks, the authors' policy
-    # scaled down (CLIP at their 1e-7, so the captions keep what pretraining saw)
+    # the shipped small CLIP (12x12 patches of 8 px), 4 + 2 blocks, CLIP at the authors' 1e-7
     "mini": dict(clip="mini12-synth", n_inter=2, **SIZES, batch_size=32, epochs=1, lr_new=1e-3, lr_clip=1e-7,
                  weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), select="R@mean", tie_is_gain=True,
                  workers=0, draw_captions=True, swap_prob=None, shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
-    # not the paper's: mini whose inter blocks learn to compare (the intra blocks frozen, p alike in both images)
+    # not the paper's: mini whose inter blocks learn to compare (the intra frozen, p alike in both images)
     "compare": dict(clip="mini12-synth", n_inter=2, **SIZES, batch_size=32, epochs=12, lr_new=1e-3, lr_clip=3e-4,
                     weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), select="R@mean", tie_is_gain=True,
                     workers=0, draw_captions=True, swap_prob=None, shared_p=10.0, freeze_blocks=4, cuda_graphs=None),
-    # the from-scratch ablation: ViT-B/32's 9 + 3 blocks at 1/12 of its width; nothing frozen, one rate
+    # the from-scratch ablation: ViT-B/32's 9 + 3 blocks at 1/12 of its width, one rate
     "scratch": dict(clip=None, n_inter=3, image_size=96, vision_width=64, vision_layers=12, patch_size=16,
                     text_width=128, text_layers=3, embed_dim=128, batch_size=32, epochs=3, lr_new=3e-4, lr_clip=3e-4,
                     weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), select="R@mean", tie_is_gain=True,
@@ -61,30 +60,29 @@ def parser():
     # data
     p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier", "levir"], help="dataset")
     p.add_argument("--data-root", help="dataset directory (default data/<name>; clevr: a synthetic set when absent)")
-    p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing (counted)")
-    p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None, help="CLEVR: probability of "
-                   "the before image's non-semantic version (default: 0.5, the authors'; 0 on the synthetic set)")
+    p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
+    p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None, help="CLEVR: chance of the "
+                   "before image's non-semantic version (default: the authors' 0.5; 0 on the synthetic set)")
     p.add_argument("--draw-captions", action=argparse.BooleanOptionalAction, default=None, help="one caption drawn "
-                   f"per pair and epoch, not every caption once, as the authors {pre('draw_captions')}")
+                   f"per pair and epoch, not every caption once (the authors') {pre('draw_captions')}")
     p.add_argument("--workers", type=at_least(0), default=None, help=f"DataLoader worker processes {pre('workers')}")
-    p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None, help="decode every image "
-                   "once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images); default: if it fits")
+    image_cache_flag(p)
     # model
     p.add_argument("--preset", default=None, choices=list(PRESETS), help="default: mini for a shipped --clip, paper "
-                   "for any other; without --clip, paper on a real dataset, mini on none (or the synthetic set)")
+                   "for another; without --clip, paper on a real dataset, else mini")
     p.add_argument("--clip", type=clip_load.weights_arg, default=None, help="CLIP weights: a path, ViT-B/32 "
                    f"(downloaded) or a shipped {' or '.join(clip_load.SHIPPED)} {pre('clip')}")
     p.add_argument("--n-inter", type=at_least(0), default=None, help=f"inter blocks (the rest intra) {pre('n_inter')}")
     p.add_argument("--context-length", type=at_least(2), default=32, help="caption tokens incl. start/end")
-    p.add_argument("--shared-p", type=at_least(0.0, float), default=None, help="not the paper's: p alike for a "
-                   f"patch's position in both images, codes of this norm; 0: the authors' random p {pre('shared_p')}")
+    p.add_argument("--shared-p", type=at_least(0.0, float), default=None, help="not the paper's: p alike in both "
+                   f"images, codes of this norm; 0: the authors' random p {pre('shared_p')}")
     for name in ("image-size", "vision-width", "vision-layers", "patch-size", "text-width", "text-layers",
                  "embed-dim"):
         p.add_argument(f"--{name}", type=at_least(1), default=None, help="model size, without a CLIP file "
                        f"{pre(name.replace('-', '_'))}")
     # optimization
-    p.add_argument("--epochs", type=at_least(1), default=None, help=f"training epochs {pre('epochs')}; the paper "
-                   "preset on Spot-the-Diff: 20 (retrieve_spot.sh)")
+    p.add_argument("--epochs", type=at_least(1), default=None, help=f"training epochs {pre('epochs')} (paper on "
+                   "spot: 20)")
     p.add_argument("--batch-size", type=at_least(1), default=None, help="samples per step: pairs, or captions "
                    f"without --draw-captions {pre('batch_size')}")
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None, help=f"lr of e1, e2, p, ln_mid {pre('lr_new')}")
@@ -92,26 +90,22 @@ def parser():
     p.add_argument("--freeze-blocks", type=at_least(0), default=None, help="not the paper's: CLIP's first N image "
                    f"blocks frozen {pre('freeze_blocks')}")
     p.add_argument("--weight-decay", type=at_least(0.0, float), help=f"weight decay {pre('weight_decay')}")
-    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help="bertadam: the authors' (their "
-                   "schedule and decay sets); adamw: ours (cosine after the warmup, no decay on 1-D tensors) "
-                   f"{pre('optimizer')}")
+    optimizer_flag(p, "cosine", pre("optimizer"))
     # run
     run_flags(p)
     p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 (model.authors_fp16_) and "
-                   "two-GPU gradient (two_gpu_gradient_); with bertadam")
+                   "two-GPU gradient (two_gpu_gradient_)")
     p.add_argument("--out", default="adapted.pt", help="best-on-val checkpoint; resumable state in *.last.pt")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the training step (CUDA), static shapes: captions padded to --context-length")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="capture the training "
-                   "step as one CUDA graph (train_utils.GraphedStep; a CPU runs it eagerly); default: on for the paper "
-                   "preset on CUDA without --compile or --authors-numerics")
-    p.add_argument("--eval-batch-size", type=at_least(1), default=256, help="pairs per batch when encoding for eval")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training step (CUDA)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="the training step as "
+                   "one CUDA graph (default: paper on CUDA, without --compile or --authors-numerics)")
+    p.add_argument("--eval-batch-size", type=at_least(1), default=256, help="pairs per evaluation batch")
     return p
 
 
 def settings(argv=None):
-    """Every setting, decided once -> Settings: --preset (else its help's rule), the flags given over it, then what
-    the CLIP file, the dataset and the device decide. A flag the run would ignore is an error."""
+    """Every setting, decided once: the preset, the flags given over it, then what the CLIP file, the dataset and the
+    device decide. A flag the run would ignore is an error."""
     p = parser()
     flags, given = p.parse_args(argv), given_flags(p, argv)
     preset = flags.preset or ("mini" if flags.clip in clip_load.SHIPPED else "paper" if flags.clip else
@@ -119,11 +113,11 @@ def settings(argv=None):
     bad = lambda flag, why: p.error(f"argument {flag}: {why}")
     s = over_preset(flags, given, PRESETS, preset, bad)
     if preset == "paper" and flags.data == "spot" and "epochs" not in given:
-        s["epochs"] = 20  # their retrieve_spot.sh
+        s["epochs"] = 20  # retrieve_spot.sh
     if "swap_prob" in given and flags.data != "clevr":
-        bad("--swap-prob", f"only CLEVR-Change has distractor images to swap in, not {flags.data}")
+        bad("--swap-prob", f"only CLEVR-Change has images to swap in, not {flags.data}")
     if "shared_p" in given and s["n_inter"] == 0:
-        bad("--shared-p", "p is shared between the images of an inter block: --n-inter is 0")
+        bad("--shared-p", "p is shared in inter blocks: --n-inter is 0")
     check_resume(p, s["resume"], s["out"])
     if s["clip"]:
         if preset == "scratch":
@@ -138,12 +132,12 @@ def settings(argv=None):
         check_sizes(p, s["image_size"], s["patch_size"], {"--vision-width": s["vision_width"],
                                                           "--text-width": s["text_width"]})
     if s["n_inter"] > s["vision_layers"]:
-        bad("--n-inter", f"{s['n_inter']} inter blocks, but the image tower has {s['vision_layers']}")
+        bad("--n-inter", f"the image tower has {s['vision_layers']} blocks")
     root = data.resolve_root(flags.data, flags.data_root)  # the synthetic set rendered on first use
-    if s["swap_prob"] is None:  # the authors' 0.5; off on the synthetic set, whose distractors move the camera more
+    if s["swap_prob"] is None:  # off on the synthetic set, whose distractors move the camera more
         s["swap_prob"] = 0.5 if flags.data == "clevr" and data.is_real("clevr", root) else 0.0
     s.update(data_root=str(root), device=pick_device(s["device"]))
-    if s["cuda_graphs"] is None:  # where the step can be captured, the paper's
+    if s["cuda_graphs"] is None:
         s["cuda_graphs"] = preset == "paper" and s["device"] != "cpu" and not (s["compile"] or s["authors_numerics"])
     return Settings(**s)
 
@@ -153,7 +147,7 @@ def settings(argv=None):
 
 
 def new_model(args):
-    """CLIP (from a file, or from nothing) with fresh pair parameters (--shared-p: p alike in both images)."""
+    """CLIP from a file, or from nothing, with fresh pair parameters."""
     clip = clip_load.load_clip(args.clip, n_inter=args.n_inter) if args.clip else CLIP(CLIPConfig(
         args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size, args.context_length,
         transformer_width=args.text_width, transformer_layers=args.text_layers,
@@ -164,22 +158,22 @@ def new_model(args):
 
 
 class PairText(torch.nn.Module):
-    """One training forward (what --compile compiles): pair vectors, caption features, scale."""
+    """The training forward (what --compile compiles): pair vectors, caption features, scale."""
 
     def __init__(self, clip):
         super().__init__()
         self.clip = clip
 
     def forward(self, before, after, ids, intra=None):
-        """intra: the pairs' intra-block tokens (B, 2, n+1, width), computed already (fixed_intra)."""
+        """intra: fixed_intra's tokens (B, 2, n+1, width)."""
         v = self.clip.encode_pair(before, after) if intra is None else self.clip.visual.inter(intra.flatten(1, 2))
         return v.vector, self.clip.encode_text(ids), self.clip.logit_scale
 
 
 @torch.no_grad()
 def fixed_intra(model, items, args, ctx, cache):
-    """Where nothing before the inter blocks trains (the compare preset), each training pair's intra-block tokens
-    (eq. 2), computed once: (pairs, 2, n+1, width) on the CPU; else None."""
+    """Where nothing before the inter blocks trains (compare), each training pair's intra-block tokens (eq. 2),
+    computed once: (pairs, 2, n+1, width); else None."""
     n_intra = model.cfg.vision_layers - model.cfg.n_inter
     if not (args.clip and args.freeze_blocks >= n_intra and args.swap_prob == 0 and model.cfg.n_inter):
         return None
@@ -195,8 +189,8 @@ def fixed_intra(model, items, args, ctx, cache):
 
 
 def two_gpu_gradient_(model):
-    """The authors' stage 1 on two GPUs: their AllGather's backward keeps each rank's slice (until_module.py 265-269)
-    and DDP averages the ranks, so each gradient but logit_scale's is half the full batch's."""
+    """The authors' two GPUs: AllGather's backward keeps each rank's slice (until_module.py 265-269), DDP averages
+    the ranks: each gradient but logit_scale's is half the batch's."""
     for p in model.parameters():
         if p.requires_grad and p is not model.logit_scale:
             p.register_hook(lambda g: g * 0.5)
@@ -204,23 +198,22 @@ def two_gpu_gradient_(model):
 
 
 def contrastive_loss(v, g, logit_scale):
-    """eq. (6)-(8): InfoNCE over the batch, pair -> text and text -> pair, averaged, in fp32. v (B, D), g
-    (B * (1 + K), D): row i is v's row i's caption, rows B.. hard negatives (pretrain.py's), in v -> g only."""
+    """eq. (6)-(8): InfoNCE, pair -> text and text -> pair averaged, in fp32. v (B, D), g (B(1 + K), D): row i is
+    pair i's caption, rows B.. hard negatives (pretrain.py's), in pair -> text only."""
     with torch.autocast(v.device.type, enabled=False):
         v, g = F.normalize(v.float(), dim=-1), F.normalize(g.float(), dim=-1)
-        scale = logit_scale.float().clamp(max=math.log(100)).exp()  # temperature >= 0.01, as the authors clamp it
-        logits = scale * v @ g.t()  # (B, B(1+K)) cosine similarities
+        scale = logit_scale.float().clamp(max=math.log(100)).exp()  # the authors' clamp
+        logits = scale * v @ g.t()
         labels = torch.arange(len(v), device=v.device)
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits[:, :len(v)].t(), labels)) / 2
 
 
 def lr_rule(args):
-    """Parameter name -> learning rate (None: frozen): the pair parameters at lr_new, CLIP's at lr_clip; frozen:
-    a CLIP file's input embeddings (the authors') and the first --freeze-blocks image blocks."""
+    """Parameter name -> learning rate (None: frozen): e1, e2, p, ln_mid at lr_new, CLIP's at lr_clip; frozen: a
+    CLIP file's input embeddings (the authors') and the first --freeze-blocks image blocks."""
     def lr(name):
-        if name.startswith(PAIR_KEYS):  # e1, e2, p, ln_mid (at N + 0 too, as the authors')
+        if name.startswith(PAIR_KEYS):
             return args.lr_new
-        # --freeze-blocks: the first blocks keep what pretraining taught them (compare: the intra)
         first = name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < args.freeze_blocks
         return None if (args.clip and name.startswith(INPUT_EMBEDDINGS)) or first else args.lr_clip
     return lr
@@ -241,7 +234,6 @@ def encode_split(model, items, args, ctx, cache=None):
         before, after = (clip_load.normalize(batch[k].to(ctx.device, non_blocking=True)) for k in ("before", "after"))
         with ctx.amp:
             pairs.append(model.encode_pair(before, after).vector.float())
-    # every caption is a retrieval target (load_items has dropped the empty ones)
     owner, captions = map(list, zip(*[(i, c) for i, it in enumerate(items) for c in it.captions]))
     owner = torch.tensor(owner)
     texts = []
@@ -253,9 +245,9 @@ def encode_split(model, items, args, ctx, cache=None):
 
 
 def retrieval_metrics(sim, owner):
-    """sim (P, T) pair-caption similarities, owner[t] caption t's pair, ranked as the authors' metrics.py: text ->
-    pair, the caption's own pair among all; pair -> text, the pair's own caption *set* among all, a set scoring
-    its best caption. Ties pessimistic (theirs: arbitrary); MdR np.median's (pair -> text), torch's (text -> pair)."""
+    """sim (P, T), owner[t] caption t's pair, ranked as the authors' metrics.py: text -> pair among the pairs; pair
+    -> text among the caption *sets*, a set scoring its best caption. Ties pessimistic (theirs: arbitrary); MdR
+    np.median's (pair -> text), torch's (text -> pair)."""
     P, T = sim.shape
     own = sim[owner, torch.arange(T)]  # (T,)
     t2p = (sim >= own[None, :]).sum(0)  # (T,)
@@ -272,7 +264,7 @@ def retrieval_metrics(sim, owner):
 
 
 def chance_metrics(P):
-    """The figures of random similarities: R@K = K / P, mean and median ranks (P + 1) / 2, both ways."""
+    """Random similarities' figures: R@K = K / P, mean and median ranks (P + 1) / 2."""
     out = {}
     for d in ("pair->text", "text->pair"):
         out.update({f"{d} R@{k}": 100 * min(k, P) / P for k in (1, 5, 10)})
@@ -281,15 +273,14 @@ def chance_metrics(P):
 
 
 def evaluate(model, items, args, ctx, cache=None):
-    """Retrieval figures on `items`; None when the features are not finite (a NaN would rank first)."""
+    """Retrieval figures on `items`; None when the features are not finite."""
     v, g, owner = encode_split(model, items, args, ctx, cache)
     return retrieval_metrics(v @ g.t(), owner) if torch.isfinite(v).all() and torch.isfinite(g).all() else None
 
 
 def diverged(epoch):
     return (f"evaluation after epoch {epoch}: the encoder's features are NaN/inf (the weights diverged): stopping. "
-            f"The best checkpoint so far is kept; check the data, or start again with a lower learning rate "
-            f"(--resume would keep the old one).")
+            f"The best checkpoint is kept; start again with a lower learning rate.")
 
 
 def fmt(m):
@@ -303,22 +294,21 @@ def fmt(m):
 
 
 def banner(ctx, args):
-    """What is being adapted, said plainly, and every setting."""
+    """What is adapted, said plainly, and every setting."""
     log(f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
-    paper = f"For the paper's results put OpenAI's ViT-B-32.pt in ~/.cache/clip/ or pass --clip ({clip_load.WEIGHTS})."
+    paper = f"For the paper's results give --clip ViT-B/32 ({clip_load.WEIGHTS})."
     if args.clip in clip_load.SHIPPED:
-        log(f"   adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES that ships in assets/ "
-            f"({clip_load.SHIPPED[args.clip][0]}, made by pretrain.py): the paper in miniature, a CPU demo. {paper}")
+        log(f"   adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES in assets/ ({clip_load.SHIPPED[args.clip][0]}): "
+            f"the paper in miniature. {paper}")
     elif args.preset == "scratch":
-        log(f"   training a SMALL CLIP-shaped model FROM SCRATCH (a CPU demo, the from-scratch ablation). {paper}")
+        log(f"   training a SMALL CLIP-shaped model FROM SCRATCH (the from-scratch ablation). {paper}")
     log("   " + args.line())
 
 
 def load_data(args, ctx, model):
-    """The splits, the image cache, the training loader (with fixed_intra's tokens in place of the images)."""
+    """The splits, the image cache, the training loader."""
     split = lambda s: data.load_items(args.data, args.data_root, s, setting="semantic", skip_missing=args.skip_missing)
     splits = {s: split(s) for s in ("train", "val", "test")}
-    # decode once: a PNG costs more to decode than the small model's step, or than a GPU step's share
     cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache)
     intra = fixed_intra(model, splits["train"], args, ctx, cache)
     samples = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
@@ -332,14 +322,14 @@ def load_data(args, ctx, model):
 
 
 def checkpoint(model, args, metrics):
-    """What caption.py and clip_load.load_clip need to rebuild the encoder, plus what produced it."""
+    """What clip_load.load_clip rebuilds the encoder from, and what produced it."""
     return {"model": model.state_dict(), "config": asdict(model.cfg), "stage": "adapt", "metrics": metrics,
             "tokenizer": {"context_length": args.context_length, "bpe_sha256": clip_load.BPE_SHA256},
             "data": {"name": args.data, "root": args.data_root, "image_size": args.image_size}, "args": vars(args)}
 
 
 def test_best(model, test_items, args, ctx, cache, history, t_start):
-    """The best-on-val weights from --out, evaluated once on test; the figures are added to --out."""
+    """The best-on-val weights (--out) evaluated once on test; the figures added to --out."""
     ckpt = torch.load(args.out, map_location="cpu", weights_only=False)
     model.load_state_dict(ckpt["model"])
     test = evaluate(model, test_items, args, ctx, cache)
@@ -372,19 +362,19 @@ def main(argv=None):
     optimizer = make_optimizer(groups, ctx.device, args.cuda_graphs, args.optimizer, args.betas)
     total_steps = args.epochs * len(loader)
     scheduler = (authors_schedule if theirs else warmup_cosine)(optimizer, total_steps, args.warmup)
-    # the temperature's parameter clamped after each step, as the authors' (main_task_retrieval.py 287-291)
+    # the temperature clamped after each step, as the authors' (main_task_retrieval.py 287-291)
     optimizer.register_step_post_hook(lambda *_: model.logit_scale.data.clamp_(max=math.log(100)))
     if args.authors_numerics:
         two_gpu_gradient_(model)
     params = [p for g in groups for p in g["params"]]
     log(f"   model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters "
         f"({sum(p.numel() for p in params) / 1e6:.1f}M trained), vision {model.cfg.vision_layers - model.cfg.n_inter} "
-        f"intra + {model.cfg.n_inter} inter blocks, {model.cfg.image_resolution}px; {total_steps} steps of "
-        f"{args.batch_size} pairs")
+        f"intra + {model.cfg.n_inter} inter blocks, {model.cfg.image_resolution}px; {total_steps} steps of batch "
+        f"{args.batch_size}")
     run = resume_run(load_resume(args.out), model, optimizer, scheduler, args) if args.resume else new_run()
     net = torch.compile(PairText(model)) if args.compile else PairText(model)
 
-    def update(batch):  # one step on zeroed gradients: forward, loss (eq. 6-8), backward, clip, optimizer step
+    def update(batch):  # on zeroed gradients
         ids = clip_load.trim(batch["ids"], static=args.compile or args.cuda_graphs).to(ctx.device, non_blocking=True)
         with ctx.amp:
             if "features" in batch:  # fixed_intra's tokens
@@ -434,5 +424,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except data.BadImage as e:  # an undecodable image met while training: its name and what to do, no traceback
+    except data.BadImage as e:  # its name and what to do, no traceback
         raise SystemExit(data.exit_message(e)) from None

@@ -1,13 +1,11 @@
 """Stage 2 of CLIP4IDC: train a Transformer captioner on the adapted pair encoder (paper Sec. 3.3).
 
-    python caption.py --ckpt adapted.pt      # train; select on val CIDEr-D; test -> captioner.pt, captions.json
+    python caption.py --ckpt adapted.pt      # train, select on val CIDEr-D, test once -> captioner.pt, captions.json
     python caption.py --ckpt ViT-B/32        # the same on CLIP not adapted (paper Table 5)
 
-The captioner reads the pair encoder's 2(n+1) tokens and learns by word-level cross entropy; the encoder is
-fine-tuned at a tiny rate or frozen (its tokens computed once per pair). CLEVR-Change in the "total" setting: change
-pairs and distractor pairs (no-change captions), a caption of each drawn per epoch. Presets: paper (the authors'
-captioner, model.Captioner, trained as their main_task_caption.py), mini and compare (model.MiniCaptioner). The test
-scores, CIDEr-D per change type (paper Table 2) and the best constant caption go to --results.
+The captioner reads the pair encoder's tokens and learns by word-level cross entropy; the encoder trains at a tiny
+rate or is frozen. CLEVR-Change in the "total" setting: change pairs and distractor pairs ("no change" captions).
+Presets: paper (the authors' captioner, model.Captioner), mini and compare (model.MiniCaptioner).
 """
 import argparse
 import json
@@ -28,26 +26,25 @@ import synth
 from model import (INPUT_EMBEDDINGS, Captioner, CaptionerConfig, MiniCaptioner, MiniCaptionerConfig,
                    authors_fp16_)
 from train_utils import (HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule,
-                         check_resume, end_epoch, flag_error, fmt_time, freeze, given_flags, interrupted,
-                         load_resume, log, make_optimizer, new_run, over_preset, param_groups, pick_device,
-                         policy_table, resume_run, run_flags, save_atomic, save_state, setup, train_epoch,
-                         warmup_cosine, where)
+                         check_resume, end_epoch, flag_error, fmt_time, freeze, given_flags, image_cache_flag,
+                         interrupted, load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset,
+                         param_groups, pick_device, policy_table, resume_run, run_flags, save_atomic, save_state,
+                         setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # settings: a preset (complete, literal), the flags given over it, then what the weights, data and device decide
 
 PRESETS = {
-    # the authors' (scripts/caption_clevr.sh): their captioner as wide as CLIP's words (None), stopping after 11
-    # epochs without gain (main_task_caption.py 743-750)
+    # the authors' (scripts/caption_clevr.sh; patience: main_task_caption.py 743-750); width None: CLIP's words'
     "paper": dict(captioner="authors", width=None, heads=None, enc_layers=3, dec_layers=3, mem_diff=None,
                   mem_pool=None, batch_size=16, lr=1e-4, encoder_lr=1e-7, freeze_encoder=False, epochs=50,
                   reverse=False, optimizer="bertadam", betas=(0.9, 0.999), patience=11, tie_is_gain=True,
                   pair_distractors=True),
-    # a CPU, adapt.py's small encoders, frozen; mem_pool None: mem_pool_for the grid; reverse None: on a synthetic set
+    # for a CPU, adapt.py's small encoders frozen; None: decided by the grid (mem_pool) or the data (reverse)
     "mini": dict(captioner="mini", width=128, heads=4, enc_layers=0, dec_layers=2, mem_diff=True, mem_pool=None,
                  batch_size=32, lr=1e-3, encoder_lr=0.0, freeze_encoder=True, epochs=15, reverse=None,
                  optimizer="adamw", betas=(0.9, 0.98), patience=10, tie_is_gain=False, pair_distractors=False),
-    # after adapt.py --preset compare: mini without after minus before (it would compare for the inter blocks)
+    # after adapt.py --preset compare: mini without after minus before (the inter blocks compare)
     "compare": dict(captioner="mini", width=128, heads=4, enc_layers=0, dec_layers=2, mem_diff=False, mem_pool=None,
                     batch_size=64, lr=1e-3, encoder_lr=0.0, freeze_encoder=True, epochs=30, reverse=None,
                     optimizer="adamw", betas=(0.9, 0.98), patience=10, tie_is_gain=False, pair_distractors=False),
@@ -56,78 +53,70 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
 MAX_LEN = 32  # most tokens a caption gets, the end token included (the authors' --max_words)
 CHANGE_TYPES = ("color", "material", "move", "add", "drop", "distractor")
-FORMAT = 3  # captioner.pt's layout (3: the captioner's kind saved, the authors' and the mini's classes apart)
+FORMAT = 3  # captioner.pt's layout
 
 
 def parser():
     pre = lambda k: "[" + ", ".join(f"{n}: {v[k]}" for n, v in PRESETS.items() if v[k] is not None) + "]"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--ckpt", default="adapted.pt", help="adapted.pt, or a CLIP file or name ('ViT-B/32', "
-                   "'mini12-synth') for the no-adaptation ablation")
+    p.add_argument("--ckpt", default="adapted.pt", help="adapted.pt, or a CLIP ('ViT-B/32', 'mini12-synth', a file): "
+                   "the no-adaptation ablation")
     p.add_argument("--out", default="captioner.pt", help="where the best captioner goes (+ .last.pt to resume)")
     p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
-    p.add_argument("--preset", choices=list(PRESETS), default=None, help="default: the preset --ckpt was adapted "
-                   "with (scratch: mini); a CLIP not adapted: mini for a shipped one, paper for any other")
+    p.add_argument("--preset", choices=list(PRESETS), default=None, help="default: --ckpt's adaptation preset "
+                   "(scratch: mini); a CLIP: mini if shipped, else paper")
     # data
     p.add_argument("--data", choices=["clevr", "spot", "ier", "levir"], default=None,
-                   help="dataset (default: the one the checkpoint was adapted on, else clevr)")
+                   help="dataset (default: the checkpoint's, else clevr)")
     p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's, else data/...)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
-    p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None, help="also train on every pair "
-                   "backwards (an addition becomes a removal; synthetic sets only) [paper: off; mini, compare: on a "
-                   "synthetic set]")
+    p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None, help="also train on each pair "
+                   "backwards (synthetic sets only) [paper: off; mini, compare: on a synthetic set]")
     p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
-    p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None, help="decode every image "
-                   "once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images); default: if it fits")
+    image_cache_flag(p)
     # model
-    p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks of the pair encoder (default: the "
-                   "checkpoint's, 3 for a raw CLIP)")
-    p.add_argument("--width", type=at_least(1), default=None, help="the mini captioner's width (the authors': the "
-                   f"CLIP's word embeddings', 512 in ViT-B/32) {pre('width')}")
-    p.add_argument("--heads", type=at_least(1), default=None, help="captioner attention heads [paper: width / 64, "
-                   "the authors' 8 at 512; mini, compare: 4]")
+    p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks (default: the checkpoint's, else 3)")
+    p.add_argument("--width", type=at_least(1), default=None, help="the mini captioner's width (the authors': CLIP's "
+                   f"words') {pre('width')}")
+    p.add_argument("--heads", type=at_least(1), default=None, help="captioner heads [paper: width / 64; mini, "
+                   "compare: 4]")
     p.add_argument("--enc-layers", type=at_least(0), default=None, help=f"captioner encoder layers {pre('enc_layers')}")
     p.add_argument("--dec-layers", type=at_least(1), default=None, help=f"captioner decoder layers {pre('dec_layers')}")
     p.add_argument("--mem-diff", action=argparse.BooleanOptionalAction, default=None, help="the mini captioner: "
                    f"each memory token also gets after minus before {pre('mem_diff')}")
-    p.add_argument("--mem-pool", type=at_least(1), default=None, help="the mini captioner reads each image's patch "
-                   "tokens averaged over k x k cells (the grid must divide by k) [mini, compare: 2 on an even grid "
-                   "of 12x12 or more, else 1]")
+    p.add_argument("--mem-pool", type=at_least(1), default=None, help="the mini captioner: patch tokens averaged over "
+                   "k x k cells [mini, compare: 2 on an even grid of 12x12 or more, else 1]")
     p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout (paper 0.1)")
     # optimization
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
     p.add_argument("--batch-size", type=at_least(1), default=None, help="pairs per step (--pair-distractors: change "
-                   f"pairs, each with its distractor) {pre('batch_size')}")
+                   f"pairs, and their distractors) {pre('batch_size')}")
     p.add_argument("--lr", type=at_least(0.0, float), default=None, help=f"captioner learning rate {pre('lr')}")
     p.add_argument("--encoder-lr", type=at_least(0.0, float), default=None,
-                   help=f"pair-encoder learning rate, with --no-freeze-encoder {pre('encoder_lr')}")
+                   help=f"pair encoder's learning rate {pre('encoder_lr')}")
     p.add_argument("--freeze-encoder", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"keep the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
+                   help=f"the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=0.01, help="weight decay")
-    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help="bertadam: the authors' (warmup "
-                   "then linear decay, their decay sets); adamw: ours (cosine, no decay on 1-D tensors) "
-                   f"{pre('optimizer')}")
+    optimizer_flag(p, "linear", pre("optimizer"))
     p.add_argument("--pair-distractors", action=argparse.BooleanOptionalAction, default=None, help="CLEVR: each "
-                   f"change pair with its own distractor, two losses summed (the authors') {pre('pair_distractors')}")
-    p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 (model.authors_fp16_); with "
-                   "bertadam")
+                   f"change pair with its distractor, two losses summed (the authors') {pre('pair_distractors')}")
+    p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 (model.authors_fp16_)")
     run_flags(p, log_every=50)
     p.add_argument("--patience", type=at_least(1), default=None, help="stop after this many epochs without val "
-                   f"CIDEr-D gain (paper: a tie is a gain) {pre('patience')}")
+                   f"CIDEr-D gain {pre('patience')}")
     p.add_argument("--eval-batch-size", type=at_least(1), default=64, help="pairs per decoding batch")
     return p
 
 
 def settings(argv=None):
-    """Every setting, decided once -> Settings: --preset (else its help's rule), the flags given over it, then what
-    the encoder file, the dataset and the device decide. A flag the run would ignore is an error."""
+    """Every setting, decided once: the preset, the flags given over it, then what the encoder file, the dataset and
+    the device decide. A flag the run would ignore is an error."""
     p = parser()
     flags, given = p.parse_args(argv), given_flags(p, argv)
     bad = lambda flag, why: p.error(f"argument {flag}: {why}")
     if not os.path.isfile(flags.ckpt) and flags.ckpt not in clip_load.MODELS and flags.ckpt not in clip_load.SHIPPED:
-        bad("--ckpt", f"no file at {flags.ckpt}. Run `python adapt.py` first (it writes adapted.pt), or pass a CLIP "
-                      f"file / 'ViT-B/32' / 'mini12-synth' for the no-adaptation ablation")
-    info = {} if flags.ckpt in clip_load.MODELS else read_ckpt_info(flags.ckpt)  # OpenAI's: no settings in it
+        bad("--ckpt", f"no file at {flags.ckpt}: run `python adapt.py` first (it writes adapted.pt)")
+    info = {} if flags.ckpt in clip_load.MODELS else read_ckpt_info(flags.ckpt)
     if info.get("stage") == "caption":
         bad("--ckpt", f"{flags.ckpt} is a captioner: evaluate it with `python evaluate.py --ckpt {flags.ckpt}`")
     adapted_with = info.get("args", {}).get("preset")
@@ -138,12 +127,12 @@ def settings(argv=None):
     if authors and (mini_only := sorted(given & {"width", "mem_diff", "mem_pool"})):
         bad("--" + mini_only[0].replace("_", "-"), "the authors' captioner (preset paper) has no such setting")
     if s["freeze_encoder"] and "encoder_lr" in given:
-        bad("--encoder-lr", "the encoder is frozen (--freeze-encoder): give --no-freeze-encoder too")
+        bad("--encoder-lr", "the encoder is frozen: give --no-freeze-encoder too")
     if not s["freeze_encoder"] and s["encoder_lr"] <= 0:
         bad("--encoder-lr", f"--no-freeze-encoder needs --encoder-lr > 0 (preset {preset} has {s['encoder_lr']:g})")
     check_resume(p, s["resume"], s["out"])
 
-    # what the encoder decides: its blocks, its patch grid, its widths
+    # the encoder decides
     clip = clip_load.clip_config(flags.ckpt)
     s["n_inter"] = clip.n_inter if flags.n_inter is None else flags.n_inter
     if s["n_inter"] > clip.vision_layers:
@@ -151,8 +140,8 @@ def settings(argv=None):
     grid = clip.image_resolution // clip.vision_patch_size
     if authors:
         if clip.embed_dim != clip.transformer_width:
-            bad("--preset", f"the authors' captioner ties {flags.ckpt}'s {clip.transformer_width}-wide word "
-                            f"embeddings to its {clip.embed_dim}-wide tokens: they must be as wide; give --preset mini")
+            bad("--preset", f"the authors' captioner needs {flags.ckpt}'s words ({clip.transformer_width}) as wide "
+                            f"as its tokens ({clip.embed_dim}): give --preset mini")
         s["width"] = clip.transformer_width
     elif s["mem_pool"] is None:
         s["mem_pool"] = mem_pool_for(grid)
@@ -162,13 +151,12 @@ def settings(argv=None):
     if s["width"] % s["heads"]:
         bad("--heads", f"{s['heads']} heads do not divide the width {s['width']}")
 
-    # what the data decides: the dataset, backwards pairs, distractor partners
+    # the data decides
     name, root = data_source(flags.data, flags.data_root, info)
     if s["reverse"] is None:
         s["reverse"] = synth.is_synthetic(root)
     if s["reverse"] and not synth.is_synthetic(root):
-        bad("--reverse", f"it needs the synthetic set's scene records ({root / 'scenes.json'}): real datasets have "
-                         f"no record of what changed to caption a pair backwards")
+        bad("--reverse", f"it needs the synthetic set's scene records ({root / 'scenes.json'})")
     if name != "clevr":
         if "pair_distractors" in given and s["pair_distractors"]:
             bad("--pair-distractors", f"only CLEVR-Change has distractor pairs, not {name}")
@@ -178,13 +166,12 @@ def settings(argv=None):
 
 
 def mem_pool_for(grid):
-    """The mini presets' pooling of a grid x grid of patches: 2x2 cells on an even grid of 12x12 or more."""
+    """The mini presets' pooling: 2x2 cells on an even grid of 12x12 or more."""
     return 2 if grid >= 12 and grid % 2 == 0 else 1
 
 
 def data_source(name, root, info):
-    """The dataset: the flags', else the one the checkpoint was made on (info: read_ckpt_info); the authors' weights
-    need real data, no synthetic set stands in."""
+    """The dataset: the flags', else the checkpoint's (info: read_ckpt_info); the authors' weights need real data."""
     made_on = info.get("data") or {}
     name = name or made_on.get("name", "clevr")
     root = root or (made_on.get("root") if made_on.get("name") == name else None)
@@ -194,11 +181,11 @@ def data_source(name, root, info):
 
 
 # -----------------------------------------------------------------------------
-# the words: CLIP's BPE tokens (the authors'), or the training captions' own words (mini)
+# the words: CLIP's BPE tokens (the authors'), or the training captions' own (mini), PTB-tokenized as scored
 
 
 def words(sentence):
-    return metrics.tokenize(sentence).split()  # PTB-style, as the evaluation sees it
+    return metrics.tokenize(sentence).split()
 
 
 def build_vocab(captions, kind="mini"):
@@ -210,8 +197,8 @@ def is_bpe(vocab):
 
 
 def encode_captions(items, vocab, max_len):
-    """All captions of all items, in order -> ids (N_captions, max_len + 1) = start, words (at most max_len - 1),
-    end, padding 0 (the authors' dataloader_clevr_caption.py 152-172, there with CLIP's BPE)."""
+    """Every caption, in order -> ids (N, max_len + 1): start, words (at most max_len - 1), end, padding 0 (the
+    authors' dataloader_clevr_caption.py 152-172)."""
     index = {w: i for i, w in enumerate(vocab)}
     start, end = (clip_load.SOT, clip_load.EOT) if is_bpe(vocab) else (BOS, EOS)
     ids = [clip_load.encode(c) if is_bpe(vocab) else [index.get(w, UNK) for w in words(c)]
@@ -221,8 +208,8 @@ def encode_captions(items, vocab, max_len):
 
 
 def to_text(ids, vocab):
-    """Generated ids (no start token) -> the caption. BPE: decoded, then cut at the end token and at the first "!"
-    (the pad, id 0), as the authors cut it (main_task_caption.py 589-596)."""
+    """Generated ids -> the caption; BPE cut at the end token and at "!" (id 0), as the authors (main_task_caption.py
+    589-596)."""
     if is_bpe(vocab):
         return clip_load.decode(ids).split("<|endoftext|>")[0].split("!")[0].strip()
     ids = ids[:ids.index(EOS)] if EOS in ids else ids
@@ -230,15 +217,14 @@ def to_text(ids, vocab):
 
 
 def caption_loss(logits, targets):
-    """Word-level cross entropy (paper Sec. 3.3): -(1/N) sum_t log p(w_t | w_<t, pair), over the N words
-    (<eos> included, padding not) of the batch. logits (B, T, vocab), targets (B, T)."""
+    """Word-level cross entropy (paper Sec. 3.3): -(1/N) sum_t log p(w_t | w_<t, pair) over the batch's N words."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD)
 
 
 def batch_loss(model, batch, device, frozen=False, paired=False):
-    """caption_loss of a batch; paired (DistractorBatches: change pairs, then their distractors): the authors'
-    loss1 + loss2 (main_task_caption.py 307-341)."""
-    ids = batch["ids"][:, :int((batch["ids"] != PAD).sum(1).max())].to(device)  # the shared padding cut
+    """caption_loss of a batch; paired (change pairs, then their distractors): the authors' loss1 + loss2
+    (main_task_caption.py 307-341)."""
+    ids = batch["ids"][:, :int((batch["ids"] != PAD).sum(1).max())].to(device)
     logits = model(ids[:, :-1], **model_inputs(batch, device, frozen))
     if paired:
         h = len(ids) // 2
@@ -256,8 +242,8 @@ class PairCaptioner(nn.Module):
         self.clip, self.captioner = clip, captioner
 
     def memory(self, before=None, after=None, tokens=None, both_ways=False):
-        """What the captioner reads: the pair encoder's tokens (pooled by the mini captioner), or `tokens`, those
-        computed already (encode_all). both_ways: (after, before) too, as rows B..2B-1 (--reverse)."""
+        """The pair encoder's tokens (pooled by the mini captioner), or `tokens` (encode_all's); both_ways: (after,
+        before) too, as rows B..2B-1."""
         if tokens is not None:
             return tokens
         return self.captioner.pool(self.clip.visual.forward_pair(before, after, both_ways).tokens.float())
@@ -275,7 +261,7 @@ class PairCaptioner(nn.Module):
 
 
 def model_inputs(batch, device, frozen):
-    """PairCaptioner's inputs from a batch: a frozen encoder's tokens ("features"), else the images, normalized."""
+    """A batch's frozen-encoder tokens, else its images normalized."""
     if frozen:
         return {"tokens": batch["features"].to(device, non_blocking=True)}
     return {k: clip_load.normalize(batch[k].to(device, non_blocking=True)) for k in ("before", "after")}
@@ -283,7 +269,7 @@ def model_inputs(batch, device, frozen):
 
 @torch.no_grad()
 def encode_all(model, loader, ctx, both_ways=False):
-    """Every item's memory (PairCaptioner.memory) in fp16; both_ways: then every item as (after, before)."""
+    """Every item's PairCaptioner.memory in fp16; both_ways: then every item as (after, before)."""
     out, back = [], []
     for batch in loader:
         with ctx.amp:
@@ -294,12 +280,10 @@ def encode_all(model, loader, ctx, both_ways=False):
 
 
 def load_captioner(path, device="cpu"):
-    """A captioner file -> (PairCaptioner in eval mode, vocab): ours, or the authors' released one (`clip.*` and
-    `decoder.*`: model.Captioner with heads = width / 64, their 8 at 512, and n_inter 3, their 9 + 3)."""
+    """A captioner file, ours or the authors' released one (their 9 + 3, 8 heads) -> (PairCaptioner, vocab)."""
     sd, extra = clip_load.read_state_dict(path := clip_load.resolve(path))
     if extra.get("stage") == "caption" and extra.get("format") != FORMAT:
-        raise SystemExit(f"{path} is a captioner.pt of an earlier layout: evaluate it after `git checkout 7dea046`, "
-                         f"or train a captioner again")
+        raise SystemExit(f"{path} is a captioner.pt of an earlier layout: evaluate it after `git checkout 7dea046`")
     if extra.get("stage") != "caption" and not extra.get("decoder"):
         what = "an adapted encoder" if extra.get("stage") or "decoder" in extra else "a CLIP"
         raise SystemExit(f"{path} is not a captioner but {what} (no decoder in it): train one on it with `python "
@@ -317,30 +301,29 @@ def load_captioner(path, device="cpu"):
                      MiniCaptioner(MiniCaptionerConfig(**cfg)))
     try:
         captioner.load_state_dict(state)
-    except RuntimeError as e:  # the keys missing, unexpected or of another shape, in one line
+    except RuntimeError as e:
         why = " ".join(str(e).split())[:400]
         raise SystemExit(f"{path}: its captioner does not fit model.{type(captioner).__name__}: {why}") from None
     return PairCaptioner(clip, captioner).to(device).eval(), vocab
 
 
 def read_ckpt_info(path):
-    """Our checkpoints' entries but the weights; {"stage": "caption" or "adapt", "authors": True} for the authors'
-    captioners (decoder.* keys) and encoders (clip.* alone); {} for OpenAI's archive or another bare state dict."""
+    """Our checkpoints' entries but the weights; the authors': {"stage": "caption" or "adapt", "authors": True};
+    {} for OpenAI's or a bare state dict."""
     path = clip_load.resolve(path)
-    try:  # mapped: the weights are not read (torch's legacy format, not a zip, cannot be)
+    try:  # mapped: the weights are not read
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except Exception:  # TorchScript archives: clip_load.load_clip reads them (or explains why not)
+    except Exception:  # TorchScript: clip_load reads it, or says why not
         return {}
     keys = [str(k).removeprefix("module.") for k in obj] if isinstance(obj, dict) and "model" not in obj else []
-    if any(k.startswith(("decoder.", "clip.")) for k in keys):  # the authors' captioner, or their stage-1 encoder
+    if any(k.startswith(("decoder.", "clip.")) for k in keys):
         return {"stage": "caption" if any(k.startswith("decoder.") for k in keys) else "adapt", "authors": True}
     return {k: v for k, v in obj.items() if k != "model"} if isinstance(obj, dict) and "model" in obj else {}
 
 
 def lr_rule(args):
     """Parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py 640-667): the captioner at
-    --lr; the pair encoder but its input embeddings at --encoder-lr (unless frozen); the text tower never; CLIP's word
-    embeddings on Spot-the-Diff only (the authors' captioner's tied ones go by their clip.* names)."""
+    --lr, the image tower but its input embeddings at --encoder-lr, CLIP's (tied) words on Spot-the-Diff only."""
     def lr(name):
         if name.startswith("captioner."):
             return args.lr
@@ -355,7 +338,7 @@ def lr_rule(args):
 
 
 # -----------------------------------------------------------------------------
-# evaluation: captions, scores, the test once (final_test, evaluate.py's too), its log lines (report)
+# evaluation: captions, scores, the test (final_test, evaluate.py's too)
 
 
 @torch.no_grad()
@@ -372,14 +355,13 @@ def predict(model, loader, items, vocab, ctx, beam=1):
 
 
 def cider(items, preds):
-    """CIDEr-D (x100) of these items alone: the per-epoch selection (METEOR would cost far more)."""
+    """CIDEr-D (x100) of these items: the selection (METEOR would cost far more)."""
     refs_tok = {it.id: [metrics.tokenize(r) for r in it.captions] for it in items}
     return 100 * metrics.cider_d(refs_tok, {i: metrics.tokenize(preds[i]) for i in refs_tok})[0]
 
 
 def score(items, preds, by_type=False):
-    """metrics.evaluate on these items (x100); by_type: CIDEr-D per CLEVR-Change type, each type's subset scored
-    on its own (as Park et al.'s per-type evaluation, the paper's Table 2)."""
+    """metrics.evaluate (x100); by_type: CIDEr-D of each CLEVR-Change type's subset (paper Table 2)."""
     scores = {k: 100 * v for k, v in metrics.evaluate({it.id: it.captions for it in items}, preds).items()}
     subsets = {t: [it for it in items if it.change_type == t] for t in (CHANGE_TYPES if by_type else ())}
     return scores, {t: cider(subset, preds) for t, subset in subsets.items() if subset}
@@ -390,14 +372,13 @@ def summary(scores):
 
 
 def final_test(model, loader, train_items, items, vocab, ctx, name, root, results_path, beam=1):
-    """The captioner on test -> results (scores, per change type on CLEVR, the constant-caption baseline, every
-    prediction; with scene records the read-back and the attention figure), to results_path and the log."""
+    """The captioner on test -> results (scores, by change type, the constant-caption baseline, predictions; with
+    scene records the read-back and attention figures), to results_path and the log."""
     t0 = time.time()
     preds = predict(model, loader, items, vocab, ctx, beam)
     scores, by_type = score(items, preds, by_type=name == "clevr")
     seconds = time.time() - t0
-    scenes = synth.read_scenes(root) if name == "clevr" else None  # the renderer's record: what really changed
-    # the attention figure needs the changed object's place (a synthetic set); N + 0 has no inter block to look at
+    scenes = synth.read_scenes(root) if name == "clevr" else None  # what really changed
     explained = bool(scenes) and synth.is_synthetic(root) and model.clip.cfg.n_inter > 0
     results = {"scores": scores, "scores_by_type": by_type,
                "baseline": metrics.constant_baseline([c for it in train_items for c in it.captions],
@@ -414,7 +395,6 @@ def final_test(model, loader, train_items, items, vocab, ctx, name, root, result
 
 
 def report(results, results_path, beam, n, seconds):
-    """final_test's results in a few lines."""
     scores, baseline, judged, attention = (results[k] for k in ("scores", "baseline", "read_back", "attention"))
     types = " ".join(f"{t} {v:.1f}" for t, v in results["scores_by_type"].items())
     log(f"test ({n} pairs, {'beam ' + str(beam) if beam > 1 else 'greedy'}, {seconds:.0f}s): "
@@ -441,7 +421,7 @@ def report(results, results_path, beam, n, seconds):
 
 
 def load_data(args, vocab=None):
-    """The "total" setting's splits, the vocabulary (a resumed run's, else built), every training caption's ids."""
+    """The "total" setting's splits, the vocabulary (a resumed run's, else built), the training captions' ids."""
     splits = {s: data.load_items(args.data, args.data_root, s, "total", args.skip_missing)
               for s in ("train", "val", "test")}
     if args.reverse:
@@ -456,7 +436,7 @@ def load_data(args, vocab=None):
 
 
 def new_model(args, vocab, clip):
-    """The pair encoder `clip` and a fresh captioner (the preset's kind) over its 2(m+1) tokens, in one module."""
+    """The pair encoder `clip` and a fresh captioner of the preset's kind."""
     common = dict(vocab_size=len(vocab), width=args.width, heads=args.heads, enc_layers=args.enc_layers,
                   dec_layers=args.dec_layers, max_len=MAX_LEN, dropout=args.dropout)
     if args.captioner == "authors":
@@ -469,7 +449,7 @@ def new_model(args, vocab, clip):
 
 
 def describe(model, rule, params, args):
-    """What trains at which rate (the rule, as a table) and the model in one line."""
+    """What trains at which rate, and the model in one line."""
     clip, cfg = model.clip.cfg, model.captioner.cfg
     log("what trains:\n" + policy_table(model.named_parameters(), rule))
     log(f"model: pair encoder {clip.vision_layers - clip.n_inter} + {clip.n_inter} "
@@ -479,21 +459,21 @@ def describe(model, rule, params, args):
 
 
 def loader_for(dataset, args, ctx, shuffle=False, batch=None):
-    """Batches of `dataset` in order, or shuffled by (seed, epoch); workers only where there are images."""
+    """Batches of `dataset` in order, or shuffled by (seed, epoch)."""
     workers = 0 if dataset.features is not None else args.workers
     return data.make_loader(dataset, batch or args.eval_batch_size, shuffle, workers, ctx.device,
                             drop_last=shuffle and len(dataset) > (batch or 1), seed=args.seed)
 
 
 def loaders(model, splits, caption_ids, args, ctx):
-    """Training, val and test loaders over the image cache; a frozen encoder runs once per pair, here."""
+    """Training, val and test loaders; a frozen encoder runs here, once per pair."""
     size = model.clip.cfg.image_resolution
     cache = data.open_image_cache([it for v in splits.values() for it in v], size, args.image_cache)
     feats = {}
     if args.freeze_encoder:
         t0 = time.time()
         for s, items in splits.items():
-            n = len(items) // 2 if s == "train" and args.reverse else len(items)  # then the same pairs reversed
+            n = len(items) // 2 if s == "train" and args.reverse else len(items)  # then reversed
             assert all(b.id == a.id + "_r" for a, b in zip(items[:n], items[n:])), "reversed pairs out of order"
             loader = loader_for(data.ImageDataset(items[:n], size, cache), args, ctx)
             feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
@@ -509,7 +489,7 @@ def loaders(model, splits, caption_ids, args, ctx):
 
 
 def validate(model, loader, items, vocab, scenes, ctx):
-    """Val CIDEr-D (the selection); with scene records what the captions get right."""
+    """Val CIDEr-D; with scene records what the captions get right."""
     preds = predict(model, loader, items, vocab, ctx)
     val = {"CIDEr-D": cider(items, preds)}
     if scenes:
@@ -519,7 +499,7 @@ def validate(model, loader, items, vocab, scenes, ctx):
 
 
 def checkpoint(model, vocab, args, figures):
-    """What evaluate.py needs to rebuild the captioner (load_captioner), plus what produced it."""
+    """What load_captioner rebuilds the captioner from, and what produced it."""
     return {"model": model.clip.state_dict(), "captioner": model.captioner.state_dict(), "captioner_kind":
             args.captioner, "config": asdict(model.clip.cfg), "captioner_config": asdict(model.captioner.cfg),
             "vocab": vocab, "data": {"name": args.data, "root": args.data_root,
@@ -528,7 +508,7 @@ def checkpoint(model, vocab, args, figures):
 
 
 def test_best(model, loader, splits, vocab, history, args, ctx):
-    """The model chosen on val, from --out, tested once; the test figures are added to --out."""
+    """The model chosen on val (--out) tested once; its figures added to --out."""
     chosen = torch.load(args.out, map_location=ctx.device, weights_only=True)
     model.clip.load_state_dict(chosen["model"])
     model.captioner.load_state_dict(chosen["captioner"])
@@ -541,19 +521,17 @@ def test_best(model, loader, splits, vocab, history, args, ctx):
 
 
 def main(argv=None):
-    """Train a captioner on the pair encoder of --ckpt, select it on val CIDEr-D, test it once."""
     args = settings(argv)
     ctx = setup(args.seed, args.device, args.amp)
     log(f"caption.py: preset {args.preset} on {where(ctx)} | {args.line()}")
     state = load_resume(args.out) if args.resume else None
     clip = clip_load.load_clip(args.ckpt, ctx.device, args.n_inter)
     if not args.adapted:
-        log(f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5), its pair "
-            f"parameters e1, e2, p, ln_mid as the file has them or freshly initialized")
+        log(f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5)")
     if args.authors_numerics:
         authors_fp16_(clip)
     splits, vocab, caption_ids = load_data(args, state and state["vocab"])
-    scenes = synth.read_scenes(args.data_root) if args.data == "clevr" else None  # the synthetic set's records
+    scenes = synth.read_scenes(args.data_root) if args.data == "clevr" else None
 
     model = new_model(args, vocab, clip).to(ctx.device)
     rule = lr_rule(args)
@@ -570,11 +548,11 @@ def main(argv=None):
                  warmup_cosine(optimizer, total_steps, args.warmup))
     run = resume_run(state, model, optimizer, scheduler, args) if state else new_run()
     stop = args.epochs
-    if run["epochs_without_gain"] >= args.patience:  # a run that stopped early stays stopped
+    if run["epochs_without_gain"] >= args.patience:  # it stays stopped
         stop = run["epoch"]
         log(f"the run had stopped early after epoch {stop}: no more training, the test of epoch {run['best_epoch']}")
 
-    def step(batch):  # forward, loss, backward, clip, optimizer step, schedule
+    def step(batch):
         optimizer.zero_grad(set_to_none=True)
         with ctx.amp:
             loss = batch_loss(model, batch, ctx.device, args.freeze_encoder, args.pair_distractors)
@@ -585,7 +563,7 @@ def main(argv=None):
         scheduler.step()
         return loss.detach()
 
-    # select on val CIDEr-D, stop after --patience epochs without gain (the paper preset: a tie is a gain)
+    # select on val CIDEr-D, stop after --patience epochs without gain
     t_start = time.time()
     try:
         for epoch in range(run["epoch"], stop):
@@ -615,5 +593,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except data.BadImage as e:  # an undecodable image met while training: its name and what to do, no traceback
+    except data.BadImage as e:  # its name and what to do, no traceback
         raise SystemExit(data.exit_message(e)) from None

@@ -1,10 +1,10 @@
-"""Getting CLIP into clip4idc: weights, the BPE tokenizer, image preprocessing.
+"""CLIP's weights, BPE tokenizer and preprocessing.
 
-- `load_clip` reads OpenAI's TorchScript archive, a plain state dict, the authors' CLIP4IDC checkpoints (`clip.*`)
-  or our own `adapted.pt` -> the fp32 model of `model.py`. "ViT-B/32" is ~/.cache/clip/ViT-B-32.pt (downloaded,
-  SHA256 checked). `authors_captioner` renames the authors' `decoder.*` keys onto `model.Captioner`.
-- `tokenize` / `decode`: OpenAI's byte-level BPE (the ids of `clip.tokenize`), its vocabulary in assets/.
-- `preprocess`: a bicubic squash to the input size (the authors': a change at the border survives), CLIP's mean/std.
+- `load_clip`: OpenAI's TorchScript archive, a state dict, the authors' checkpoints (`clip.*`) or our adapted.pt ->
+  model.CLIP in fp32; "ViT-B/32" is downloaded to ~/.cache/clip, SHA256 checked. `authors_captioner` renames the
+  authors' `decoder.*` keys onto model.Captioner.
+- `tokenize` / `decode`: OpenAI's byte-level BPE, the ids of `clip.tokenize`.
+- `preprocess`: a bicubic squash to the input size (the authors'; a change at the border survives), CLIP's mean/std.
 """
 import argparse
 import gzip
@@ -27,18 +27,18 @@ from model import build_model, config_of
 # -----------------------------------------------------------------------------
 # weights
 
-MODELS = {  # the sha256 is the URL's path component, as OpenAI publishes it
+MODELS = {  # the SHA256 is in the URL
     "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
                 "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
 }
 CACHE = Path(os.environ.get("CLIP_CACHE", Path.home() / ".cache" / "clip"))
 WEIGHTS = "README 'Real data and OpenAI's weights'"  # where to get OpenAI's weights
-# the small CLIPs pretrain.py pretrained on synthetic scenes, shipped: loaded by name, checked as OpenAI's
+# the small CLIPs pretrain.py pretrained on synthetic scenes, shipped
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED = {"mini-synth": ("clip_mini_synth.pt", "01b1c8f6b466124bc64bbec45f9943b00de0b6110118ea78b5ab3607776e228a"),
-           # the 12x12-grid one (8-px patches, --object-loss 1): the quickstart's (adapt.py's mini preset)
+           # 12x12 patches, --object-loss 1: the quickstart's
            "mini12-synth": ("clip_mini12_synth.pt", "c867cbc98bafedfaab3a87372ef481f514ed50fd41b4cee028ffb0ce11bcdae6"),
-           # the same recipe on scenes drawn as CLEVR renders them (pretrain.py --world clevr): it sees CLEVR's objects
+           # the same on scenes drawn as CLEVR renders them (pretrain.py --world clevr)
            "mini12-clevr": ("clip_mini12_clevr.pt", "a22d414ce5a4c40dba9d13a097a9e16affa3de5606c082fbac994c27ae0425dd")}
 NON_PARAMETERS = ("input_resolution", "context_length", "vocab_size")  # scalars in OpenAI's state dict
 
@@ -52,18 +52,15 @@ def sha256(path, chunk=1 << 20):
 
 
 def resolve(name_or_path):
-    """A released name -> its cached file (downloaded if absent); a shipped one's -> its file in assets/ (SHA256
-    checked); anything else is a path."""
+    """A released name -> its cached file (downloaded if absent); a shipped one -> its file in assets/; else a path."""
     if name_or_path in SHIPPED:
         file, expected = SHIPPED[name_or_path]
         path = ASSETS / file
         if not path.is_file():
-            raise SystemExit(f"{path} is missing: restore it with `git checkout -- {Path('assets') / file}`, or make "
-                             f"it again with pretrain.py (RESULTS.md 'The mini CLIP')")
+            raise SystemExit(f"{path} is missing: restore it with `git checkout -- {Path('assets') / file}`")
         if (got := sha256(path)) != expected:
-            raise SystemExit(f"{path} has SHA256 {got}, expected {expected}: the file is corrupt or was changed. "
-                             f"Restore it with `git checkout -- {Path('assets') / file}` (or, after pretraining "
-                             f"anew, put the new SHA256 in clip_load.SHIPPED)")
+            raise SystemExit(f"{path} has SHA256 {got}, expected {expected}: restore it with `git checkout -- "
+                             f"{Path('assets') / file}` (or put a new one's in clip_load.SHIPPED)")
         return path
     if name_or_path not in MODELS:
         path = Path(name_or_path).expanduser()
@@ -76,12 +73,12 @@ def resolve(name_or_path):
     if path.is_file():
         if sha256(path) == expected:
             return path
-        print(f"{path} has the wrong SHA256 (truncated or corrupt download?): downloading it again")
+        print(f"{path} has the wrong SHA256: downloading it again")
     return download(url, path, expected)
 
 
 def weights_arg(text):
-    """argparse type of --clip: a released or shipped name, or a file that exists."""
+    """argparse type of --clip: a released or shipped name, or a file."""
     if text in MODELS or text in SHIPPED or Path(text).expanduser().is_file():
         return text
     raise argparse.ArgumentTypeError(f"no file at {text}: give a checkpoint's path, one of {list(MODELS)} "
@@ -100,21 +97,19 @@ def download(url, path, expected):
                 done += len(block)
                 print(f"\r  {done / 2**20:.0f}/{total / 2**20:.0f} MiB", end="", flush=True)
         print()
-    except OSError as e:  # URLError, timeouts, disk full
+    except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise SystemExit(f"could not download {url} ({e}). Offline? Download ViT-B-32.pt on a machine with "
-                         f"internet and copy it to {path}, or give its path (adapt.py --clip, caption.py --ckpt), or "
-                         f"pass --preset mini for the small CLIP that ships here; see {WEIGHTS}.") from None
+        raise SystemExit(f"could not download {url} ({e}). Offline? Copy ViT-B-32.pt to {path}, or pass --preset "
+                         f"mini for the shipped small CLIP; see {WEIGHTS}.") from None
     if (got := sha256(tmp)) != expected:
         tmp.unlink()
         raise SystemExit(f"downloaded {url} but its SHA256 is {got}, expected {expected}: try again")
-    tmp.rename(path)  # atomic: a crash never leaves a half file under the final name
+    tmp.rename(path)
     return path
 
 
 def read_state_dict(path):
-    """A checkpoint file -> (CLIP state dict in our names, the file's other entries); the authors' `decoder.*`
-    entries in extra["decoder"]."""
+    """A checkpoint -> (CLIP state dict, the file's other entries; the authors' `decoder.*` in extra["decoder"])."""
     path = Path(path)
     what = f"{path} ({path.stat().st_size / 2**20:.1f} MiB)"
     try:
@@ -122,8 +117,8 @@ def read_state_dict(path):
             sd = torch.jit.load(str(path), map_location="cpu").state_dict()  # OpenAI's TorchScript archive
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # zip/pickle/jit errors all mean the same thing to the user
-        why = (str(e).splitlines() or [""])[0][:200]  # an empty file's EOFError has no message
+    except Exception as e:  # zip, pickle and jit errors alike
+        why = (str(e).splitlines() or [""])[0][:200]
         raise SystemExit(f"could not read {what}: {type(e).__name__}: {why}. The file is truncated, corrupt, or not a "
                          f"PyTorch checkpoint: download it again ({WEIGHTS}).") from None
     extra = {}
@@ -132,8 +127,8 @@ def read_state_dict(path):
         sd = sd["model"]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise SystemExit(f"{what} holds a {type(sd).__name__}, not a state dict of tensors: not a CLIP checkpoint")
-    sd = {k.removeprefix("module."): v for k, v in sd.items()}  # saved from a DistributedDataParallel wrapper
-    if any(k.startswith("clip.") for k in sd):  # the authors' CLIP4IDC checkpoints
+    sd = {k.removeprefix("module."): v for k, v in sd.items()}  # saved from DDP
+    if any(k.startswith("clip.") for k in sd):  # the authors'
         if other := [k for k in sd if not k.startswith(("clip.", "decoder."))]:
             raise SystemExit(f"{what} holds keys neither clip.* nor decoder.* ({', '.join(other[:3])}): not a "
                              f"CLIP4IDC checkpoint of the authors' (their modules/modeling.py)")
@@ -148,13 +143,13 @@ def read_state_dict(path):
 
 
 def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
-    """CLIP (with the pair parameters the file has) in fp32, eval mode. n_inter None: the file's, else 3."""
+    """CLIP in fp32, eval mode. n_inter None: the file's, else 3."""
     path = resolve(path_or_name)
     return build_clip(*read_state_dict(path), path, n_inter).to(device).eval()
 
 
 def clip_config(path_or_name):
-    """The CLIPConfig of a weights file or name (downloaded if need be): the sizes the settings follow."""
+    """The CLIPConfig of a weights file or name."""
     path = resolve(path_or_name)
     sd, extra = read_state_dict(path)
     return config_of(sd, extra.get("config", {}).get("n_inter", 3))
@@ -176,7 +171,7 @@ def build_clip(sd, extra, path, n_inter=None):
     return model
 
 
-# the authors' captioner (module_decoder.py, BERT's names) -> model.Captioner: each name part replaced, in order
+# the authors' captioner (module_decoder.py, BERT's names) -> model.Captioner, replaced in order
 AUTHORS_NAMES = (
     ("decoder.layer.", "decoder."), ("encoder.layer.", "encoder."), ("slf_attn.att.query", "attn.q_proj"),
     ("slf_attn.output.dense", "attn.out_proj"), ("slf_attn.output.LayerNorm", "ln_1"),
@@ -185,14 +180,14 @@ AUTHORS_NAMES = (
     ("intermediate.dense", "mlp.c_fc"), ("output.dense", "mlp.c_proj"), ("output.LayerNorm", "ln_2"),
     ("embeddings.LayerNorm", "ln_emb"), ("classifier.cls.predictions.transform.dense", "head.dense"),
     ("classifier.cls.predictions.transform.LayerNorm", "head.ln"), ("classifier.cls.predictions.bias", "head_bias"))
-AUTHORS_TIED = {"embeddings.word_embeddings.weight": "token_embedding.weight",  # the CLIP's own, in their file thrice
+AUTHORS_TIED = {"embeddings.word_embeddings.weight": "token_embedding.weight",  # CLIP's own
                 "classifier.cls.predictions.decoder.weight": "token_embedding.weight",
                 "embeddings.position_embeddings.weight": "positional_embedding"}
 
 
 def authors_captioner(decoder, clip_sd, path):
-    """Their `decoder.*` entries -> (model.Captioner's state dict, its encoder and decoder layers); their key and
-    value projections joined, the tied copies checked against the CLIP's embeddings."""
+    """Their `decoder.*` entries -> (model.Captioner's state dict, encoder layers, decoder layers); the tied copies
+    checked against CLIP's."""
     ours = {}
     for k, v in decoder.items():
         if k in AUTHORS_TIED:
@@ -203,7 +198,7 @@ def authors_captioner(decoder, clip_sd, path):
         for theirs, mine in AUTHORS_NAMES:
             k = k.replace(theirs, mine)
         ours[k] = v.float()
-    for k in [k for k in ours if ".key." in k]:  # e.g. decoder.0.cross_attn.key.weight
+    for k in [k for k in ours if ".key." in k]:  # key and value joined
         ours[k.replace(".key.", ".kv_proj.")] = torch.cat([ours.pop(k), ours.pop(k.replace(".key.", ".value."))])
     n = lambda stack: len({k.split(".")[1] for k in ours if k.startswith(stack + ".")})
     return ours, n("encoder"), n("decoder")
@@ -222,16 +217,15 @@ PAT = re.compile(r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[
 def bytes_to_unicode():
     """Every byte -> a printable character, so BPE works on bytes."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    rest = [b for b in range(256) if b not in bs]  # the others, in order, to the characters from 256 on
+    rest = [b for b in range(256) if b not in bs]  # to the characters from 256 on
     return dict(zip(bs + rest, map(chr, bs + [256 + n for n in range(len(rest))])))
 
 
 @lru_cache(maxsize=1)
 def vocab():
-    """(token -> id, merge pair -> rank), from the shipped merges file."""
+    """(token -> id, merge pair -> rank)."""
     if not BPE_PATH.is_file() or sha256(BPE_PATH) != BPE_SHA256:
-        raise SystemExit(f"{BPE_PATH} is missing or corrupt (SHA256 must be {BPE_SHA256}): restore it from git "
-                         f"or from the openai-clip package (clip/bpe_simple_vocab_16e6.txt.gz)")
+        raise SystemExit(f"{BPE_PATH} is missing or corrupt (SHA256 must be {BPE_SHA256}): restore it from git")
     merges = [tuple(m.split()) for m in gzip.open(BPE_PATH).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]]
     tokens = list(bytes_to_unicode().values())
     tokens = tokens + [t + "</w>" for t in tokens] + ["".join(m) for m in merges] + ["<|startoftext|>", "<|endoftext|>"]
@@ -240,7 +234,7 @@ def vocab():
 
 @lru_cache(maxsize=100_000)
 def bpe(word):
-    """One pre-tokenized word -> its BPE pieces (space-separated), merging the lowest-rank pair first."""
+    """A word -> its BPE pieces, the lowest-rank pair merged first."""
     ranks = vocab()[1]
     parts = list(word[:-1]) + [word[-1] + "</w>"]
     while len(parts) > 1:
@@ -248,7 +242,7 @@ def bpe(word):
         if best not in ranks:
             break
         merged, i = [], 0
-        while i < len(parts):  # every occurrence of the best pair merged, left to right
+        while i < len(parts):
             n = 2 if tuple(parts[i:i + 2]) == best else 1
             merged.append("".join(parts[i:i + n]))
             i += n
@@ -257,12 +251,12 @@ def bpe(word):
 
 
 def encode(text):
-    """A string -> BPE ids without start/end tokens, cleaned as OpenAI's tokenizer does."""
+    """A string -> BPE ids without start/end tokens, cleaned as OpenAI's."""
     encoder, byte_encoder = vocab()[0], bytes_to_unicode()
     text = re.sub(r"\s+", " ", html.unescape(html.unescape(ftfy.fix_text(text))).strip()).strip().lower()
     ids = []
     for word in re.findall(PAT, text):
-        if word in ("<|startoftext|>", "<|endoftext|>"):  # special tokens written in the text stay whole
+        if word in ("<|startoftext|>", "<|endoftext|>"):
             ids.append(encoder[word])
         else:
             ids.extend(encoder[piece] for piece in bpe("".join(byte_encoder[b] for b in word.encode("utf-8"))))
@@ -270,7 +264,7 @@ def encode(text):
 
 
 def decode(ids):
-    """BPE ids -> text, as OpenAI's tokenizer decodes."""
+    """BPE ids -> text, as OpenAI's."""
     text = "".join(bpe_tokens()[i] for i in ids)
     byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
     return bytearray(byte_decoder[c] for c in text).decode("utf-8", errors="replace").replace("</w>", " ")
@@ -283,7 +277,7 @@ def bpe_tokens():
 
 
 def tokenize(texts, context_length=77, truncate=False):
-    """Like `clip.tokenize`: LongTensor [N, context_length] = SOT, ids, EOT, zero padding."""
+    """As `clip.tokenize`: [N, context_length] = SOT, ids, EOT, zero padding."""
     texts = [texts] if isinstance(texts, str) else texts
     out = torch.zeros(len(texts), context_length, dtype=torch.long)
     for i, text in enumerate(texts):
@@ -298,8 +292,7 @@ def tokenize(texts, context_length=77, truncate=False):
 
 
 def trim(ids, static=False):
-    """Token ids (B, L) cut after the batch's last end token: the same features (the text tower is causal), less
-    work; static (--compile, CUDA graphs): uncut, one shape for every step."""
+    """Token ids (B, L) cut after the batch's last end token (the text tower is causal); static: one shape."""
     return ids if static else ids[:, :int(ids.argmax(-1).max()) + 1]
 
 
@@ -311,7 +304,7 @@ STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def to_rgb(image):
-    """Any PIL mode -> RGB; 16-bit greyscale scaled by its depth, float from 0..1 (PIL alone would clip at 255)."""
+    """Any PIL mode -> RGB; 16-bit and float greyscale scaled (PIL would clip at 255)."""
     if image.mode in ("I", "I;16", "I;16B", "I;16L", "I;16N", "F"):
         a = np.asarray(image, dtype=np.float64) * (255.0 if image.mode == "F" else 255.0 / 65535)
         image = Image.fromarray(np.clip(a + 0.5, 0, 255).astype(np.uint8), "L")
@@ -319,16 +312,16 @@ def to_rgb(image):
 
 
 def resize_uint8(image, size=224):
-    """PIL image -> uint8 [3, size, size]: a bicubic squash (the authors'; OpenAI's crops)."""
+    """PIL image -> uint8 [3, size, size], squashed (the authors'; OpenAI's crops)."""
     image = to_rgb(image).resize((size, size), Image.BICUBIC)
-    return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)  # (3, size, size)
+    return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
 
 
-_MEAN_STD = {}  # device -> CLIP's mean and std there, made once: a CUDA graph's capture copies nothing
+_MEAN_STD = {}  # device -> CLIP's mean and std there, made once (a CUDA graph copies nothing)
 
 
 def normalize(x):
-    """uint8 [..., 3, H, W] -> float32 normalized with CLIP's mean/std."""
+    """uint8 [..., 3, H, W] -> float32, CLIP's mean/std."""
     if x.device not in _MEAN_STD:
         _MEAN_STD[x.device] = [torch.tensor(v, device=x.device).view(3, 1, 1) for v in (MEAN, STD)]
     mean, std = _MEAN_STD[x.device]
@@ -336,7 +329,7 @@ def normalize(x):
 
 
 def preprocess(image, size=224):
-    """PIL image of any size/mode -> FloatTensor [3, size, size], ready for the model."""
+    """PIL image -> float [3, size, size] for the model."""
     return normalize(resize_uint8(image, size))
 
 

@@ -1,7 +1,6 @@
-"""How data gets into the model: CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders (each pair
-an `Item`), the training samples (`CaptionDataset`), images for evaluation (`ImageDataset`), both read from a
-decoded-image cache (`ImageCache`) or streamed. With no CLEVR-Change at data/clevr_change, `resolve_root("clevr")`
-renders synth.py's CLEVR-Change-style set once and uses it.
+"""Data: the CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders (each pair an `Item`), the
+training samples (`CaptionDataset`) and evaluation images (`ImageDataset`), read from a decoded-image cache or
+streamed. Without CLEVR-Change, `resolve_root("clevr")` renders synth.py's set once.
 """
 import hashlib
 import json
@@ -36,13 +35,12 @@ class Item(NamedTuple):
     before: str  # path
     after: str  # path
     captions: list
-    change_type: str | None = None  # clevr: color/material/move/add/drop/distractor; None for spot/ier/levir
-    alt_before: str | None = None  # clevr semantic pairs: the non-semantic image, for the adaptation swap
+    change_type: str | None = None  # clevr: color/material/move/add/drop/distractor
+    alt_before: str | None = None  # clevr: the non-semantic image, for the adaptation swap
 
 
 def resolve_root(name, root=None, synth_pairs=3000, synth_size=synth.IMAGE_SIZE, seed=0, workers=None):
-    """The dataset's directory; for "clevr" with none given or at data/clevr_change, the synthetic set, rendered
-    once."""
+    """The dataset's directory; "clevr" without one: the synthetic set, rendered once."""
     if name not in ROOTS:
         raise SystemExit(f"unknown dataset {name!r}: expected one of {list(ROOTS)}")
     if root is not None or name != "clevr" or Path(ROOTS[name]).exists():
@@ -54,7 +52,7 @@ def resolve_root(name, root=None, synth_pairs=3000, synth_size=synth.IMAGE_SIZE,
 
 
 def is_real(name, root=None):
-    """A dataset is at root (default data/<name>), and not the synthetic set (its synth.json): the presets follow it."""
+    """A dataset at root (default data/<name>) that is not the synthetic set (its synth.json)."""
     root = Path(root or ROOTS[name])
     return root.exists() and not (root / "synth.json").is_file()
 
@@ -70,8 +68,8 @@ def resolve_synth(out, pairs, seed, size=synth.IMAGE_SIZE, workers=None, world="
 
 
 def load_items(name, root, split, setting="total", skip_missing=False, images=True):
-    """Items of one split. clevr "semantic": change pairs only (adaptation); "total": with the distractor pairs
-    and their no-change captions. images=False: the images not looked for (the baseline's captions)."""
+    """Items of one split. clevr "semantic": change pairs only; "total": and the distractor pairs. images=False: the
+    images not looked for."""
     root = Path(root)
     if not root.is_dir():
         raise SystemExit(f"no {name} dataset at {root} (--data-root; default {ROOTS[name]}): expected its "
@@ -82,12 +80,11 @@ def load_items(name, root, split, setting="total", skip_missing=False, images=Tr
 
 
 def reversed_pairs(items, root):
-    """The synthetic set's pairs as (after, before), captioned backwards from the scene records (synth.reverse: an
-    added object is now dropped); distractors keep their "no change" captions."""
+    """The synthetic set's pairs as (after, before), captioned from the scene records (an addition is now a drop)."""
     scenes = synth.read_scenes(root) if synth.is_synthetic(root) else None
     if scenes is None:
-        raise SystemExit(f"--reverse needs the synthetic set's scene records ({Path(root) / 'scenes.json'}): real "
-                         f"datasets have no record of what changed to caption a pair backwards; pass --no-reverse")
+        raise SystemExit(f"--reverse needs the synthetic set's scene records ({Path(root) / 'scenes.json'}): pass "
+                         f"--no-reverse")
     style = json.loads((Path(root) / "synth.json").read_text()).get("caption_style", "ours")
     return [Item(it.id + "_r", it.after, it.before, it.captions, "distractor") if it.change_type == "distractor" else
             Item(it.id + "_r", it.after, it.before, synth.reversed_captions(scenes[it.id], it.id, style),
@@ -95,7 +92,7 @@ def reversed_pairs(items, root):
 
 
 def _nonempty_captions(items, name, split):
-    """Empty captions are left out, and a pair with none left, counted."""
+    """Empty captions left out, and pairs with none left, counted."""
     kept = [it._replace(captions=[c for c in it.captions if c.strip()]) for it in items]
     n_empty = sum(len(a.captions) - len(b.captions) for a, b in zip(items, kept))
     if n_empty:
@@ -105,7 +102,6 @@ def _nonempty_captions(items, name, split):
 
 
 def _read_json(path, what, valid=lambda obj: True):
-    """An annotation file of the shape `valid` checks."""
     if not path.is_file():
         raise SystemExit(f"missing {path}: expected {what} there, {SEE}")
     try:
@@ -117,7 +113,6 @@ def _read_json(path, what, valid=lambda obj: True):
 
 
 def _expect(ok, path, what):
-    """A file of the wrong shape: a message naming it and the shape expected."""
     if not ok:
         raise SystemExit(f"{path} is not in the expected format: {what} ({SEE})")
 
@@ -153,13 +148,13 @@ def _clevr(root, split, setting):
         default, sc, nsc = (str(root / d / f"CLEVR_{n}_{i:06d}.png") for d, n in
                             (("images", "default"), ("sc_images", "semantic"), ("nsc_images", "nonsemantic")))
         items.append(Item(f"{i:06d}", default, sc, change[key], types.get(i), nsc))
-        if setting == "total":  # the distractor pair: only viewpoint/lighting differ
+        if setting == "total":  # the distractor pair: viewpoint and lighting differ
             items.append(Item(f"{i:06d}_n", default, nsc, same[key], "distractor"))
     return items
 
 
 def _first_dir(root, names):
-    """The first of these directories that exists (archives unpack in different ways)."""
+    """The first of these directories that exists (archives unpack differently)."""
     return next((root / n for n in names if (root / n).is_dir()), root)
 
 
@@ -170,7 +165,7 @@ def _spot(root, split):
     entries = _read_json(ann, want, lambda obj: isinstance(obj, list) and all(
         isinstance(d, dict) and isinstance(d.get("img_id"), (int, str)) and _captions_ok(d.get("sentences"))
         for d in obj))
-    merged = {}  # an img_id can repeat: its sentences are merged, in file order
+    merged = {}  # a repeated img_id's sentences merged
     for d in entries:
         merged.setdefault(str(d["img_id"]), []).extend(d["sentences"])
     return [Item(i, str(images / f"{i}.png"), str(images / f"{i}_2.png"), s) for i, s in merged.items()]
@@ -188,7 +183,7 @@ def _ier(root, split):
 
 
 def _levir(root, split):
-    """LEVIR-CC (Liu et al. 2022): Karpathy-style LevirCCcaptions.json, images/{split}/A (before) and B (after)."""
+    """LEVIR-CC: LevirCCcaptions.json, images/{split}/A (before) and B (after)."""
     ann = root / "LevirCCcaptions.json"
     want = ('LEVIR-CC captions {"images": [{"filename": "train_000016.png", "split": "train", "sentences": '
             '[{"raw": "..."}, ...]}, ...]}')
@@ -203,27 +198,27 @@ def _levir(root, split):
 
 
 class BadImage(OSError):
-    """An image that cannot be decoded; its message names the file and what to do."""
+    """An undecodable image; its message says which and what to do."""
 
 
 def exit_message(error):
-    """A BadImage's own message (a DataLoader re-raises it with the worker's traceback)."""
+    """A BadImage's own message (a DataLoader adds the worker's traceback)."""
     return str(error).strip().splitlines()[-1].removeprefix(f"{__name__}.BadImage: ").removeprefix("BadImage: ")
 
 
 def _readable(path):
     try:
         with Image.open(path) as im:
-            im.load()  # decodes it all: a truncated file fails here, not its header
+            im.load()  # a truncated file fails here
         return True
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
         return False
 
 
 def _check_files(items, name, root, split, skip_missing):
-    """Missing images are an error; --skip-missing drops those pairs (and unreadable ones), counted."""
+    """Missing images are an error; skip_missing drops those pairs (and unreadable ones), counted."""
     paths = lambda it: [p for p in (it.before, it.after, it.alt_before) if p]
-    if skip_missing:  # every image decoded once, over the cores
+    if skip_missing:
         with Pool(min(os.cpu_count() or 1, 8)) as pool:
             ok = dict(zip(image_paths(items), pool.map(_readable, image_paths(items), chunksize=64)))
         kept = [it for it in items if all(ok[p] for p in paths(it))]
@@ -239,12 +234,12 @@ def _check_files(items, name, root, split, skip_missing):
 
 
 # -----------------------------------------------------------------------------
-# torch datasets: the same three classes serve all datasets
+# torch datasets
 
 
 def _decode_uint8(path, size):
-    """The one decoding rule (streamed, cached): squash to size x size, uint8 [3, S, S]. An unreadable file raises
-    BadImage, an Exception: a SystemExit in a Pool worker would leave the pool waiting forever."""
+    """The decoding rule: squashed to uint8 [3, size, size]. An unreadable file raises BadImage (a SystemExit would
+    hang a Pool)."""
     try:
         return resize_uint8(open_image(path), size).numpy()
     except SystemExit as e:
@@ -257,11 +252,11 @@ def image_paths(items):
     return sorted({p for it in items for p in (it.before, it.after, it.alt_before) if p})
 
 
-PREPROCESS = "squash-bicubic-uint8-v1"  # the decoding rule above: change the name when it changes (old caches unread)
+PREPROCESS = "squash-bicubic-uint8-v1"  # renamed when the decoding rule changes
 
 
 def cache_dir(directory=None):
-    """`directory`, else $CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images (under $XDG_CACHE_HOME)."""
+    """`directory`, else $CLIP4IDC_IMAGE_CACHE, else $XDG_CACHE_HOME's (~/.cache's) clip4idc/images."""
     home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return Path(directory or os.environ.get("CLIP4IDC_IMAGE_CACHE") or home / "clip4idc" / "images")
 
@@ -277,8 +272,8 @@ def use_image_cache(items, size, flag=None, directory=None):
 
 
 class ImageCache:
-    """Every image of some items decoded once to uint8 [N, 3, S, S] in a file read through a memmap, reused by later
-    runs; its name hashes the preprocessing, the size and every image's path, size and time."""
+    """The items' images decoded once to uint8 [N, 3, S, S] in a memmapped file, reused by later runs; its name hashes
+    the preprocessing, the size and every image's path, size and time."""
 
     def __init__(self, items, size, workers=2, log_every=0, directory=None):
         paths = image_paths(items)
@@ -288,7 +283,7 @@ class ImageCache:
         self.index = {p: i for i, p in enumerate(paths)}
         self.built = not (self.folder / "images.npy").is_file()
         self.rate = _build_cache(self.folder, paths, size, workers, log_every) if self.built else None  # images/s
-        # copy-on-write: a writable view for torch (nothing writes to it), pages shared between processes
+        # copy-on-write: writable for torch, shared between processes
         self.array = np.load(self.folder / "images.npy", mmap_mode="c")
         if self.array.shape != (len(paths), 3, size, size):
             raise SystemExit(f"image cache {self.folder} holds {self.array.shape}, not {(len(paths), 3, size, size)}:"
@@ -322,7 +317,7 @@ def _build_cache(folder, paths, size, workers, log_every):
                         rate = (i + 1) / (time.time() - t0)
                         print(f"   decoding images into {folder}: {i + 1}/{len(paths)}, {rate:.0f} images/s, ETA "
                               f"{(len(paths) - i - 1) / rate:.0f}s", flush=True)
-            except OSError as e:  # BadImage: its message says what to do
+            except OSError as e:  # BadImage
                 raise SystemExit(str(e)) from None
         array.flush()
         del array
@@ -332,7 +327,7 @@ def _build_cache(folder, paths, size, workers, log_every):
         except OSError:  # another run finished the same cache first
             if not (folder / "images.npy").is_file():
                 raise
-            shutil.rmtree(tmp, ignore_errors=True)  # same name, same images: theirs is ours
+            shutil.rmtree(tmp, ignore_errors=True)  # same name, same images
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -340,22 +335,21 @@ def _build_cache(folder, paths, size, workers, log_every):
 
 
 def _start_build(folder):
-    """This process's build folder next to `folder` (named by host and pid); dead builds' leftovers on this host
-    removed first, live ones left alone."""
+    """This process's build folder beside `folder` (host, pid); dead builds' leftovers on this host removed."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     host = socket.gethostname()
     for old in folder.parent.glob(f"{folder.name}.tmp-{host}-*"):
         if not _alive(int(old.name.rsplit("-", 1)[1])):
             shutil.rmtree(old, ignore_errors=True)
     tmp = folder.parent / f"{folder.name}.tmp-{host}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from a build it abandoned
+    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     return tmp
 
 
 def _alive(pid):
     try:
-        os.kill(pid, 0)  # no signal sent: does the process exist?
+        os.kill(pid, 0)  # no signal sent
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -375,8 +369,8 @@ def open_image_cache(items, size, flag=None, directory=None):
 
 
 class _Pairs(torch.utils.data.Dataset):
-    """Items -> dicts of uint8 images "before", "after" (or "features", a frozen encoder's tokens) and the
-    dataset's own fields; `parts(key)` says what a sample is, `__getitems__` builds whole batches."""
+    """Items -> dicts of uint8 "before", "after" (or "features", a frozen encoder's tokens) and the dataset's
+    fields; `parts(key)` says what a sample is, `__getitems__` builds whole batches."""
 
     def __init__(self, items, size=224, cache=None, features=None):
         self.items, self.size, self.cache, self.features = items, size, cache, features
@@ -402,7 +396,7 @@ class _Pairs(torch.utils.data.Dataset):
 
 
 def sample_rng(seed, epoch, index):
-    """A sample's random choices come from (seed, epoch, index) alone: the same in any worker, and on resume."""
+    """A sample's random choices, from (seed, epoch, index) alone: alike in any worker and on resume."""
     return np.random.default_rng([seed, epoch, index])
 
 
@@ -415,19 +409,19 @@ def set_epoch(loader, epoch):
 
 class CaptionDataset(_Pairs):
     """Training samples -> {"before", "after" (or "features"), "ids", "index"}: one per caption, or (draw) one per
-    pair with a caption drawn per epoch; `ids`: the captions' token rows (default: CLIP's BPE); swap_prob: the
-    chance of the scene's non-semantic before image (CLEVR)."""
+    pair, its caption drawn per epoch; ids: every caption's tokens (default CLIP's BPE); swap_prob: the chance of the
+    non-semantic before image."""
 
     def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None, seed=0, ids=None,
                  draw=False, features=None):
         super().__init__(items, size, cache, features)
-        if ids is None:  # every caption tokenized once (load_items has dropped the empty ones)
+        if ids is None:
             ids = tokenize([c for it in items for c in it.captions], context_length, truncate=True)
-        self.tokens = ids  # every caption's token row, in item order
+        self.tokens = ids
         owners = [i for i, it in enumerate(items) for _ in it.captions]
         counts = [len(it.captions) for it in items]
         self.first = np.cumsum([0] + counts[:-1]).tolist()  # each item's first caption row
-        # a sample = (item index, its token row; None: drawn per epoch)
+        # a sample: (item index, its token row or None: drawn)
         self.samples = [(i, None) for i in range(len(items))] if draw else list(zip(owners, range(len(owners))))
         self.counts, self.swap_prob, self.seed, self.epoch = counts, swap_prob, seed, 0
 
@@ -438,7 +432,7 @@ class CaptionDataset(_Pairs):
         i, r = self.samples[k]
         it = self.items[i]
         rng = sample_rng(self.seed, self.epoch, k) if r is None or (it.alt_before and self.swap_prob) else None
-        if r is None:  # draw=True: one of the pair's captions
+        if r is None:
             r = self.first[i] + int(rng.integers(self.counts[i]))
         swap = it.alt_before and self.swap_prob and rng.random() < self.swap_prob
         return self.pair(i, it.alt_before if swap else it.before, ids=self.tokens[r], index=i)
@@ -455,7 +449,7 @@ class ImageDataset(_Pairs):
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """Indices in an order of (seed, epoch) alone: a resumed run sees the same batches."""
+    """Indices in an order of (seed, epoch) alone, as on resume."""
 
     def __init__(self, n, shuffle, seed=0):
         self.n, self.shuffle, self.seed, self.epoch = n, shuffle, seed, 0
@@ -472,8 +466,8 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 class DistractorBatches(torch.utils.data.Sampler):
-    """Stage 2's batches as the authors' (dataloader_clevr_caption.py 197-213): `batch` change pairs in an order of
-    (seed, epoch), then each one's distractor; the last incomplete batch dropped. `pairs`: (change, distractor)."""
+    """Stage 2's batches as the authors' (dataloader_clevr_caption.py 197-213): `batch` change pairs, then their
+    distractors; pairs: (change, distractor) indices."""
 
     def __init__(self, pairs, batch, seed=0):
         self.pairs, self.batch, self.order = pairs, batch, EpochSampler(len(pairs), True, seed)
@@ -492,8 +486,7 @@ class DistractorBatches(torch.utils.data.Sampler):
 
 
 def distractor_partners(items):
-    """(change index, distractor index) of each change pair with its scene's distractor in `items` (000042 and
-    000042_n; reversed, 000042_r and 000042_n_r)."""
+    """(change, distractor) indices of each change pair whose distractor is in `items` (000042, 000042_n)."""
     index = {it.id: i for i, it in enumerate(items)}
     partner = lambda i: i[:-2] + "_n_r" if i.endswith("_r") else i + "_n"
     return [(i, index[partner(it.id)]) for i, it in enumerate(items)
@@ -501,7 +494,7 @@ def distractor_partners(items):
 
 
 def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0, pairs=None):
-    """DataLoader with an EpochSampler (given `pairs`, DistractorBatches), pinned memory on CUDA."""
+    """A DataLoader with an EpochSampler (or DistractorBatches of `pairs`)."""
     order = dict(batch_sampler=DistractorBatches(pairs, batch_size, seed)) if pairs is not None else dict(
         batch_size=batch_size, sampler=EpochSampler(len(dataset), shuffle, seed), drop_last=drop_last)
     return torch.utils.data.DataLoader(
@@ -510,4 +503,4 @@ def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", dro
 
 
 def _whole(batch):
-    return batch  # the dataset's __getitems__ built the batch
+    return batch  # __getitems__ built it

@@ -1,4 +1,4 @@
-"""Evaluate a trained captioner (caption.py's captioner.pt, or the authors' released one), or caption two images.
+"""Evaluate a captioner (caption.py's, or the authors' released one), or caption two images.
 
     python evaluate.py --ckpt captioner.pt                        # test scores, baseline, predictions (--beam 3)
     python evaluate.py --ckpt captioner.pt --gallery gallery.png  # and test pairs drawn with their captions
@@ -15,7 +15,7 @@ import caption
 import clip_load
 import data
 import plots
-from train_utils import HelpFormatter, at_least, device_arg, given_flags, log, setup
+from train_utils import HelpFormatter, at_least, device_flags, given_flags, log, setup
 
 PAIR_ONLY = {"explain"}  # with --before/--after
 TEST_ONLY = {"data", "data_root", "skip_missing", "results", "gallery", "workers", "eval_batch_size"}
@@ -23,10 +23,9 @@ TEST_ONLY = {"data", "data_root", "skip_missing", "results", "gallery", "workers
 
 def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--ckpt", default="captioner.pt", help="a captioner: caption.py's, or the authors' released one "
-                   "(pytorch_model.bin.clevr)")
+    p.add_argument("--ckpt", default="captioner.pt", help="a captioner: caption.py's, or the authors'")
     p.add_argument("--data", choices=["clevr", "spot", "ier", "levir"], default=None,
-                   help="dataset (default: the one the captioner was trained on, else clevr)")
+                   help="dataset (default: the captioner's, else clevr)")
     p.add_argument("--data-root", default=None, help="dataset directory (default: the captioner's, else data/...)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
     p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
@@ -34,13 +33,11 @@ def parser():
     p.add_argument("--gallery", default=None, help="also draw test pairs with their captions into this PNG")
     p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
     p.add_argument("--eval-batch-size", type=at_least(1), default=64, help="pairs per decoding batch")
-    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
-                   help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
+    device_flags(p)
     p.add_argument("--before", default=None, help="caption this image pair instead of the test split")
     p.add_argument("--after", default=None, help="the 'after' image of --before")
-    p.add_argument("--explain", default=None, help="with --before/--after: also draw the caption, the two images "
-                                                   "and where the encoder looked into this PNG")
+    p.add_argument("--explain", default=None, help="with --before: also draw the caption, the images and where the "
+                   "encoder looked into this PNG")
     return p
 
 
@@ -54,7 +51,7 @@ def get_args(argv=None):
                 + ("captioning two images (--before/--after)" if args.before else "scoring the test split: give "
                    "--before and --after"))
     if not os.path.isfile(args.ckpt):
-        p.error(f"argument --ckpt: no file at {args.ckpt}: train a captioner with `python caption.py` first")
+        p.error(f"argument --ckpt: no file at {args.ckpt}: train one with `python caption.py` first")
     for flag, path in (("--before", args.before), ("--after", args.after)):
         if path and not os.path.isfile(path):
             p.error(f"argument {flag}: no image at {path}")
@@ -65,7 +62,7 @@ def caption_images(args):
     """The caption of --before/--after, alone on stdout; --explain: the images and the encoder's maps too."""
     ctx = setup(0, args.device, args.amp)
     model, vocab = caption.load_captioner(args.ckpt, ctx.device)
-    size = model.clip.cfg.image_resolution  # any size and mode: squashed to the encoder's input, RGB
+    size = model.clip.cfg.image_resolution
     before, after = (clip_load.load_image(p, size)[None].to(ctx.device) for p in (args.before, args.after))
     with ctx.amp:
         text = caption.to_text(model.caption(args.beam, before=before, after=after)[0].tolist(), vocab)
@@ -81,12 +78,12 @@ def caption_images(args):
 
 
 def evaluate_captioner(args, info):
-    """caption.final_test on the test split (and --gallery); the authors' weights under bf16 also decoded in fp32,
-    their reference, and the captions that differ counted."""
+    """caption.final_test (and --gallery); the authors' weights under bf16 also decoded in fp32, the differences
+    counted."""
     ctx = setup(0, args.device, args.amp)
-    name, root = caption.data_source(args.data, args.data_root, info)  # before the weights are read
+    name, root = caption.data_source(args.data, args.data_root, info)
     model, vocab = caption.load_captioner(args.ckpt, ctx.device)
-    train_items = data.load_items(name, root, "train", "total", images=False)  # the baseline's captions only
+    train_items = data.load_items(name, root, "train", "total", images=False)  # the baseline's captions
     test_items = data.load_items(name, root, "test", "total", args.skip_missing)
     loader = data.make_loader(data.ImageDataset(test_items, model.clip.cfg.image_resolution), args.eval_batch_size,
                               workers=args.workers, device=ctx.device)
@@ -116,5 +113,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except data.BadImage as e:  # an undecodable image: its name and what to do, no traceback
+    except data.BadImage as e:
         raise SystemExit(data.exit_message(e)) from None

@@ -1,16 +1,10 @@
-"""Caption metrics that reproduce coco-caption (pycocoevalcap) in pure Python: BLEU-1..4, METEOR, ROUGE-L, CIDEr-D,
-after its PTB tokenization, with no Java, in seconds:
+"""coco-caption's metrics in pure Python, no Java: BLEU-1..4, METEOR 1.5, ROUGE-L, CIDEr-D after its PTB tokenization.
 
     python metrics.py --refs refs.json --cands cands.json   # refs: {id: [sentence, ...]}, cands: {id: sentence}
+    scores = evaluate(refs, cands)                          # {"BLEU-1": 0.41, ..., "CIDEr-D": 0.63}, fractions
+    scores, items = evaluate(refs, cands, per_item=True)    # items["CIDEr-D"][id]: one item's score
 
-    from metrics import evaluate
-    scores = evaluate(refs, cands)                          # {"BLEU-1": 0.41, ..., "CIDEr-D": 0.63}
-    scores, items = evaluate(refs, cands, per_item=True)    # items["CIDEr-D"][id] -> that item's score
-
-Scores are on coco-caption's scale (fractions; CIDEr-D roughly 0-10); papers print them x100. METEOR 1.5 runs its
-four stages (exact, stem, synonym, paraphrase) on Meteor's own data files, which pip's `pycocoevalcap` ships: the
-synonyms inside meteor-1.5.jar and the paraphrase table, indexed once into ~/.cache/clip4idc. Without the package
-METEOR runs exact and stem only, said once in a warning.
+METEOR reads Meteor's own synonym and paraphrase files from pip's pycocoevalcap; without it, exact and stem only.
 """
 import argparse
 import gzip
@@ -38,9 +32,8 @@ METRICS = ("BLEU-1", "BLEU-2", "BLEU-3", "BLEU-4", "METEOR", "ROUGE-L", "CIDEr-D
 ASSETS = Path(__file__).resolve().parent / "assets" / "meteor"
 
 # -----------------------------------------------------------------------------
-# Tokenization: coco-caption runs Stanford CoreNLP 3.4.1's PTBTokenizer (-preserveLines -lowerCase), then drops
-# these tokens (pycocoevalcap/tokenizer/ptbtokenizer.py). The upper-case bracket escapes never match lower-cased
-# output, so "(" survives as "-lrb-": we keep that quirk.
+# Tokenization: CoreNLP 3.4.1's PTBTokenizer (-preserveLines -lowerCase), then these tokens dropped
+# (ptbtokenizer.py); its upper-case bracket escapes never match the lower-cased output, so "(" stays "-lrb-".
 PUNCTUATIONS = {"''", "'", "``", "`", "-LRB-", "-RRB-", "-LCB-", "-RCB-",
                 ".", "?", "!", ",", ":", "-", "--", "...", ";"}
 _ABBREV = ("mr|mrs|ms|dr|prof|st|jr|sr|gen|gov|lt|col|capt|sgt|rep|sen|rev|mt|ft|inc|co|corp|ltd|bros|vs|etc|ca"
@@ -66,11 +59,10 @@ _UNICODE = str.maketrans({"\u201c": '"', "\u201d": '"', "\u201e": '"', "\u2018":
 
 
 def tokenize(sentence):
-    """PTB-style tokens, lower-cased, punctuation dropped, joined by spaces: what coco-caption scores.
-    "The man's T-shirt (left) isn't red." -> "the man 's t-shirt -lrb- left -rrb- is n't red" """
+    """"The man's T-shirt (left) isn't red." -> "the man 's t-shirt -lrb- left -rrb- is n't red" """
     low = sentence.lower()
     if _PLAIN.fullmatch(low) and not any(w in _SPLIT_WORDS for w in low.split()):
-        return " ".join(low.split())  # the common case, and fast: nothing to split but at spaces
+        return " ".join(low.split())  # the common case: nothing to split but at spaces
     out = []
     for tok in _TOKEN.findall(sentence.translate(_UNICODE).lower()):
         if tok in _SPLIT_WORDS:
@@ -82,17 +74,16 @@ def tokenize(sentence):
     return " ".join(out)
 
 
-@lru_cache(maxsize=1 << 16)  # a sentence recurs across references, metrics and calls: count it once
+@lru_cache(maxsize=1 << 16)  # shared by every metric: do not modify the Counter
 def _ngrams(sentence):
-    """Counts of the 1..4-grams of a tokenized sentence, as word tuples (coco-caption's precook). Do not modify."""
+    """Counts of the 1..4-grams of a tokenized sentence, as word tuples (coco-caption's precook)."""
     words = sentence.split()
     return Counter(g for k in range(1, 5) for g in zip(*(words[i:] for i in range(k))))
 
 
 # -----------------------------------------------------------------------------
-# BLEU (Papineni et al. 2002) as pycocoevalcap/bleu/bleu_scorer.py computes it: clipped n-gram precision summed over
-# the corpus, brevity penalty against the reference length closest to each candidate (ties: the shorter one). The
-# tiny/small constants are coco-caption's; they make a zero count give ~1e-16 instead of 0 per item.
+# BLEU as bleu_scorer.py: clipped n-gram precision summed over the corpus, brevity penalty against the closest
+# reference length (ties: the shorter); its tiny/small constants make a zero count ~1e-16 per item.
 def bleu(refs_tok, cands_tok):
     """-> ([BLEU-1..4] corpus, {id: [BLEU-1..4]})"""
     guess_total, correct_total, test_total, ref_total, per_item = [0] * 4, [0] * 4, 0, 0, {}
@@ -120,11 +111,9 @@ def _bleu_from_counts(correct, guess, test_len, ref_len, tiny=1e-15, small=1e-9)
 
 
 # -----------------------------------------------------------------------------
-# ROUGE-L (Lin 2004) as pycocoevalcap/rouge/rouge.py: LCS precision and recall, each maximized over the references,
-# combined by an F-measure with beta = 1.2; the corpus figure is the mean over items.
+# ROUGE-L as rouge.py: LCS precision and recall, each the best over the references, F-measure beta 1.2, mean of items
 def _lcs(a, b):
-    """Length of the longest common subsequence of token lists a and b, bit-parallel (Allison & Dix 1986, Hyyrö
-    2004): bit i of v is 0 where the LCS grows at a[i]; one integer add per token of b instead of a len(a) row."""
+    """The longest common subsequence's length, bit-parallel (Hyyrö 2004): one integer add per token of b."""
     match = defaultdict(int)
     for i, t in enumerate(a):
         match[t] |= 1 << i
@@ -140,7 +129,7 @@ def rouge_l(refs_tok, cands_tok, beta=1.2):
     """-> (corpus mean, {id: score})"""
     per_item = {}
     for i, cand in cands_tok.items():
-        c = cand.split(" ")  # split(" ") as coco-caption: an empty candidate is one empty token
+        c = cand.split(" ")  # as coco-caption: an empty candidate is one empty token
         prec, rec = 0.0, 0.0
         for ref in refs_tok[i]:
             r = ref.split(" ")
@@ -155,13 +144,11 @@ def _mean(per_item):
 
 
 # -----------------------------------------------------------------------------
-# CIDEr-D (Vedantam et al. 2015) as pycocoevalcap/cider/cider_scorer.py: tf-idf vectors of 1..4-grams, with document
-# frequencies counted over the evaluated items' references, idf = log(#items) - log(max(1, df)); per n, the cosine
-# of candidate and reference with the candidate's weights clipped at the reference's (min(h, r) * r); a Gaussian
-# penalty on the length difference (sigma 6; coco-caption's "length" is the number of bigrams); averaged over n and
-# references, x10. The corpus figure is the mean over items.
+# CIDEr-D as cider_scorer.py: tf-idf of 1..4-grams, document frequencies over the scored items' references; per n
+# the cosine with the candidate's weights clipped at the reference's; a Gaussian penalty (sigma 6) on the length
+# difference (its "length" counts bigrams); averaged over n and references, x10; the mean of the items.
 def cider_d_prepare(refs_tok):
-    """What depends only on the references (document frequencies, reference vectors), built once."""
+    """What depends on the references alone (document frequencies, their vectors), built once."""
     df = Counter()
     for refs in refs_tok.values():  # a "document" is one item's set of references
         df.update(set().union(*[_ngrams(r) for r in refs]))
@@ -173,7 +160,7 @@ def cider_d_prepare(refs_tok):
 
 
 def _tfidf(sentence, prep):
-    """-> ({n-gram: tf * idf}, [norm of the 1..4-gram parts], length in bigrams), once per distinct sentence"""
+    """-> ({n-gram: tf * idf}, [norms of the 1..4-gram parts], length in bigrams), once per sentence"""
     if sentence not in prep["vectors"]:
         idf, unseen = prep["idf"], prep["log_items"]  # an n-gram no reference has: df counts as 1
         vec = {g: tf * idf.get(g, unseen) for g, tf in _ngrams(sentence).items()}
@@ -188,13 +175,13 @@ def _cider_pair(hyp, ref, sigma=6.0):
     (hv, hn, hl), (rv, rn, rl) = hyp, ref
     val = [0.0] * 4
     for g in hv.keys() & rv.keys():
-        val[len(g) - 1] += min(hv[g], rv[g]) * rv[g]  # the "-D" clipping: no more credit than the reference has
+        val[len(g) - 1] += min(hv[g], rv[g]) * rv[g]  # the "-D" clipping
     cos = [v / (hn[k] * rn[k]) if hn[k] != 0 and rn[k] != 0 else v for k, v in enumerate(val)]
     return sum(cos) / 4 * math.exp(-((hl - rl) ** 2) / (2 * sigma ** 2))
 
 
 def cider_d(refs_tok, cands_tok, prepared=None):
-    """-> (corpus mean, {id: score}). `prepared` (from cider_d_prepare(refs_tok)) skips the reference pass."""
+    """-> (corpus mean, {id: score}); prepared: cider_d_prepare(refs_tok), made before."""
     prep = prepared or cider_d_prepare(refs_tok)
     per_item = {}
     for i, cand in cands_tok.items():
@@ -204,14 +191,13 @@ def cider_d(refs_tok, cands_tok, prepared=None):
 
 
 def cider_d_constant(prepared, captions, sigma=6.0):
-    """Corpus CIDEr-D of each tokenized caption given for every item: a constant caption's n-grams touch only the
-    references that hold them (an inverted index), not a full pass per caption."""
-    if "index" not in prepared:  # built on first use: n-gram -> (reference rows, weights, the rows' norms)
+    """Corpus CIDEr-D of each tokenized caption given for every item, through an inverted index of the references."""
+    if "index" not in prepared:  # n-gram -> (reference rows, weights, the rows' norms)
         index, lengths, items = defaultdict(lambda: ([], [], [])), [], []
         for j, i in enumerate(prepared["ids"]):
             for vec, norm, length in prepared["refs"][i]:
                 for g, w in vec.items():
-                    if w > 0:  # an n-gram in every item's references (idf 0) adds nothing
+                    if w > 0:  # idf 0 adds nothing
                         for lst, x in zip(index[g], (len(lengths), w, norm[len(g) - 1])):
                             lst.append(x)
                 lengths.append(length), items.append(j)
@@ -224,7 +210,7 @@ def cider_d_constant(prepared, captions, sigma=6.0):
         per_row = np.zeros(len(rows_len))
         for g, w in hv.items():
             if w > 0 and g in prepared["index"]:
-                r, rw, rn = prepared["index"][g]  # rows are distinct within one n-gram's list
+                r, rw, rn = prepared["index"][g]  # distinct rows
                 per_row[r] += np.minimum(w, rw) * rw / (hn[len(g) - 1] * rn)
         per_row *= np.exp(-((hl - rows_len) ** 2) / (2 * sigma ** 2)) / 4
         out.append(float((np.bincount(row_item, per_row) / np.bincount(row_item)).mean() * 10.0))
@@ -232,9 +218,8 @@ def cider_d_constant(prepared, captions, sigma=6.0):
 
 
 def constant_baseline(train_captions, refs, fallback=()):
-    """The training caption (of the 5,000 most frequent; none: the `fallback` sentences) scoring highest on CIDEr-D
-    given for every item of `refs`: what a model blind to the images reaches. -> {"caption", "scores" x100,
-    "candidates"}."""
+    """The best CIDEr-D of one caption for every item (of the 5,000 most frequent training captions, else
+    `fallback`): what a model blind to the images reaches. -> {"caption", "scores" x100, "candidates"}"""
     candidates = [c for c, _ in Counter(map(tokenize, train_captions)).most_common(5000)]
     source = "training captions"
     if not candidates:
@@ -247,17 +232,15 @@ def constant_baseline(train_captions, refs, fallback=()):
 
 
 # -----------------------------------------------------------------------------
-# METEOR 1.5 (Denkowski & Lavie 2014) as coco-caption runs it: `java -jar meteor-1.5.jar - - -stdio -l en -norm`,
-# i.e. English, task "rank": stages exact, stem, synonym, paraphrase with weights 1.0 0.6 0.8 0.6, alpha 0.85,
-# beta 0.2, gamma 0.6, delta 0.75. Ported from the jar's classes (edu.cmu.meteor.*); names below point at them.
+# METEOR 1.5 as coco-caption runs it (`meteor-1.5.jar - - -stdio -l en -norm`: task "rank"), ported from the jar's
+# classes (edu.cmu.meteor.*), whose names the docstrings give.
 ALPHA, BETA, GAMMA, DELTA = 0.85, 0.2, 0.6, 0.75
 STAGE_WEIGHTS = (1.0, 0.6, 0.8, 0.6)  # exact, stem, synonym, paraphrase
-SEARCH_WEIGHTS = (1.0, 0.5, 0.5, 0.5)  # what the aligner's beam search counts per matched word (MeteorScorer)
+SEARCH_WEIGHTS = (1.0, 0.5, 0.5, 0.5)  # the aligner's per matched word
 BEAM = 40
 FUNCTION_WORDS = set(ASSETS.joinpath("english.words").read_text(encoding="utf-8").splitlines())
 
-# Normalizer.normalizeLine (English, punctuation kept): Moses-style rules, in the jar's order. Runs of dots and
-# commas never reach here (tokenize() drops them), so the jar's DOTMULTI steps are left out.
+# Normalizer.normalizeLine (English): the jar's rules in order, but DOTMULTI's (tokenize drops runs of dots)
 _ALPHA = "A-Za-z\u0160\u017d\u0161\u017e\u0178\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u017e\u0400-\u0527\ua640-\ua66e" \
          "\ua67e-\ua697\u1d00-\u1d7f"
 _ALNUM = "0-9" + _ALPHA
@@ -273,7 +256,7 @@ _NONBREAKING = {"v": 1, "vs": 1, "i.e": 1, "rev": 1, "e.g": 1, "pp": 2}  # nonbr
 
 
 def meteor_normalize(sentence):
-    """The jar's -norm on an already tokenized sentence -> list of words. "do n't" -> do n 't, "man 's" -> man ' s"""
+    """The jar's -norm of a tokenized sentence -> words: "do n't" -> do n 't, "man 's" -> man ' s"""
     if _PLAIN.fullmatch(sentence):
         return sentence.split()  # no rule applies to plain words
     s = " " + sentence + " "
@@ -314,15 +297,12 @@ def _stemmer():
     return SnowballStemmer("english").stem
 
 
-# Meteor 1.5's own data (what the jar reads) ships inside pip's `pycocoevalcap`: the synonym files inside
-# meteor/meteor-1.5.jar (a zip archive) and meteor/data/paraphrase-en.gz. We read those files and never run its
-# scorers or Java. $METEOR_DATA overrides: a folder holding meteor-1.5.jar and/or paraphrase-en.gz.
 JAR, PARAPHRASE = "meteor-1.5.jar", "paraphrase-en.gz"
 
 
 def meteor_data():
-    """Meteor 1.5's data files -> {"jar": path or None, "paraphrase": path or None}: in $METEOR_DATA (the folder or
-    its data/), else in the installed pycocoevalcap package (found without importing it)."""
+    """Meteor's files -> {"jar": path or None, "paraphrase": path or None}: in $METEOR_DATA (or its data/), else in
+    pycocoevalcap's meteor/ (found, not imported)."""
     folders = [Path(os.environ["METEOR_DATA"])] if os.environ.get("METEOR_DATA") else []
     spec = importlib.util.find_spec("pycocoevalcap")
     folders += [Path(p) / "meteor" for p in spec.submodule_search_locations or ()] if spec else []
@@ -332,9 +312,8 @@ def meteor_data():
 
 @lru_cache(maxsize=None)
 def load_synonyms():
-    """The synonym stage's data: Meteor's own synonym files in its jar (pycocoevalcap or $METEOR_DATA): its
-    synonym/english.synsets (line pairs: word / its synset ids) and english.exceptions (base form / its irregular
-    forms) -> (word -> synset ids, irregular form -> base forms, where from), or None after a warning."""
+    """The jar's synonym/english.synsets (word / synset ids) and english.exceptions (base form / irregular forms)
+    -> (word -> synset ids, irregular form -> base forms, where from), or None after a warning."""
     if (jar := meteor_data()["jar"]) is not None:
         with zipfile.ZipFile(jar) as z:
             lines = z.read("synonym/english.synsets").decode("utf-8").splitlines()
@@ -356,7 +335,7 @@ _MORPH = [("s", ""), ("ses", "s"), ("xes", "x"), ("zes", "z"), ("ches", "ch"), (
 
 
 def _synonym_sets(word, wordnet):
-    """SynonymDictionary: synsets of the word and of its base form (irregular form table, else suffix rules)."""
+    """SynonymDictionary: the synsets of the word and of its base form (irregular forms, else suffix rules)."""
     synsets, bases = wordnet
     out = set(synsets.get(word, ()))
     if word in bases:
@@ -373,7 +352,7 @@ def _synonym_sets(word, wordnet):
 
 
 def _synonyms(vocab, wordnet):
-    """{word: the other words of `vocab` that share a synset with it}, through an inverted index of synsets."""
+    """{word: the other words of `vocab` sharing a synset with it}."""
     sets, words_of = {w: _synonym_sets(w, wordnet) for w in vocab}, defaultdict(set)
     for w, ids in sets.items():
         for x in ids:
@@ -381,9 +360,8 @@ def _synonyms(vocab, wordnet):
     return {w: set().union(*(words_of[x] for x in ids)) - {w} for w, ids in sets.items()}
 
 
-# The paraphrase table (5.3M entries, 62 MB gzipped) is indexed once into the user's cache directory: its words,
-# and each entry as word ids. The entries a vocabulary can use are then found with numpy in a fraction of a
-# second, where scanning the text took 20 s per new vocabulary.
+# The paraphrase table (5.3M entries) is indexed once as word ids in the user's cache: the entries a vocabulary can
+# use are then found with numpy, not by a 20 s scan of the text.
 def _index_path(table):
     st = Path(table).stat()  # a changed source (path, size or time) gets its own index
     stamp = hashlib.sha1(f"{Path(table).resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
@@ -392,16 +370,15 @@ def _index_path(table):
 
 
 def _smallest_uint(values, n):
-    """values (each < n) as the smallest unsigned numpy type that holds n."""
+    """values (each <= n) in the smallest unsigned type holding n."""
     dtype = next(t for t in (np.uint8, np.uint16, np.uint32, np.uint64) if n <= np.iinfo(t).max)
     return np.asarray(values, dtype=dtype)
 
 
 def build_paraphrase_index(table, out, log_every=1_000_000):
-    """paraphrase-en.gz (lines: probability / phrase / paraphrase) -> folder `out`: words.txt (one word per line,
-    its id the line number), tokens.npy (each entry's phrase then paraphrase as word ids; uint16 for Meteor's
-    43,139 words), ends.npy (where each entry ends in tokens), split.npy (its phrase's length). Built in a
-    temporary folder and renamed into place, so an interrupted build is never read."""
+    """paraphrase-en.gz (probability / phrase / paraphrase) -> folder `out`: words.txt (id = line), tokens.npy
+    (each entry's phrase then paraphrase as ids), ends.npy (where each entry ends), split.npy (its phrase's
+    length); built aside and renamed into place."""
     out, t0 = Path(out), time.time()
     ids, tokens, ends, split = {}, array("q"), array("q"), array("q")
     with gzip.open(table, "rt", encoding="utf-8") as f:
@@ -418,7 +395,7 @@ def build_paraphrase_index(table, out, log_every=1_000_000):
         tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # as any file the user writes (mkdtemp's 0700 hides a shared cache)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would hide a shared cache
     except OSError as e:
         raise OSError(f"cannot write METEOR's paraphrase index under {out.parent} ({e}): set XDG_CACHE_HOME to a "
                       "writable folder") from e
@@ -427,7 +404,7 @@ def build_paraphrase_index(table, out, log_every=1_000_000):
                          ("split", _smallest_uint(split, max(split, default=0)))):
         np.save(tmp / f"{name}.npy", values)
     try:
-        os.rename(tmp, out)  # atomic; when another process finished first, theirs stays
+        os.rename(tmp, out)  # another process's, finished first, stays
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (out / "split.npy").is_file():
@@ -439,7 +416,7 @@ def build_paraphrase_index(table, out, log_every=1_000_000):
 
 
 def _paraphrase_index(table):
-    """The index of `table`, built on first use, memory-mapped: (words, word -> id, tokens, starts, ends, split)."""
+    """`table`'s index, built on first use, mapped: (words, word -> id, tokens, starts, ends, split)."""
     folder = _index_path(table)
     if not (folder / "split.npy").is_file():
         build_paraphrase_index(table, folder)
@@ -455,8 +432,7 @@ def _open_index(folder):
 
 
 def load_paraphrases(path, vocab):
-    """Meteor's paraphrase table, the entries whose words all occur in `vocab` (no other entry can match these
-    sentences), in the table's order. -> {phrase tuple: [paraphrase tuple, ...]}"""
+    """The table's entries whose words all occur in `vocab`, in order -> {phrase tuple: [paraphrase tuple, ...]}"""
     words, word_id, tokens, starts, ends, split = _paraphrase_index(str(path))
     known = np.zeros(len(words), dtype=bool)
     known[[word_id[w] for w in vocab if w in word_id]] = True
@@ -468,9 +444,9 @@ def load_paraphrases(path, vocab):
 
 
 def _candidate_matches(hyp, ref, sources):
-    """Every match any stage proposes, grouped by start in the reference, in the jar's order (Exact/Stem/Synonym/
-    ParaphraseMatcher), and how many matches cover each word. A match is (stage, ref start, ref length, hyp start,
-    hyp length, hyp bitmask, ref bitmask, what the beam search counts for it)."""
+    """Every stage's matches (Exact/Stem/Synonym/ParaphraseMatcher, the jar's order) by start in the reference,
+    and how many cover each word. A match: (stage, ref start, ref length, hyp start, hyp length, hyp bitmask,
+    ref bitmask, what the beam search counts for it)."""
     at, cov_h, cov_r = [[] for _ in ref], [0] * len(hyp), [0] * len(ref)
 
     def add(stage, s, ln, ms, ml):
@@ -481,9 +457,8 @@ def _candidate_matches(hyp, ref, sources):
         for x in range(s, s + ln):
             cov_r[x] += 1
 
-    # {word: stem}, {word: its synonyms}, ({phrase: [paraphrase]}, most words in one); None: that stage is off
     stems, synonyms, para = sources
-    if hyp == ref:  # identical sentences: the jar runs the exact stage only
+    if hyp == ref:  # the jar runs the exact stage only
         stems = synonyms = para = None
     keyed = [(0, hyp, ref)] + ([(1, [stems[w] for w in hyp], [stems[w] for w in ref])] if stems else [])
     for stage, hyp_keys, ref_keys in keyed:  # same word; then same stem, different word
@@ -494,12 +469,12 @@ def _candidate_matches(hyp, ref, sources):
             for j in where.get(k, ()):
                 if stage == 0 or hyp[j] != ref[i]:
                     add(stage, i, 1, j, 1)
-    for i, r in enumerate(ref) if synonyms else ():  # different words sharing a WordNet synset
+    for i, r in enumerate(ref) if synonyms else ():  # different words, one synset
         for j, h in enumerate(hyp) if synonyms[r] else ():
             if h in synonyms[r]:
                 add(2, i, 1, j, 1)
     if para:  # phrases of the reference paraphrased in the hypothesis, then the other way round
-        para, longest = para  # no phrase or paraphrase of the (filtered) table is longer than `longest` words
+        para, longest = para  # the most words of any phrase in the table
         for a, b, swap in ((ref, hyp, False), (hyp, ref, True)):
             starts = defaultdict(list)  # each phrase of b -> where it starts, in order
             for m in range(len(b)):
@@ -517,9 +492,8 @@ _BEAM_ORDER = itemgetter(0, 1, 2)
 
 
 def _align(hyp, ref, sources):
-    """Aligner.align + resolve: fix the matches nothing competes with, then a beam search over reference positions
-    for the alignment with the most matched words (counted with SEARCH_WEIGHTS, truncated to int as the jar does),
-    then fewest chunks, then smallest total distance. -> chosen matches"""
+    """Aligner.align + resolve: the uncontested matches fixed, then a beam search over reference positions for the
+    most matched words (SEARCH_WEIGHTS, truncated to int), then fewest chunks, then least distance -> matches"""
     at, cov_h, cov_r = _candidate_matches(hyp, ref, sources)
     fixed, used_h, used_r = {}, 0, 0
     for i, ms in enumerate(at):
@@ -529,15 +503,15 @@ def _align(hyp, ref, sources):
                 fixed[i], used_h, used_r = m, used_h | m[5], used_r | m[6]
     if len(fixed) == sum(map(len, at)):
         return list(fixed.values())  # nothing to choose
-    # A partial alignment: (-score, chunks, distance, next ref position, hyp end of the last match, used hyp words,
-    # used ref words, chosen matches). Each step sorts stably on the first three and keeps BEAM, as the jar does.
+    # (-score, chunks, distance, next ref position, hyp end of the last match, used hyp, used ref, chosen matches);
+    # each step sorts stably on the first three and keeps BEAM, as the jar
     beam = [(0, 0, 0, 0, -1, used_h, used_r, ())]
     for i in range(len(ref) + 1):
         prev, beam = sorted(beam, key=_BEAM_ORDER)[:BEAM] if len(beam) > 1 else beam, []
         for neg, chunks, dist, idx, last, uh, ur, chosen in prev:
             if i == len(ref):
                 beam.append((neg, chunks + (last != -1), dist, idx, last, uh, ur, chosen))
-            elif ur >> i & 1:  # covered already: by an earlier multi-word match, or by a fixed match starting here
+            elif ur >> i & 1:  # covered by an earlier multi-word match, or a fixed one starting here
                 if i < idx:
                     beam.append((neg, chunks, dist, idx, last, uh, ur, chosen))
                 elif idx in fixed:
@@ -556,18 +530,17 @@ def _align(hyp, ref, sources):
 
 
 def _meteor_stats(hyp, ref, sources):
-    """MeteorScorer.getMeteorStats: the 23 sufficient statistics of one alignment, as the jar prints them:
-    hyp length, ref length, hyp/ref function words, per stage (hyp content, ref content, hyp function, ref
-    function) matched words, chunks, hyp matched words, ref matched words."""
-    matches = {m[1]: m for m in _align(hyp, ref, sources)}  # by start in the reference
+    """MeteorScorer.getMeteorStats, the jar's 23: hyp and ref lengths, their function words, per stage matched
+    (hyp content, ref content, hyp function, ref function) words, chunks, hyp and ref matched words."""
+    matches = {m[1]: m for m in _align(hyp, ref, sources)}  # by ref start
     st = [len(hyp), len(ref), sum(w in FUNCTION_WORDS for w in hyp), sum(w in FUNCTION_WORDS for w in ref)] + [0] * 19
     for stage, s, ln, ms, ml, *_ in matches.values():
         for w in hyp[ms:ms + ml]:
             st[4 + 4 * stage + (2 if w in FUNCTION_WORDS else 0)] += 1
         for w in ref[s:s + ln]:
             st[5 + 4 * stage + (2 if w in FUNCTION_WORDS else 0)] += 1
-    chunks, i, end = 0, 0, -1  # Aligner.getCountAndChunks: a chunk ends at an unmatched reference word or where
-    while i < len(ref):        # the next match does not continue in the hypothesis
+    chunks, i, end = 0, 0, -1  # Aligner.getCountAndChunks
+    while i < len(ref):
         if i in matches:
             _, s, ln, ms, ml, *_ = matches[i]
             chunks += end != -1 and ms != end
@@ -580,12 +553,12 @@ def _meteor_stats(hyp, ref, sources):
 
 
 def _meteor_score(st):
-    """MeteorScorer.computeMetrics: weighted precision and recall (content words weigh DELTA, function words
-    1 - DELTA), their harmonic mean weighted by ALPHA, times 1 - GAMMA * (chunks / matches) ** BETA."""
+    """MeteorScorer.computeMetrics: precision, recall (function words weigh 1 - DELTA), their ALPHA-weighted
+    harmonic mean, times 1 - GAMMA * (chunks / matches) ** BETA."""
     t_w = sum(STAGE_WEIGHTS[k] * (DELTA * st[4 + 4 * k] + (1 - DELTA) * st[6 + 4 * k]) for k in range(4))
     r_w = sum(STAGE_WEIGHTS[k] * (DELTA * st[5 + 4 * k] + (1 - DELTA) * st[7 + 4 * k]) for k in range(4))
     if t_w == 0 or r_w == 0:
-        return 0.0  # the jar gets 0/0 = NaN there and reports 0
+        return 0.0  # the jar's NaN, reported 0
     p = t_w / (DELTA * (st[0] - st[2]) + (1 - DELTA) * st[2])
     r = r_w / (DELTA * (st[1] - st[3]) + (1 - DELTA) * st[3])
     fmean = 1.0 / ((1 - ALPHA) / p + ALPHA / r)
@@ -598,9 +571,8 @@ def _perfect(st):
 
 
 def meteor(refs_tok, cands_tok, paraphrase=None):
-    """-> (corpus score from the summed statistics, {id: score}), as coco-caption's EVAL line. Per item, the
-    reference with the best score is kept (the first one on ties). paraphrase: path to paraphrase-en.gz, None for
-    $METEOR_PARAPHRASE, else the one in $METEOR_DATA or pycocoevalcap, False to skip that stage."""
+    """-> (the corpus score of the summed statistics, {id: score}); per item the best reference (the first on
+    ties). paraphrase: paraphrase-en.gz, None: $METEOR_PARAPHRASE else meteor_data()'s, False: no such stage."""
     norm = {s: meteor_normalize(s) for s in {*cands_tok.values(), *(r for i in cands_tok for r in refs_tok[i])}}
     vocab = {w for words in norm.values() for w in words}
     stemmer, synonyms = _stemmer(), load_synonyms()
@@ -616,7 +588,7 @@ def meteor(refs_tok, cands_tok, paraphrase=None):
     for i, cand in cands_tok.items():
         best, best_score = None, -1.0
         for ref in refs_tok[i]:
-            if (cand, ref) not in cache:  # the same pair recurs often in templated data (CLEVR-Change)
+            if (cand, ref) not in cache:  # templated data repeats pairs
                 st = _meteor_stats(norm[cand], norm[ref], sources)
                 cache[cand, ref] = (st, _meteor_score(st))
             st, score = cache[cand, ref]
@@ -631,7 +603,7 @@ def meteor(refs_tok, cands_tok, paraphrase=None):
 
 # -----------------------------------------------------------------------------
 def _check(refs, cands):
-    """Same ids, strings only, at least one reference each: else a clear error instead of a quietly wrong number."""
+    """Same ids, strings only, a reference at least each, or an error."""
     if not isinstance(refs, dict) or not isinstance(cands, dict):
         raise TypeError("refs must be {id: [sentence, ...]} and cands {id: sentence}")
     if not cands:
@@ -655,12 +627,10 @@ def _check(refs, cands):
 
 
 def evaluate(refs, cands, per_item=False, paraphrase=None):
-    """Raw sentences in, coco-caption's figures out. refs: {id: [sentence, ...]}, cands: {id: sentence}.
-    -> {"BLEU-1": ..., "CIDEr-D": ...}, or (that, {metric: {id: score}}) with per_item=True.
-    Empty sentences (also after dropping punctuation) are scored as coco-caption does: an empty candidate scores 0,
-    an empty reference matches nothing but still counts (CIDEr-D averages over it); both are reported once."""
+    """refs {id: [sentence, ...]}, cands {id: sentence} -> {"BLEU-1": ..., "CIDEr-D": ...}, per_item: and {metric:
+    {id: score}}. Empty sentences score as coco-caption's (a candidate 0, a reference still counts), said once."""
     cands = _check(refs, cands)
-    tok = {s: tokenize(s) for s in {*cands.values(), *(r for i in cands for r in refs[i])}}  # once per distinct
+    tok = {s: tokenize(s) for s in {*cands.values(), *(r for i in cands for r in refs[i])}}
     cands_tok = {i: tok[c] for i, c in cands.items()}
     refs_tok = {i: [tok[r] for r in refs[i]] for i in cands}
     n_empty_c, n_empty_r = sum(not c for c in cands_tok.values()), sum(not r for rs in refs_tok.values() for r in rs)
@@ -687,7 +657,7 @@ def get_args(argv=None):
         parser.error("give --refs and --cands")
     if args.paraphrase and not os.path.isfile(args.paraphrase):
         parser.error(f"argument --paraphrase: nothing at {args.paraphrase}")
-    for flag in ("refs", "cands"):  # read here, so that a bad file is an argument error: args.refs/cands hold the JSON
+    for flag in ("refs", "cands"):  # a bad file is an argument error
         try:
             setattr(args, flag, json.loads(Path(getattr(args, flag)).read_text()))
         except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -699,7 +669,7 @@ if __name__ == "__main__":
     parser, args = get_args()
     try:
         scores = evaluate(args.refs, args.cands, paraphrase=args.paraphrase)
-    except (TypeError, ValueError) as e:  # _check: ids that differ, a caption that is not a string
+    except (TypeError, ValueError) as e:  # _check's
         parser.error(f"argument --refs/--cands: {e}")
     print(" | ".join(f"{m:>7s}" for m in METRICS))
     print(" | ".join(f"{100 * scores[m]:7.2f}" for m in METRICS))

@@ -1,7 +1,6 @@
 """The networks of CLIP4IDC: CLIP ViT (image + text towers), the intra/inter pair encoder, the captioners.
 
-Module and parameter names are the keys of OpenAI's `ViT-B-32.pt`, so it loads with `strict=True`; `build_model`
-reads every size off the tensors' shapes, as openai/CLIP does.
+Parameter names are the keys of OpenAI's `ViT-B-32.pt` (it loads with `strict=True`), sizes read off its shapes.
 
 Pair encoder (paper Sec. 3.1, eq. 2-5): the first N_intra vision blocks see each image alone; the two token
 sequences then get a per-image embedding (e1, e2), a joint positional embedding p and a LayerNorm, and the last
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 # -----------------------------------------------------------------------------
 # building blocks (OpenAI's names: ln_1, attn.in_proj_weight, mlp.c_fc, ...)
 
-USE_SDPA = True  # False: the plain softmax path below (the tests and FLOP counts use it)
+USE_SDPA = True  # False: the plain softmax below (tests, FLOP counts)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -37,16 +36,14 @@ class QuickGELU(nn.Module):
 
 
 def attention(q, k, v, causal=False, dropout=0.0):
-    """(B, heads, Tq, hs), (B, heads, Tk, hs) x2 -> (B, heads, Tq, hs). Causal: the Tq queries are the last Tq of
-    the Tk positions (a decoding step after a cached prefix), each seeing the keys up to its own. dropout: on the
-    attention probabilities."""
+    """(B, heads, Tq, hs), (B, heads, Tk, hs) x2 -> (B, heads, Tq, hs). Causal: the queries are the last Tq of the
+    Tk positions (after a cached prefix), each seeing the keys up to its own."""
     Tq, Tk = q.shape[2], k.shape[2]
     assert not causal or Tq <= Tk, f"causal attention needs the {Tq} queries among the {Tk} key positions"
-    # aligned at the end; one query (the usual cached step) sees every key: no mask
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq) if causal and Tq > 1 else None
     if USE_SDPA:
         if mask is not None and Tq == Tk:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # the fused kernels
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)  # fused kernels
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
     att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, heads, Tq, Tk)
     if mask is not None:
@@ -131,10 +128,10 @@ class VisionTransformer(nn.Module):
         self.ln_mid = LayerNorm(width)
 
     def patches(self, x):
-        """(B, 3, H, W) -> (B, n, width): conv1 (kernel = stride = patch) as one matmul, faster on a GPU."""
+        """(B, 3, H, W) -> (B, n, width): conv1 (kernel = stride) as one matmul."""
         B, C, H, W = x.shape
         P = self.conv1.kernel_size[0]
-        x = x[:, :, :H // P * P, :W // P * P].reshape(B, C, H // P, P, W // P, P)  # a remainder is dropped, as conv
+        x = x[:, :, :H // P * P, :W // P * P].reshape(B, C, H // P, P, W // P, P)  # a remainder dropped, as conv
         x = x.permute(0, 2, 4, 1, 3, 5).reshape(B, (H // P) * (W // P), C * P * P)  # (B, n, 3*P*P)
         return F.linear(x.to(self.conv1.weight.dtype), self.conv1.weight.flatten(1))
 
@@ -149,27 +146,28 @@ class VisionTransformer(nn.Module):
         return self.ln_post(self.transformer(self.stem(x))[:, 0]) @ self.proj
 
     def forward_pair(self, before, after, both_ways=False):
-        """The pair encoder, eq. (2)-(5): (B, 3, H, W) x2 -> PairEncoding. both_ways (caption.py --reverse):
-        (after, before) too, as rows B..2B-1, the intra blocks run once for both orders."""
+        """The pair encoder, eq. (2)-(5): (B, 3, H, W) x2 -> PairEncoding; both_ways: (after, before) too, as rows
+        B..2B-1."""
         B = before.shape[0]
         x = self.intra(self.stem(torch.cat([before, after])))  # eq. (2): each image alone, both in one batch
         pairs = [torch.cat([x[:B], x[B:]], dim=1)] + ([torch.cat([x[B:], x[:B]], dim=1)] if both_ways else [])
         return self.inter(torch.cat(pairs))  # eq. (3)-(5) on the joint sequence (B, 2(n+1), width)
 
     def intra(self, x):
-        """eq. (2): the first N_intra blocks, each image's tokens (B, n+1, width) alone."""
+        """eq. (2): the first N_intra blocks on each image's tokens (B, n+1, width) alone."""
         for block in self.transformer.resblocks[:len(self.transformer.resblocks) - self.n_inter]:
             x = block(x)
         return x
 
     def inter(self, x):
-        """eq. (3)-(5) on the two images' tokens side by side, x (B, 2(n+1), width) -> PairEncoding."""
-        n1 = x.shape[1] // 2  # at N + 0 too, as the authors' (module_clip.py 341-361): e1, e2, p, ln_mid
+        """eq. (3)-(5) on the two images' tokens side by side, x (B, 2(n+1), width) -> PairEncoding; at N + 0 too,
+        as the authors' (module_clip.py 341-361)."""
+        n1 = x.shape[1] // 2
         e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
-        x = self.ln_mid(x + e.to(x.dtype) + self.joint_positional_embedding.to(x.dtype))  # eq. (4), as in their code
-        for block in self.transformer.resblocks[len(self.transformer.resblocks) - self.n_inter:]:  # both images
+        x = self.ln_mid(x + e.to(x.dtype) + self.joint_positional_embedding.to(x.dtype))  # eq. (4)
+        for block in self.transformer.resblocks[len(self.transformer.resblocks) - self.n_inter:]:
             x = block(x)
-        tokens = self.ln_post(x) @ self.proj  # all 2(n+1) tokens go to the captioner: (B, 2(n+1), output_dim)
+        tokens = self.ln_post(x) @ self.proj  # (B, 2(n+1), output_dim), the captioner's
         return PairEncoding(tokens, (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2)  # eq. (5): the [CLS]s' mean
 
 
@@ -190,7 +188,7 @@ class CLIPConfig:
     transformer_width: int = 512
     transformer_heads: int = 8
     transformer_layers: int = 12
-    n_inter: int = 3  # CLIP4IDC: how many of the last vision blocks are inter blocks (N_intra = layers - n_inter)
+    n_inter: int = 3  # CLIP4IDC: the last vision blocks that are inter blocks
 
 
 class CLIP(nn.Module):
@@ -225,11 +223,11 @@ class CLIP(nn.Module):
         return self.visual(image)
 
     def encode_text(self, text):
-        """(B, L) token ids, L <= context_length -> (B, embed_dim), features at the end-of-text token."""
+        """(B, L) token ids -> (B, embed_dim), the features at the end-of-text token."""
         dtype = self.text_projection.dtype  # fp16 under --authors-numerics, as theirs
-        x = self.token_embedding(text).to(dtype) + self.positional_embedding[:text.shape[1]].to(dtype)  # (B, L, width)
+        x = self.token_embedding(text).to(dtype) + self.positional_embedding[:text.shape[1]].to(dtype)
         x = self.ln_final(self.transformer(x, causal=True))
-        eot = text.argmax(dim=-1)  # the end-of-text id (49407) is the largest id
+        eot = text.argmax(dim=-1)  # the end-of-text id is the largest
         return x[torch.arange(x.shape[0], device=x.device), eot] @ self.text_projection
 
     def forward(self, image, text):
@@ -239,12 +237,12 @@ class CLIP(nn.Module):
         return logits, logits.t()
 
     def encode_pair(self, before, after):
-        """The CLIP4IDC pair encoder -> PairEncoding(tokens (B, 2(n+1), embed_dim), vector (B, embed_dim))."""
+        """The CLIP4IDC pair encoder -> PairEncoding."""
         return self.visual.forward_pair(before, after)
 
 
-# CLIP's input embeddings (token and positional embeddings, the patchify conv, [CLS], ln_pre): the authors keep them
-# fixed in both stages (main_task_retrieval.py 176-205, main_task_caption.py 640-667)
+# CLIP's input embeddings, fixed by the authors in both stages (main_task_retrieval.py 176-205, main_task_caption.py
+# 640-667)
 INPUT_EMBEDDINGS = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
                     "visual.positional_embedding", "visual.ln_pre.")
 PAIR_KEYS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding",
@@ -252,8 +250,7 @@ PAIR_KEYS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_posit
 
 
 def share_joint_positions_(visual, norm):
-    """Not the paper's (adapt.py --shared-p): p (eq. 4) alike for a patch's position in both images, a random code
-    of this norm, [CLS]'s zero, in place (the authors draw all 2(n+1) apart)."""
+    """Not the paper's (--shared-p): p (eq. 4) alike in both images, random codes of this norm, [CLS]'s zero."""
     p = visual.joint_positional_embedding
     half = torch.randn(p.shape[0] // 2, p.shape[1], device=p.device)
     half = norm * half / half.norm(dim=1, keepdim=True)
@@ -263,8 +260,8 @@ def share_joint_positions_(visual, norm):
 
 
 def authors_fp16_(clip):
-    """The authors' fp16 (--authors-numerics), in place: their convert_weights (module_clip.py 541-562) holds conv1,
-    every attention and MLP Linear, visual.proj and text_projection in fp16; the rest stays fp32."""
+    """The authors' fp16, in place: their convert_weights (module_clip.py 541-562) halves conv1, the attention and
+    MLP Linears, visual.proj and text_projection."""
     for m in clip.modules():
         names = ("in_proj_weight", "in_proj_bias") if isinstance(m, MultiheadAttention) else \
             ("weight", "bias") if isinstance(m, (nn.Conv2d, nn.Linear)) else ()
@@ -277,7 +274,7 @@ def authors_fp16_(clip):
 
 
 def config_of(sd, n_inter=3):
-    """The CLIPConfig of a state dict, every size read off its tensors' shapes (as openai/CLIP's `build_model`)."""
+    """The CLIPConfig of a state dict, read off its shapes (as openai/CLIP's `build_model`)."""
     vision_width, patch = sd["visual.conv1.weight"].shape[0], sd["visual.conv1.weight"].shape[-1]
     vision_layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
     grid = round((sd["visual.positional_embedding"].shape[0] - 1) ** 0.5)
@@ -289,20 +286,18 @@ def config_of(sd, n_inter=3):
 
 
 def build_model(sd, n_inter=3):
-    """A CLIP of `sd`'s sizes (config_of). Its pair parameters (absent from OpenAI's release) are added to `sd`
-    freshly initialized, so that `load_state_dict(sd, strict=True)` checks every other key."""
+    """A CLIP of `sd`'s sizes; the pair parameters `sd` lacks added to it fresh, so a strict load checks the rest."""
     model = CLIP(config_of(sd, n_inter))
     sd.update({k: v for k, v in model.state_dict().items() if k in PAIR_KEYS and k not in sd})
     return model
 
 
 # -----------------------------------------------------------------------------
-# The captioners (paper Sec. 3.3): cross-attention from the words to the pair encoder's tokens (the memory).
+# The captioners (paper Sec. 3.3): the words cross-attend to the pair encoder's tokens (the memory).
 
 
 class Attention(nn.Module):
-    """Self-attention (source=None) or cross-attention to `source`. `kv_cache` (a dict per layer and kind): decoding
-    appends the new positions' keys/values to the prefix's and projects the memory once."""
+    """Self-attention (source=None) or cross-attention to `source`; kv_cache: a dict per layer and kind."""
 
     def __init__(self, width, heads, dropout=0.0):
         super().__init__()
@@ -317,15 +312,15 @@ class Attention(nn.Module):
 
     def forward(self, x, source=None, causal=False, kv_cache=None):
         q = self.split(self.q_proj(x))
-        if source is not None and kv_cache:  # cross-attention, a later decoding step: the memory's, projected once
+        if source is not None and kv_cache:  # the memory, projected at the first step
             k, v = kv_cache["k"], kv_cache["v"]
         else:
             k, v = map(self.split, self.kv_proj(x if source is None else source).chunk(2, dim=-1))
-            if source is None and kv_cache:  # self-attention while decoding: the cached prefix's, then this call's
+            if source is None and kv_cache:  # the cached prefix's, then this call's
                 k, v = torch.cat([kv_cache["k"], k], dim=2), torch.cat([kv_cache["v"], v], dim=2)
             if kv_cache is not None:
                 kv_cache["k"], kv_cache["v"] = k, v
-        y = attention(q, k, v, causal, self.dropout if self.training else 0.0)  # causal: x's are the last of k's
+        y = attention(q, k, v, causal, self.dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).flatten(2))  # (B, T, width)
 
 
@@ -335,7 +330,7 @@ def feed_forward(width):
 
 
 def caches(kv_cache):
-    """A decoder layer's self- and cross-attention caches (None when not decoding step by step)."""
+    """A decoder layer's self- and cross-attention caches."""
     return (None, None) if kv_cache is None else (kv_cache.setdefault("self", {}), kv_cache.setdefault("cross", {}))
 
 
@@ -348,20 +343,20 @@ def init_weights_(module):
             nn.init.zeros_(m.bias)
 
 
-# decoding, a method of both captioners below (through their encode and decode)
+# decoding: methods of both captioners below
 
 
 @torch.no_grad()
 def generate(self, memory, bos, eos, max_len=None, use_kv_cache=True):
-    """Batched greedy decoding -> ids (B, <= max_len), <eos> included where reached, 0 (pad) after it. The cache
-    runs the decoder on the newest token only; without it, on the whole prefix, as the authors decode."""
+    """Greedy decoding -> ids (B, <= max_len), <eos> included, 0 after it; without the cache the whole prefix runs
+    each step, as the authors'."""
     max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
     mem = self.encode(memory)
     out = torch.full((len(memory), 1), bos, dtype=torch.long, device=memory.device)
     kv_caches = [{} for _ in self.decoder] if use_kv_cache else None
     done = torch.zeros(len(memory), dtype=torch.bool, device=memory.device)
     for t in range(max_len):
-        step, start = (out[:, -1:], t) if use_kv_cache else (out, 0)  # the newest token, or the whole prefix
+        step, start = (out[:, -1:], t) if use_kv_cache else (out, 0)
         nxt = self.decode(step, mem, kv_caches, start)[:, -1].argmax(-1).masked_fill(done, 0)  # (B,)
         out = torch.cat([out, nxt[:, None]], dim=1)
         done |= nxt == eos
@@ -372,13 +367,13 @@ def generate(self, memory, bos, eos, max_len=None, use_kv_cache=True):
 
 @torch.no_grad()
 def beam_search(self, memory, bos, eos, beam=3, max_len=None):
-    """Batched beam search with the key/value cache; the best beam by log-probability per token."""
+    """Beam search; the best beam by log-probability per token."""
     max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
     mem = [m.repeat_interleave(beam, dim=0) for m in self.encode(memory)]  # each (B*K, M, width)
     B, K, dev = memory.shape[0], beam, memory.device
     out = torch.full((B * K, 1), bos, dtype=torch.long, device=dev)
     scores = torch.full((B, K), float("-inf"), device=dev)
-    scores[:, 0] = 0  # all beams start equal: keep one so the first step gives K different words
+    scores[:, 0] = 0  # one beam at first, so the first step gives K different words
     done, lengths = torch.zeros(B * K, dtype=torch.bool, device=dev), torch.zeros(B * K, device=dev)
     kv_caches = [{} for _ in self.decoder]
     for t in range(max_len):
@@ -392,7 +387,7 @@ def beam_search(self, memory, bos, eos, beam=3, max_len=None):
         out = torch.cat([out[src], nxt[:, None]], dim=1)
         lengths = lengths[src] + (~done[src]).float()
         done = done[src] | (nxt == eos)
-        for c in kv_caches:  # the prefix's keys/values follow their beam; the memory's is the same for all beams
+        for c in kv_caches:  # the prefix's keys/values follow their beam
             c["self"]["k"], c["self"]["v"] = c["self"]["k"][src], c["self"]["v"][src]
         if done.all():
             break
@@ -400,27 +395,25 @@ def beam_search(self, memory, bos, eos, beam=3, max_len=None):
     return out.view(B, K, -1)[torch.arange(B, device=dev), best, 1:]
 
 
-# The authors' captioner as their code built it (modules/module_decoder.py; the code made the paper's numbers):
-# BERT's post-LN layers, 3 encoder layers over the pair encoder's tokens, 3 decoder layers, decoder layer i
-# cross-attending to encoder layer i's output; CLIP's BPE words, its word and position embeddings tied in, and the
-# output projection, after BERT's prediction head.
+# The authors' captioner as their code built it (modules/module_decoder.py): BERT's post-LN layers, 3 encoder layers
+# over the pair encoder's tokens, 3 decoder layers, decoder layer i reading encoder layer i; CLIP's words and
+# positions tied in, and BERT's prediction head.
 
 
 @dataclass
 class CaptionerConfig:
     vocab_size: int = 49408  # CLIP's BPE tokens
-    memory_len: int = 100  # the pair encoder's 2(n+1) tokens, as wide as the captioner
-    width: int = 512  # the authors': 3+3 layers, 512 wide, 8 heads, FFN 2048, dropout 0.1
+    memory_len: int = 100  # the pair encoder's 2(n+1) tokens
+    width: int = 512
     heads: int = 8
     enc_layers: int = 3
     dec_layers: int = 3
-    max_len: int = 32  # generated tokens, the end token included
+    max_len: int = 32  # generated tokens
     dropout: float = 0.1
 
 
 class BertLayer(nn.Module):
-    """BERT's post-LN layer, LN(x + dropout(f(x))) for each sublayer f (eps 1e-12, dropout on the attention
-    probabilities too): self-attention, MLP; with cross=True causal self-attention, cross-attention, MLP."""
+    """BERT's post-LN LN(x + dropout(f(x))): self-attention, MLP; cross: causal self-attention, cross-attention, MLP."""
 
     def __init__(self, width, heads, dropout, cross=False):
         super().__init__()
@@ -436,7 +429,7 @@ class BertLayer(nn.Module):
     def forward(self, x, memory=None, kv_cache=None):
         c_self, c_cross = caches(kv_cache)
         x = self.ln_1(x + self.drop(self.attn(x, causal=memory is not None, kv_cache=c_self)))
-        if memory is not None:  # a decoder layer: the query and the residual are the self-attention's output
+        if memory is not None:
             x = self.ln_x(x + self.drop(self.cross_attn(x, memory, kv_cache=c_cross)))
         return self.ln_2(x + self.drop(self.mlp(x)))
 
@@ -448,18 +441,18 @@ class Captioner(nn.Module):
         self.encoder = nn.ModuleList([BertLayer(cfg.width, cfg.heads, cfg.dropout) for _ in range(cfg.enc_layers)])
         self.decoder = nn.ModuleList([BertLayer(cfg.width, cfg.heads, cfg.dropout, cross=True)
                                       for _ in range(cfg.dec_layers)])
-        # BERT's prediction head: dense + GELU + LayerNorm, then the word embeddings transposed, plus a bias
+        # BERT's prediction head, then the word embeddings transposed, plus a bias
         self.head = nn.Sequential(OrderedDict([("dense", nn.Linear(cfg.width, cfg.width)), ("gelu", nn.GELU()),
                                                ("ln", LayerNorm(cfg.width, eps=1e-12))]))
         self.head_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
         self.ln_emb = LayerNorm(cfg.width, eps=1e-12)
         self.drop = nn.Dropout(cfg.dropout)
         init_weights_(self)
-        # tied: the decoder reads and writes CLIP's own BPE embeddings (modeling.py 182-195), as they are
+        # tied: CLIP's own word embeddings (modeling.py 182-195)
         self.token_embedding, self.positional_embedding = clip.token_embedding, clip.positional_embedding
 
     def encode(self, memory):
-        """Pair-encoder tokens (B, 2(n+1), width) -> each encoder layer's output (the memory itself without any)."""
+        """Pair-encoder tokens (B, 2(n+1), width) -> each encoder layer's output (none: the memory)."""
         x, outs = memory.to(self.head.dense.weight.dtype), []
         for block in self.encoder:
             x = block(x)
@@ -467,8 +460,7 @@ class Captioner(nn.Module):
         return outs or [x]
 
     def decode(self, tokens, mems, kv_caches=None, start=0):
-        """Token ids (B, T) at positions start..start+T-1, encode's list -> next-token logits (B, T, vocab);
-        decoder layer i reads mems[i] (the last where there are fewer)."""
+        """Token ids (B, T) from position `start`, encode's list -> logits (B, T, vocab); layer i reads mems[i]."""
         x = self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]]
         x = self.drop(self.ln_emb(x))
         for i, block in enumerate(self.decoder):
@@ -476,7 +468,7 @@ class Captioner(nn.Module):
         return self.head(x) @ self.token_embedding.weight.t() + self.head_bias
 
     def forward(self, memory, tokens):
-        """Teacher forcing: (B, M, width), (B, T) -> logits (B, T, vocab)."""
+        """Teacher forcing -> logits (B, T, vocab)."""
         return self.decode(tokens, self.encode(memory))
 
     def pool(self, memory):
@@ -485,29 +477,27 @@ class Captioner(nn.Module):
     generate, beam_search = generate, beam_search
 
 
-# The mini presets' captioner: pre-LN layers, its own words, each memory token projected, placed and marked with its
-# image, optionally told what changed at its position, the patch grid pooled; every decoder layer reads the last
-# encoder output.
+# The mini presets' captioner: pre-LN, its own words, each memory token projected, placed, marked with its image and
+# (mem_diff) told what changed at its position, the patch grid pooled.
 
 
 @dataclass
 class MiniCaptionerConfig:
-    vocab_size: int = 100  # the training captions' own words
+    vocab_size: int = 100
     memory_dim: int = 128  # the pair encoder's embed_dim
-    memory_len: int = 74  # its 2(m+1) tokens, each image's grid pooled (mem_pool)
+    memory_len: int = 74  # its 2(m+1) tokens, pooled
     width: int = 128
     heads: int = 4
     enc_layers: int = 0
     dec_layers: int = 2
     max_len: int = 32
     dropout: float = 0.1
-    mem_diff: bool = True  # each memory token also gets what changed at its position
-    mem_pool: int = 2  # each image's patch grid averaged over mem_pool x mem_pool cells first
+    mem_diff: bool = True
+    mem_pool: int = 2
 
 
 class PreLNBlock(nn.Module):
-    """Pre-LN x + dropout(f(LN(x))): self-attention, MLP; with cross=True causal self-attention, cross-attention,
-    MLP."""
+    """Pre-LN x + dropout(f(LN(x))), BertLayer's sublayers."""
 
     def __init__(self, width, heads, dropout, cross=False):
         super().__init__()
@@ -534,9 +524,9 @@ class MiniCaptioner(nn.Module):
         self.cfg = cfg
         self.mem_proj = nn.Linear(cfg.memory_dim, cfg.width)
         self.mem_pos = nn.Parameter(torch.zeros(cfg.memory_len, cfg.width))
-        # which image a memory token comes from (before, after): cross-attention is blind to its memory's order
+        # which image a token comes from: cross-attention is blind to order
         self.mem_image = nn.Parameter(torch.zeros(2, cfg.width))
-        # after minus before at each position, added to both images' tokens there (cross-attention cannot subtract)
+        # after minus before, added to both images' tokens (cross-attention cannot subtract)
         self.mem_diff = nn.Linear(cfg.memory_dim, cfg.width) if cfg.mem_diff else None
         self.encoder = nn.ModuleList([PreLNBlock(cfg.width, cfg.heads, cfg.dropout) for _ in range(cfg.enc_layers)])
         self.ln_enc = LayerNorm(cfg.width)
@@ -551,23 +541,22 @@ class MiniCaptioner(nn.Module):
             nn.init.normal_(p, std=std)
 
     def pool(self, memory):
-        """Pair-encoder tokens (B, 2(n+1), D) -> (B, 2(m+1), D), each image's g x g patch tokens averaged over
-        k x k cells (k = cfg.mem_pool; m = (g/k)^2), its [CLS] kept."""
+        """(B, 2(n+1), D) -> (B, 2(m+1), D): each image's patch tokens averaged over mem_pool x mem_pool cells."""
         k = self.cfg.mem_pool
         B, T, D = memory.shape
         g = math.isqrt(T // 2 - 1)
-        x = memory.reshape(2 * B, T // 2, D)  # before's and after's tokens of each pair, one after the other
+        x = memory.reshape(2 * B, T // 2, D)  # each image's tokens
         grid = F.avg_pool2d(x[:, 1:].transpose(1, 2).reshape(2 * B, D, g, g), k)  # (2B, D, g/k, g/k)
         return torch.cat([x[:, :1], grid.flatten(2).transpose(1, 2)], dim=1).reshape(B, -1, D)
 
     def encode(self, memory):
-        """Pooled pair-encoder tokens (B, 2(m+1), memory_dim) -> [what every decoder layer reads] (B, 2(m+1), width)."""
+        """Pooled tokens (B, 2(m+1), memory_dim) -> [what every decoder layer reads]."""
         n1 = memory.shape[1] // 2
         memory = memory.to(self.mem_proj.weight.dtype)
         x = self.mem_proj(memory) + self.mem_pos + self.mem_image.repeat_interleave(n1, dim=0)
         if self.mem_diff is not None:
             x = x + self.mem_diff(memory[:, n1:] - memory[:, :n1]).repeat(1, 2, 1)
-        x = self.drop(x)  # a learned input, dropped out as the word embeddings are
+        x = self.drop(x)
         for block in self.encoder:
             x = block(x)
         return [self.ln_enc(x)]

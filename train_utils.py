@@ -1,5 +1,5 @@
-"""What the training stages share: settings, device setup, optimizers and schedules, the epoch's progress line,
-selection, atomic resumable checkpoints, the CUDA graph of a step."""
+"""What the stages share: settings, device, optimizers, schedules, the progress line, selection, checkpoints, the CUDA
+graph of a step."""
 import argparse
 import ctypes
 import functools
@@ -23,20 +23,19 @@ import torch
 
 
 def autocast(device, amp="auto"):
-    """auto: bf16 autocast on CUDA, fp32 on a CPU; bf16: autocast anywhere (the tests' CUDA numerics on a CPU)."""
+    """auto: bf16 autocast on CUDA, fp32 on a CPU; bf16: anywhere."""
     if amp == "off" or (amp == "auto" and device.type != "cuda"):
         return nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def devices_here():
-    """What --device can name here, for an error message."""
     n = torch.cuda.device_count()
     return "cpu" + (f", cuda (cuda:0 to cuda:{n - 1})" if n > 1 else ", cuda (cuda:0)" if n else "")
 
 
 def device_arg(text):
-    """argparse type of --device: one this machine has, else argparse's one-line error naming what is here."""
+    """argparse type of --device: one this machine has."""
     try:
         d = torch.device(text)
     except RuntimeError:
@@ -54,14 +53,14 @@ def device_arg(text):
 
 
 def at_least(low, kind=int, most=None, below=None):
-    """argparse type: a number >= low (and <= most, < below); argparse's error names the flag and the value."""
+    """argparse type: a number >= low (and <= most, < below)."""
     def number(text):
         try:
             x = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
                                              f"got {text!r}") from None
-        if not x >= low:  # also catches nan
+        if not x >= low:  # and nan
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
         if (most is not None and not x <= most) or (below is not None and not x < below):
             raise argparse.ArgumentTypeError(f"must be in [{low}, {most}], got {text}" if most is not None else
@@ -72,7 +71,7 @@ def at_least(low, kind=int, most=None, below=None):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """--help: the module's docstring as written, each flag's default where it has one."""
+    """--help: the docstring as written, each flag's default."""
 
     def _get_help_string(self, action):
         hidden = action.default is None or action.default is False or action.default == argparse.SUPPRESS
@@ -80,20 +79,34 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def run_flags(p, log_every=20, warmup=0.1):
-    """The flags of every training stage (adapt.py, caption.py, pretrain.py), alike."""
+    """The flags of every training stage."""
     p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
     p.add_argument("--seed", type=int, default=0, help="random seed (initialization, data order, draws)")
-    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
-                   help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
+    device_flags(p)
     p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=warmup,
                    help="fraction of the steps of linear warmup, then the schedule's decay")
     p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
     p.add_argument("--log-every", type=at_least(1), default=log_every, help="steps between progress lines")
 
 
+def device_flags(p):
+    p.add_argument("--device", type=device_arg, default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
+                   help="mixed precision: auto = bf16 autocast on CUDA, fp32 on a CPU")
+
+
+def image_cache_flag(p):
+    p.add_argument("--image-cache", action=argparse.BooleanOptionalAction, default=None, help="decode every image "
+                   "once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images); default: if it fits")
+
+
+def optimizer_flag(p, decay, presets):
+    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help=f"bertadam: the authors' "
+                   f"(warmup, {decay} decay, their decay sets); adamw: ours (cosine, no decay on 1-D tensors) {presets}")
+
+
 class Settings(SimpleNamespace):
-    """A run's settings, decided before any work (each stage's `settings`), printed and saved: read-only."""
+    """A run's settings, decided before any work, printed and saved: read-only."""
 
     def __setattr__(self, name, value):
         raise AttributeError(f"settings are decided before the run starts: {name} stays {getattr(self, name, None)!r}")
@@ -105,7 +118,7 @@ class Settings(SimpleNamespace):
 
 
 def given_flags(parser, argv=None):
-    """The settings (dests) the command line gives: parsed again with every default suppressed."""
+    """The settings the command line gives: parsed again, defaults suppressed."""
     saved = [(a, a.default) for a in parser._actions]
     try:
         for a, _ in saved:
@@ -117,8 +130,7 @@ def given_flags(parser, argv=None):
 
 
 def over_preset(flags, given, presets, preset, bad):
-    """The flags given over their preset's values (flags: parsed, given: given_flags); --authors-numerics: the
-    authors' fp16 state is BertAdam's and has no autocast. bad(flag, why): argparse's error."""
+    """The flags given over the preset's values; --authors-numerics: BertAdam's fp16, no autocast."""
     s = {**vars(flags), **presets[preset], **{k: getattr(flags, k) for k in given}, "preset": preset}
     if s["authors_numerics"]:
         if s["optimizer"] != "bertadam":
@@ -130,13 +142,13 @@ def over_preset(flags, given, presets, preset, bad):
 
 
 def pick_device(device=None):
-    """--device resolved: what was given, else cuda:0 where there is a GPU, else cpu."""
+    """--device, else cuda:0 where there is a GPU, else cpu."""
     d = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return f"cuda:{d.index or 0}" if d.type == "cuda" else "cpu"
 
 
 def check_sizes(parser, image_size, patch_size, widths):
-    """A model from flags: whole patches, widths ({flag: width}) that split into width // 64 heads (at least one)."""
+    """A model from flags: whole patches, widths ({flag: width}) that split into width // 64 heads."""
     if image_size % patch_size:
         parser.error(f"argument --image-size: {image_size} is not a multiple of --patch-size {patch_size}")
     for flag, w in widths.items():
@@ -146,13 +158,13 @@ def check_sizes(parser, image_size, patch_size, widths):
 
 
 def flag_error(flag, message):
-    """A bad flag found after parsing: argparse's one line and exit code 2."""
+    """argparse's error after parsing."""
     print(f"{os.path.basename(sys.argv[0])}: error: argument {flag}: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
 def keep_freed_memory():
-    """glibc keeps freed memory for the next allocation (else large ones get fresh pages, faulted in every step)."""
+    """glibc keeps freed memory (else large allocations fault in fresh pages every step)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
@@ -162,11 +174,11 @@ def keep_freed_memory():
 
 
 def setup(seed=0, device=None, amp="auto"):
-    """The run's device, numerics (fp32 weights, autocast as `autocast` says) and seed."""
+    """The run's device, autocast and seed."""
     device = torch.device(pick_device(device))
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # CUDA graphs' streams and kernels go to the current device
-        # TF32 matmuls beside bf16 autocast; --amp off is plain fp32 throughout
+        torch.cuda.set_device(device)  # for CUDA graphs' streams
+        # TF32 beside bf16 autocast; --amp off: plain fp32
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = amp != "off"
     if device.type == "cpu":
         keep_freed_memory()
@@ -176,11 +188,11 @@ def setup(seed=0, device=None, amp="auto"):
 
 @functools.lru_cache
 def matmul_gflops(n=2048, repeats=5):
-    """This CPU's fp32 GFLOP/s, an n x n x n matmul's best of `repeats`: what every timing is given beside."""
-    g = torch.Generator().manual_seed(0)  # its own: measuring must not move the run's random stream
+    """This CPU's fp32 GFLOP/s, the best of `repeats` n x n matmuls."""
+    g = torch.Generator().manual_seed(0)  # the run's random stream untouched
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     a @ b
-    return 2 * n ** 3 / min(timeit.timeit(lambda: a @ b, number=1) for _ in range(repeats)) / 1e9  # the best
+    return 2 * n ** 3 / min(timeit.timeit(lambda: a @ b, number=1) for _ in range(repeats)) / 1e9
 
 
 def seed_everything(seed):
@@ -190,7 +202,7 @@ def seed_everything(seed):
 
 
 def rng_state():
-    """This process's random streams (set_rng_state puts them back)."""
+    """This process's random streams."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -206,7 +218,7 @@ def set_rng_state(state):
 
 
 def where(ctx, speed=False):
-    """The machine in a few words; speed: a CPU's fp32 GFLOP/s too, beside a timing."""
+    """The machine in a few words; speed: a CPU's GFLOP/s too."""
     if ctx.device.type == "cuda":
         return torch.cuda.get_device_name(ctx.device)
     return f"CPU, {torch.get_num_threads()} threads" + (f", {matmul_gflops():.0f} GFLOP/s fp32" if speed else "")
@@ -221,8 +233,7 @@ def log(*args):
 
 
 def warmup_cosine(optimizer, total_steps, warmup_frac=0.1):
-    """The mini presets' schedule: linear warmup over `warmup_frac` of the steps, then a cosine from the peak to 0
-    over the rest. Each parameter group keeps its own base lr."""
+    """The mini presets' schedule: linear warmup over `warmup_frac` of the steps, then a cosine to 0."""
     warmup = max(1, int(warmup_frac * total_steps))
 
     def factor(step):
@@ -233,8 +244,8 @@ def warmup_cosine(optimizer, total_steps, warmup_frac=0.1):
 
 
 def authors_schedule(optimizer, total_steps, warmup_frac=0.1, kind="cosine"):
-    """The paper presets' schedules (their optimization.py 26-42) of x = step / total_steps from 0 (their first
-    rate is 0): x / warmup, then 0.5 (1 + cos(pi x)) (stage 1) or (1 - x) / (1 - warmup) (stage 2)."""
+    """The authors' schedules (optimization.py 26-42) of x = step / total_steps: x / warmup, then 0.5 (1 + cos(pi x))
+    (stage 1) or (1 - x) / (1 - warmup) (stage 2)."""
     def factor(step):
         x = step / total_steps
         if x < warmup_frac:
@@ -244,13 +255,13 @@ def authors_schedule(optimizer, total_steps, warmup_frac=0.1, kind="cosine"):
 
 
 def freeze(named_params, rule):
-    """A stage's lr_rule (name -> learning rate, None: frozen) applied to requires_grad."""
+    """A stage's lr_rule (name -> learning rate, None: frozen) as requires_grad."""
     for name, p in named_params:
         p.requires_grad_(rule(name) is not None)
 
 
 def param_groups(named_params, rule, weight_decay, decays=None):
-    """Adam groups of the trained parameters by rate and decay; decays(name, p): which decay (default: matrices)."""
+    """The trained parameters grouped by rate and decay; decays(name, p): decayed? (default: matrices)."""
     groups = {}
     for name, p in named_params:
         if (lr := rule(name)) is not None:
@@ -260,7 +271,7 @@ def param_groups(named_params, rule, weight_decay, decays=None):
 
 
 def policy_table(named_params, rule):
-    """The rule as a table: a line per parameter group (the name up to its block number) and rate, its size."""
+    """The rule as a table: a line per group (the name up to its block number) and rate, its size."""
     rows = {}
     for name, p in named_params:
         parts = name.split(".")
@@ -273,16 +284,16 @@ def policy_table(named_params, rule):
 
 
 def authors_decays(model, bert=None):
-    """The authors' decay sets (prep_optimizer): all but biases and `bert`'s LayerNorms (their decoder's), so
-    CLIP's LayerNorm weights, e1, e2, ln_mid.weight and logit_scale decay."""
+    """The authors' decay sets (prep_optimizer): all but biases and `bert`'s LayerNorms (CLIP's LayerNorms, e1, e2
+    and logit_scale decay)."""
     bert_ln = {f"{bert}.{n}.weight" for n, m in getattr(model, bert).named_modules()
                if isinstance(m, torch.nn.LayerNorm)} if bert else set()
     return lambda name, p: "bias" not in name and name not in bert_ln
 
 
 class BertAdam(torch.optim.Optimizer):
-    """The authors' BertAdam (their optimization.py 110-167): Adam without bias correction, decoupled decay, moments
-    in the weights' dtype, tensors without a gradient skipped (their per-tensor clip after a global one: a no-op)."""
+    """The authors' BertAdam (optimization.py 110-167): Adam without bias correction, decoupled decay, moments in the
+    weights' dtype (their per-tensor clip after a global one: a no-op)."""
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):  # their defaults
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -298,7 +309,7 @@ class BertAdam(torch.optim.Optimizer):
                 if not state:
                     state["next_m"], state["next_v"] = torch.zeros_like(p), torch.zeros_like(p)
                 m, v, g = state["next_m"], state["next_v"], p.grad
-                m.mul_(b1).add_(g, alpha=1 - b1)  # their order of operations, so that fp16 rounds as theirs
+                m.mul_(b1).add_(g, alpha=1 - b1)  # their order, so that fp16 rounds as theirs
                 v.mul_(b2).addcmul_(g, g, value=1 - b2)
                 update = m / (v.sqrt() + group["eps"])
                 if group["weight_decay"] > 0.0:
@@ -307,8 +318,7 @@ class BertAdam(torch.optim.Optimizer):
 
 
 def make_optimizer(groups, device, capturable=False, rule="adamw", betas=(0.9, 0.98)):
-    """BertAdam (the paper presets) or AdamW (the mini presets; fused on CUDA; capturable: in a CUDA graph), eps
-    1e-6 both."""
+    """BertAdam, or AdamW (fused on CUDA; capturable: in a CUDA graph)."""
     if rule == "bertadam":
         return BertAdam(groups, lr=groups[0]["lr"], betas=betas, eps=1e-6)
     fused = capturable or torch.device(device).type == "cuda"
@@ -316,14 +326,14 @@ def make_optimizer(groups, device, capturable=False, rule="adamw", betas=(0.9, 0
 
 
 class GraphedStep:
-    """A stage's `update(batch) -> loss` (forward, backward, clip, optimizer step) captured once as a CUDA graph and
-    replayed, then the schedule's step. The rates become device tensors the schedule fills in place; the first batch
-    warms up on a side stream, undone, then is captured. Other shapes run eagerly, as everything on a CPU."""
+    """A stage's `update(batch) -> loss` captured once as a CUDA graph and replayed, then the schedule's step. The
+    rates become device tensors; the first batch warms up on a side stream, undone, then is captured. Other shapes
+    (and a CPU) run eagerly."""
 
     def __init__(self, ctx, update, optimizer, scheduler, params):
         self.ctx, self.body, self.params, self.optimizer, self.scheduler = ctx, update, params, optimizer, scheduler
         self.graph = None
-        for g in optimizer.param_groups:  # read by the graph from this address; the schedule fills it in place
+        for g in optimizer.param_groups:  # the graph reads this address
             g["lr"] = torch.tensor(float(g["lr"]), device=ctx.device)
 
     def __call__(self, batch):
@@ -333,8 +343,8 @@ class GraphedStep:
             for k, t in batch.items():
                 self.static[k].copy_(t, non_blocking=True)
             self.graph.replay()
-            out = self.out.clone()  # a copy: the next replay overwrites the graph's own
-        else:  # eagerly, into the gradients the graph owns (zeroed in place, not reallocated)
+            out = self.out.clone()  # the next replay overwrites it
+        else:  # eagerly, into the graph's gradients (zeroed in place)
             self.optimizer.zero_grad(set_to_none=self.graph is None)
             out = self.body(batch)
         self.scheduler.step()
@@ -346,12 +356,12 @@ class GraphedStep:
         state = {p: {k: v.clone() for k, v in s.items()} for p, s in self.optimizer.state.items()}
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # allocations, cuBLAS workspaces and the optimizer's state, before capture
+        with torch.cuda.stream(side):  # allocations, workspaces, the optimizer's state
             for _ in range(3):
                 self.optimizer.zero_grad(set_to_none=True)
                 self.body(self.static)
         torch.cuda.current_stream().wait_stream(side)
-        with torch.no_grad():  # the warm-up's steps undone: the weights, and the optimizer's state as it was (or fresh)
+        with torch.no_grad():  # the warm-up undone
             for p, w in zip(self.params, weights):
                 p.copy_(w)
             for p, s in self.optimizer.state.items():
@@ -370,7 +380,7 @@ def shapes(batch):
 
 @dataclass
 class Progress:
-    """A progress line's `epoch` (0-based) of `epochs`, of `total_steps`, every `log_every` steps, `unit`s/s."""
+    """A progress line's `epoch` (0-based) of `epochs`, of `total_steps`, every `log_every` steps."""
     epoch: int
     epochs: int
     total_steps: int
@@ -379,8 +389,8 @@ class Progress:
 
 
 def train_epoch(ctx, loader, step, optimizer, run, progress):
-    """`step(batch) -> loss` on each batch -> the mean loss; run["step"] advanced, a progress line every
-    progress.log_every steps. The loss is summed on the device and checked only there: NaN/inf stops the run."""
+    """`step(batch) -> loss` on each batch -> the mean loss; a progress line every log_every steps, where NaN/inf
+    stops the run."""
     t0, seen, count, checked = time.time(), 0, 0, run["step"]
     total = torch.zeros((), device=ctx.device)
     for batch in loader:
@@ -388,10 +398,10 @@ def train_epoch(ctx, loader, step, optimizer, run, progress):
         total += loss.float()
         run["step"], seen, count = run["step"] + 1, seen + len(next(iter(batch.values()))), count + 1
         if run["step"] % progress.log_every == 0 or count == len(loader):
-            if not torch.isfinite(total):  # the one host sync per log line
+            if not torch.isfinite(total):  # the host syncs here only
                 raise SystemExit(f"loss became {loss.item()} between steps {checked + 1} and {run['step']} (epoch "
-                                 f"{progress.epoch + 1}): stopping. The last good checkpoint is on disk; check the "
-                                 f"data, or start again with a lower learning rate (--resume would keep the old one).")
+                                 f"{progress.epoch + 1}): stopping. The last good checkpoint is kept; start again "
+                                 f"with a lower learning rate (--resume would keep the old one).")
             checked = run["step"]
             eta = (progress.total_steps - run["step"]) * (time.time() - t0) / count
             lrs = "/".join(f"{lr:.2e}" for lr in sorted({float(g["lr"]) for g in optimizer.param_groups}, reverse=True))
@@ -402,12 +412,12 @@ def train_epoch(ctx, loader, step, optimizer, run, progress):
 
 
 def new_run():
-    """Where a run stands (saved in its resumable state)."""
+    """Where a run stands."""
     return dict(epoch=0, step=0, best=-1.0, best_epoch=0, epochs_without_gain=0, history=[])
 
 
 def end_epoch(run, loss, figures, score, tie_counts):
-    """An epoch's loss and val figures into `run` -> whether `score` is the best so far (improved)."""
+    """An epoch's loss and val figures into `run` -> whether `score` is the best so far."""
     better = improved(score, run["best"], tie_counts)
     run["epoch"] += 1
     run["history"].append({"epoch": run["epoch"], "loss": loss, **figures})
@@ -418,7 +428,7 @@ def end_epoch(run, loss, figures, score, tie_counts):
 
 
 def improved(score, best, tie_counts):
-    """Selection: a better val figure, or with tie_counts an equal one (the authors': the later epoch kept)."""
+    """A better val figure, or with tie_counts an equal one (the authors': the later epoch)."""
     return score > best or (tie_counts and score == best)
 
 
@@ -428,11 +438,11 @@ def fmt_time(seconds):
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: plain dicts, written to a temp file and renamed (a crash never leaves half a file)
+# checkpoints: plain dicts, written aside and renamed
 
 
 def to_cpu(obj):
-    """Every tensor in a checkpoint's dicts, lists and tuples on the CPU."""
+    """Every tensor in dicts, lists and tuples on the CPU."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
@@ -443,32 +453,31 @@ def to_cpu(obj):
 
 
 def save_atomic(obj, path):
-    """torch.save of the CPU tensors to a temporary file renamed into place: a kill while writing leaves the
-    previous checkpoint whole (and a partial file, removed by the next save)."""
+    """torch.save to a temporary file renamed into place: a kill while writing leaves the previous file whole."""
     path = str(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(to_cpu(obj), tmp)
     os.replace(tmp, path)
-    for left in glob.glob(glob.escape(path) + ".tmp*"):  # one process writes a path: these are dead writers'
+    for left in glob.glob(glob.escape(path) + ".tmp*"):  # dead writers'
         os.remove(left)
 
 
 def last_path(out):
-    """adapted.pt -> adapted.last.pt, its resumable state."""
+    """adapted.pt -> adapted.last.pt, the resumable state."""
     root, ext = os.path.splitext(str(out))
     return f"{root}.last{ext or '.pt'}"
 
 
 def check_resume(parser, resume, out):
-    """--resume where the run writing --out left no state: argparse's one-line error (exit 2)."""
+    """--resume without a state left by --out's run: an error."""
     if resume and not os.path.isfile(last_path(out)):
         parser.error(f"argument --resume: no resumable state at {last_path(out)} (written after each epoch of a run "
                      f"with --out {out}); start without --resume")
 
 
 def load_resume(out, device="cpu"):
-    path = last_path(out)  # the stages checked at parsing that it exists (check_resume)
+    path = last_path(out)
     try:
         return torch.load(path, map_location=device, weights_only=False)
     except Exception as e:
@@ -476,8 +485,7 @@ def load_resume(out, device="cpu"):
 
 
 def save_state(out, model, optimizer, scheduler, run, args, **extra):
-    """The resumable state of the run writing `out`: run's keys beside the model's, optimizer's, schedule's and
-    random streams' state."""
+    """The resumable state: run's keys, the model's, optimizer's, schedule's and random streams' state."""
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "rng": rng_state(), **run, "args": vars(args), **extra}, last_path(out))
 
@@ -486,8 +494,8 @@ RESUMABLE = {"resume", "device", "workers", "log_every", "eval_batch_size", "ima
 
 
 def resume_run(state, model, optimizer, scheduler, args):
-    """--resume: save_state's file (load_resume) put back into the model, optimizer, scheduler and the random
-    streams -> its run (new_run's keys). The run continues as it was set: another setting is an error."""
+    """save_state's file put back into the model, optimizer, scheduler and random streams -> its run; a setting
+    other than the saved one is an error."""
     if missing := [k for k in new_run() if k not in state]:
         raise SystemExit(f"--resume: the resumable state has no {missing[0]} (an older clip4idc's): start without "
                          f"--resume")
