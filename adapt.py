@@ -181,9 +181,8 @@ def fixed_intra(model, items, args, ctx, cache):
                               workers=args.workers, device=ctx.device)
     out = []
     for batch in loader:
-        before, after = (clip_load.normalize(batch[k].to(ctx.device, non_blocking=True)) for k in ("before", "after"))
         with ctx.amp:
-            x = model.visual.intra(model.visual.stem(torch.cat([before, after])))
+            x = model.visual.intra(model.visual.stem(torch.cat(data.pair_images(batch, ctx.device))))
         out.append(torch.stack(x.float().chunk(2), 1).cpu())
     return torch.cat(out)
 
@@ -231,9 +230,8 @@ def encode_split(model, items, args, ctx, cache=None):
     loader = data.make_loader(ds, args.eval_batch_size, workers=args.workers, device=ctx.device)
     pairs = []
     for batch in loader:
-        before, after = (clip_load.normalize(batch[k].to(ctx.device, non_blocking=True)) for k in ("before", "after"))
         with ctx.amp:
-            pairs.append(model.encode_pair(before, after).vector.float())
+            pairs.append(model.encode_pair(*data.pair_images(batch, ctx.device)).vector.float())
     owner, captions = map(list, zip(*[(i, c) for i, it in enumerate(items) for c in it.captions]))
     owner = torch.tensor(owner)
     texts = []
@@ -284,9 +282,8 @@ def diverged(epoch):
 
 
 def fmt(m):
-    return (f"pair->text R@1/5/10 {m['pair->text R@1']:.1f}/{m['pair->text R@5']:.1f}/{m['pair->text R@10']:.1f} "
-            f"MdR {m['pair->text MdR']:.0f} | text->pair R@1/5/10 {m['text->pair R@1']:.1f}/"
-            f"{m['text->pair R@5']:.1f}/{m['text->pair R@10']:.1f} MdR {m['text->pair MdR']:.0f}")
+    return " | ".join(f"{d} R@1/5/10 " + "/".join(f"{m[f'{d} R@{k}']:.1f}" for k in (1, 5, 10)) +
+                      f" MdR {m[d + ' MdR']:.0f}" for d in ("pair->text", "text->pair"))
 
 
 # -----------------------------------------------------------------------------
@@ -298,8 +295,8 @@ def banner(ctx, args):
     log(f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
     paper = f"For the paper's results give --clip ViT-B/32 ({clip_load.WEIGHTS})."
     if args.clip in clip_load.SHIPPED:
-        log(f"   adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES in assets/ ({clip_load.SHIPPED[args.clip][0]}): "
-            f"the paper in miniature. {paper}")
+        log(f"   adapting the SMALL CLIP PRETRAINED ON SYNTHETIC SCENES in assets/ "
+            f"({clip_load.SHIPPED[args.clip][0]}): the paper in miniature. {paper}")
     elif args.preset == "scratch":
         log(f"   training a SMALL CLIP-shaped model FROM SCRATCH (the from-scratch ablation). {paper}")
     log("   " + args.line())
@@ -380,9 +377,7 @@ def main(argv=None):
             if "features" in batch:  # fixed_intra's tokens
                 loss = contrastive_loss(*net(None, None, ids, batch["features"].to(ctx.device)))
             else:
-                before, after = (clip_load.normalize(batch[k].to(ctx.device, non_blocking=True))
-                                 for k in ("before", "after"))
-                loss = contrastive_loss(*net(before, after, ids))
+                loss = contrastive_loss(*net(*data.pair_images(batch, ctx.device), ids))
         loss.backward()
         if args.grad_clip:
             torch.nn.utils.clip_grad_norm_(params, args.grad_clip)
@@ -422,7 +417,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except data.BadImage as e:  # its name and what to do, no traceback
-        raise SystemExit(data.exit_message(e)) from None
+    data.run(main)

@@ -442,7 +442,7 @@ def get_args(argv=None):
     q = add("numerics", "how far ViT-B/32's weights move in the authors' fp16 step (rebuilt) against ours")
     q.add_argument("--steps", type=at_least(1), default=8, help="training steps")
     q.add_argument("--batch", type=at_least(2), default=2, help="pairs per step (fp16 on a CPU is slow)")
-    q.add_argument("--authors", default="CLIP4IDC", help="a clone of the authors' code (github.com/sushizixin/CLIP4IDC)")
+    q.add_argument("--authors", default="CLIP4IDC", help="a clone of github.com/sushizixin/CLIP4IDC")
     q.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch's default)")
     m = add("matmul", "this CPU's fp32 GFLOP/s, the figure to quote beside a timing")
     m.add_argument("--n", type=at_least(1), default=2048, help="matrix size")

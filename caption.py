@@ -51,7 +51,7 @@ PRESETS = {
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
-MAX_LEN = 32  # most tokens a caption gets, the end token included (the authors' --max_words)
+MAX_LEN = 32  # a caption's most tokens, the end included (the authors' --max_words)
 CHANGE_TYPES = ("color", "material", "move", "add", "drop", "distractor")
 FORMAT = 3  # captioner.pt's layout
 
@@ -61,14 +61,14 @@ def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--ckpt", default="adapted.pt", help="adapted.pt, or a CLIP ('ViT-B/32', 'mini12-synth', a file): "
                    "the no-adaptation ablation")
-    p.add_argument("--out", default="captioner.pt", help="where the best captioner goes (+ .last.pt to resume)")
+    p.add_argument("--out", default="captioner.pt", help="the best captioner (resumable state: *.last.pt)")
     p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
     p.add_argument("--preset", choices=list(PRESETS), default=None, help="default: --ckpt's adaptation preset "
                    "(scratch: mini); a CLIP: mini if shipped, else paper")
     # data
     p.add_argument("--data", choices=["clevr", "spot", "ier", "levir"], default=None,
                    help="dataset (default: the checkpoint's, else clevr)")
-    p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's, else data/...)")
+    p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
     p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None, help="also train on each pair "
                    "backwards (synthetic sets only) [paper: off; mini, compare: on a synthetic set]")
@@ -86,7 +86,7 @@ def parser():
                    f"each memory token also gets after minus before {pre('mem_diff')}")
     p.add_argument("--mem-pool", type=at_least(1), default=None, help="the mini captioner: patch tokens averaged over "
                    "k x k cells [mini, compare: 2 on an even grid of 12x12 or more, else 1]")
-    p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout (paper 0.1)")
+    p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout")
     # optimization
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
     p.add_argument("--batch-size", type=at_least(1), default=None, help="pairs per step (--pair-distractors: change "
@@ -125,18 +125,18 @@ def settings(argv=None):
     s = over_preset(flags, given, PRESETS, preset, bad)
     authors = s["captioner"] == "authors"
     if authors and (mini_only := sorted(given & {"width", "mem_diff", "mem_pool"})):
-        bad("--" + mini_only[0].replace("_", "-"), "the authors' captioner (preset paper) has no such setting")
+        bad("--" + mini_only[0].replace("_", "-"), "the authors' captioner has no such setting")
     if s["freeze_encoder"] and "encoder_lr" in given:
         bad("--encoder-lr", "the encoder is frozen: give --no-freeze-encoder too")
     if not s["freeze_encoder"] and s["encoder_lr"] <= 0:
-        bad("--encoder-lr", f"--no-freeze-encoder needs --encoder-lr > 0 (preset {preset} has {s['encoder_lr']:g})")
+        bad("--encoder-lr", f"--no-freeze-encoder needs it > 0 (preset {preset}: {s['encoder_lr']:g})")
     check_resume(p, s["resume"], s["out"])
 
     # the encoder decides
     clip = clip_load.clip_config(flags.ckpt)
     s["n_inter"] = clip.n_inter if flags.n_inter is None else flags.n_inter
     if s["n_inter"] > clip.vision_layers:
-        bad("--n-inter", f"{flags.ckpt} has {clip.vision_layers} vision blocks: give 0 to {clip.vision_layers}")
+        bad("--n-inter", f"{flags.ckpt} has {clip.vision_layers} vision blocks")
     grid = clip.image_resolution // clip.vision_patch_size
     if authors:
         if clip.embed_dim != clip.transformer_width:
@@ -176,7 +176,7 @@ def data_source(name, root, info):
     name = name or made_on.get("name", "clevr")
     root = root or (made_on.get("root") if made_on.get("name") == name else None)
     if info.get("authors") and root is None and not os.path.exists(data.ROOTS[name]):
-        flag_error("--data-root", f"no {name} dataset at {data.ROOTS[name]} for the authors' weights: give its folder")
+        flag_error("--data-root", f"no {name} dataset at {data.ROOTS[name]} for the authors' weights")
     return name, data.resolve_root(name, root)
 
 
@@ -193,7 +193,7 @@ def build_vocab(captions, kind="mini"):
 
 
 def is_bpe(vocab):
-    return vocab[-1] == "<|endoftext|>"  # CLIP's last token
+    return vocab[-1] == "<|endoftext|>"
 
 
 def encode_captions(items, vocab, max_len):
@@ -264,7 +264,7 @@ def model_inputs(batch, device, frozen):
     """A batch's frozen-encoder tokens, else its images normalized."""
     if frozen:
         return {"tokens": batch["features"].to(device, non_blocking=True)}
-    return {k: clip_load.normalize(batch[k].to(device, non_blocking=True)) for k in ("before", "after")}
+    return dict(zip(("before", "after"), data.pair_images(batch, device)))
 
 
 @torch.no_grad()
@@ -286,8 +286,7 @@ def load_captioner(path, device="cpu"):
         raise SystemExit(f"{path} is a captioner.pt of an earlier layout: evaluate it after `git checkout 7dea046`")
     if extra.get("stage") != "caption" and not extra.get("decoder"):
         what = "an adapted encoder" if extra.get("stage") or "decoder" in extra else "a CLIP"
-        raise SystemExit(f"{path} is not a captioner but {what} (no decoder in it): train one on it with `python "
-                         f"caption.py --ckpt {path}`")
+        raise SystemExit(f"{path} is not a captioner but {what}: train one with `python caption.py --ckpt {path}`")
     clip = clip_load.build_clip(sd, extra, path)
     if "decoder" in extra:  # the authors'
         state, enc, dec = clip_load.authors_captioner(extra["decoder"], sd, path)
@@ -343,7 +342,7 @@ def lr_rule(args):
 
 @torch.no_grad()
 def predict(model, loader, items, vocab, ctx, beam=1):
-    """Captions of every item the loader yields -> {item id: caption}."""
+    """-> {item id: caption}"""
     model, frozen = model.eval(), loader.dataset.features is not None
     out = {}
     for batch in loader:
@@ -402,18 +401,9 @@ def report(results, results_path, beam, n, seconds):
     fixed = "" if baseline["candidates"] == "training captions" else f" (best of the {baseline['candidates']})"
     log(f"constant-caption baseline {baseline['caption']!r}{fixed}: CIDEr-D {baseline['scores']['CIDEr-D']:.1f} (model "
         f"/ baseline = {scores['CIDEr-D'] / max(baseline['scores']['CIDEr-D'], 1e-9):.1f}x) -> {results_path}")
-    if judged:
-        log(f"read back against the scenes: {judged['change caption %']:.0f}% of {judged['change pairs']} change pairs "
-            f"get a change caption, {judged['right type %']:.0f}% the right change type, "
-            f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}% of "
-            f"{judged['distractor pairs']} distractors get \"no change\"")
-        types = ", ".join(f"{t} {judged[t]['right type %']:.0f}/{judged[t]['right object %']:.0f}%"
-                          for t in synth.CHANGES if t in judged)
-        log(f"   by change type, right type/object: {types}")
-    if attention:
-        log(f"attention: the strongest patch of the last inter block's [CLS] map falls on the changed object in "
-            f"{attention['map on the change %']:.0f}% of change pairs (a random patch: "
-            f"{attention['random patch %']:.0f}%)")
+    lines = synth.report_lines(judged) if judged else []
+    for line in lines + ([plots.attention_line(attention)] if attention else []):
+        log(line)
 
 
 # -----------------------------------------------------------------------------
@@ -425,11 +415,11 @@ def load_data(args, vocab=None):
     splits = {s: data.load_items(args.data, args.data_root, s, "total", args.skip_missing)
               for s in ("train", "val", "test")}
     if args.reverse:
-        splits["train"] = splits["train"] + data.reversed_pairs(splits["train"], args.data_root)
+        splits["train"] = splits["train"] + synth.reversed_pairs(splits["train"], args.data_root)
     vocab = vocab or build_vocab([c for it in splits["train"] for c in it.captions], args.captioner)
     caption_ids = encode_captions(splits["train"], vocab, MAX_LEN)
     log(f"data: {args.data} at {args.data_root} | pairs train {len(splits['train'])}"
-        f"{' (half of them reversed, --reverse)' if args.reverse else ''} val {len(splits['val'])} test "
+        f"{' (half reversed)' if args.reverse else ''} val {len(splits['val'])} test "
         f"{len(splits['test'])} | vocabulary {len(vocab)} {'CLIP BPE tokens' if is_bpe(vocab) else 'words'}"
         f" | {len(caption_ids)} training captions")
     return splits, vocab, caption_ids
@@ -442,7 +432,7 @@ def new_model(args, vocab, clip):
     if args.captioner == "authors":
         captioner = Captioner(CaptionerConfig(memory_len=2 * clip.visual.positional_embedding.shape[0], **common), clip)
     else:
-        m = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // args.mem_pool) ** 2  # pooled patches
+        m = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // args.mem_pool) ** 2
         captioner = MiniCaptioner(MiniCaptionerConfig(memory_dim=clip.cfg.embed_dim, memory_len=2 * (m + 1),
                                                       mem_diff=args.mem_diff, mem_pool=args.mem_pool, **common))
     return PairCaptioner(clip, captioner)
@@ -459,9 +449,7 @@ def describe(model, rule, params, args):
 
 
 def loader_for(dataset, args, ctx, shuffle=False, batch=None):
-    """Batches of `dataset` in order, or shuffled by (seed, epoch)."""
-    workers = 0 if dataset.features is not None else args.workers
-    return data.make_loader(dataset, batch or args.eval_batch_size, shuffle, workers, ctx.device,
+    return data.make_loader(dataset, batch or args.eval_batch_size, shuffle, args.workers, ctx.device,
                             drop_last=shuffle and len(dataset) > (batch or 1), seed=args.seed)
 
 
@@ -480,8 +468,7 @@ def loaders(model, splits, caption_ids, args, ctx):
         log(f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
     train_set = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=caption_ids, draw=True,
                                     features=feats.get("train"))
-    workers = 0 if train_set.features is not None else args.workers
-    train = (data.make_loader(train_set, args.batch_size, True, workers, ctx.device, seed=args.seed,
+    train = (data.make_loader(train_set, args.batch_size, True, args.workers, ctx.device, seed=args.seed,
                               pairs=data.distractor_partners(splits["train"])) if args.pair_distractors else
              loader_for(train_set, args, ctx, shuffle=True, batch=args.batch_size))
     return train, *(loader_for(data.ImageDataset(splits[s], size, cache, feats.get(s)), args, ctx)
@@ -550,7 +537,7 @@ def main(argv=None):
     stop = args.epochs
     if run["epochs_without_gain"] >= args.patience:  # it stays stopped
         stop = run["epoch"]
-        log(f"the run had stopped early after epoch {stop}: no more training, the test of epoch {run['best_epoch']}")
+        log(f"the run had stopped early after epoch {stop}: the test of epoch {run['best_epoch']}")
 
     def step(batch):
         optimizer.zero_grad(set_to_none=True)
@@ -591,7 +578,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except data.BadImage as e:  # its name and what to do, no traceback
-        raise SystemExit(data.exit_message(e)) from None
+    data.run(main)

@@ -65,8 +65,7 @@ def resolve(name_or_path):
     if name_or_path not in MODELS:
         path = Path(name_or_path).expanduser()
         if not path.is_file():
-            raise SystemExit(f"CLIP weights: no file at {path}. Give a path to a checkpoint, one of {list(MODELS)} "
-                             f"(downloaded to {CACHE}) or the shipped {list(SHIPPED)}; see {WEIGHTS}.")
+            raise SystemExit(f"CLIP weights: {no_weights(path)}")
         return path
     url = MODELS[name_or_path]
     path, expected = CACHE / Path(url).name, url.split("/")[-2]
@@ -77,12 +76,15 @@ def resolve(name_or_path):
     return download(url, path, expected)
 
 
+def no_weights(path):
+    return f"no file at {path}: give a path, one of {list(MODELS)} (downloaded) or {list(SHIPPED)}; see {WEIGHTS}"
+
+
 def weights_arg(text):
     """argparse type of --clip: a released or shipped name, or a file."""
     if text in MODELS or text in SHIPPED or Path(text).expanduser().is_file():
         return text
-    raise argparse.ArgumentTypeError(f"no file at {text}: give a checkpoint's path, one of {list(MODELS)} "
-                                     f"(downloaded) or the shipped {list(SHIPPED)}; see {WEIGHTS}")
+    raise argparse.ArgumentTypeError(no_weights(text))
 
 
 def download(url, path, expected):
@@ -119,26 +121,26 @@ def read_state_dict(path):
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # zip, pickle and jit errors alike
         why = (str(e).splitlines() or [""])[0][:200]
-        raise SystemExit(f"could not read {what}: {type(e).__name__}: {why}. The file is truncated, corrupt, or not a "
-                         f"PyTorch checkpoint: download it again ({WEIGHTS}).") from None
+        raise SystemExit(f"could not read {what}: {type(e).__name__}: {why}. Truncated, corrupt, or not a PyTorch "
+                         f"checkpoint ({WEIGHTS}).") from None
     extra = {}
     if isinstance(sd, dict) and isinstance(sd.get("model"), dict):  # our adapted.pt / captioner.pt
         extra = {k: v for k, v in sd.items() if k != "model"}
         sd = sd["model"]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise SystemExit(f"{what} holds a {type(sd).__name__}, not a state dict of tensors: not a CLIP checkpoint")
+        raise SystemExit(f"{what} holds a {type(sd).__name__}, not a state dict of tensors")
     sd = {k.removeprefix("module."): v for k, v in sd.items()}  # saved from DDP
     if any(k.startswith("clip.") for k in sd):  # the authors'
         if other := [k for k in sd if not k.startswith(("clip.", "decoder."))]:
-            raise SystemExit(f"{what} holds keys neither clip.* nor decoder.* ({', '.join(other[:3])}): not a "
-                             f"CLIP4IDC checkpoint of the authors' (their modules/modeling.py)")
+            raise SystemExit(f"{what} holds keys neither clip.* nor decoder.* ({', '.join(other[:3])}): not the "
+                             f"authors' CLIP4IDC checkpoint")
         extra = {"decoder": {k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}}
         sd = {k[len("clip."):]: v for k, v in sd.items() if k.startswith("clip.")}
     sd = {k: v for k, v in sd.items() if k not in NON_PARAMETERS}
     if "visual.conv1.weight" not in sd or "visual.proj" not in sd or "token_embedding.weight" not in sd:
         found = ", ".join(list(sd)[:5])
-        raise SystemExit(f"{what} is not a CLIP ViT checkpoint (found keys {found}, ...; expected visual.conv1.weight, "
-                         f"visual.proj, token_embedding.weight). ResNet CLIPs are not supported: use ViT-B/32.")
+        raise SystemExit(f"{what} is not a CLIP ViT checkpoint (keys {found}, ...; no visual.conv1.weight, "
+                         f"visual.proj or token_embedding.weight)")
     return sd, extra
 
 
@@ -160,14 +162,13 @@ def build_clip(sd, extra, path, n_inter=None):
     n_inter = extra.get("config", {}).get("n_inter", 3) if n_inter is None else n_inter
     layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
     if not 0 <= n_inter <= layers:
-        raise SystemExit(f"--n-inter {n_inter}: {path} has {layers} vision blocks, so 0 to {layers} of them can be "
-                         f"inter blocks")
+        raise SystemExit(f"--n-inter {n_inter}: {path} has {layers} vision blocks")
     try:
         model = build_model(sd, n_inter=n_inter)
         model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
     except (RuntimeError, KeyError, ValueError, AssertionError) as e:
-        raise SystemExit(f"{path} does not fit the CLIP ViT architecture: {(str(e).splitlines() or [''])[0][:300]} ... "
-                         f"(is it a CLIP ViT checkpoint? see {WEIGHTS})") from None
+        raise SystemExit(f"{path} does not fit the CLIP ViT architecture: {(str(e).splitlines() or [''])[0][:300]} "
+                         f"({WEIGHTS})") from None
     return model
 
 
@@ -192,8 +193,8 @@ def authors_captioner(decoder, clip_sd, path):
     for k, v in decoder.items():
         if k in AUTHORS_TIED:
             if not torch.equal(v.float(), clip_sd[AUTHORS_TIED[k]].float()):
-                raise SystemExit(f"{path}: decoder.{k} differs from clip.{AUTHORS_TIED[k]}, whose tied copy it should "
-                                 f"be: not a CLIP4IDC captioner as the authors' code saves it")
+                raise SystemExit(f"{path}: decoder.{k} differs from clip.{AUTHORS_TIED[k]}, its tied copy: not the "
+                                 f"authors' captioner")
             k = AUTHORS_TIED[k]
         for theirs, mine in AUTHORS_NAMES:
             k = k.replace(theirs, mine)

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 import synth
-from clip_load import WEIGHTS, open_image, resize_uint8, tokenize
+from clip_load import WEIGHTS, normalize, open_image, resize_uint8, tokenize
 
 ROOTS = {"clevr": "data/clevr_change", "spot": "data/spot_the_diff", "ier": "data/image_editing_request",
          "levir": "data/levir_cc"}
@@ -46,9 +46,8 @@ def resolve_root(name, root=None, synth_pairs=3000, synth_size=synth.IMAGE_SIZE,
     if root is not None or name != "clevr" or Path(ROOTS[name]).exists():
         return Path(root or ROOTS[name])
     print(f"*** no CLEVR-Change at {ROOTS[name]}: using the SYNTHETIC CLEVR-Change-style set at {synth.SYNTH_ROOT} "
-          f"({synth_pairs} scenes; numbers are not comparable to the paper). For the real dataset, put it at "
-          f"{ROOTS[name]} or pass --data-root: {WEIGHTS}. ***")
-    return resolve_synth(synth.SYNTH_ROOT, synth_pairs, seed, synth_size, workers)
+          f"({synth_pairs} scenes; not comparable to the paper). For the real one: {WEIGHTS}. ***")
+    return synth.resolve_set(synth.SYNTH_ROOT, synth_pairs, seed, synth_size, workers)
 
 
 def is_real(name, root=None):
@@ -57,38 +56,15 @@ def is_real(name, root=None):
     return root.exists() and not (root / "synth.json").is_file()
 
 
-def resolve_synth(out, pairs, seed, size=synth.IMAGE_SIZE, workers=None, world="ours"):
-    """A synthetic set at `out`, rendered unless its synth.json has these arguments."""
-    out = Path(out)
-    want = synth.set_meta(pairs, size, seed, world=world)
-    meta = out / "synth.json"
-    if not meta.is_file() or json.loads(meta.read_text()) != want:
-        synth.make_synth(out, pairs, seed, size, workers, world=world)
-    return out
-
-
 def load_items(name, root, split, setting="total", skip_missing=False, images=True):
     """Items of one split. clevr "semantic": change pairs only; "total": and the distractor pairs. images=False: the
     images not looked for."""
     root = Path(root)
     if not root.is_dir():
-        raise SystemExit(f"no {name} dataset at {root} (--data-root; default {ROOTS[name]}): expected its "
-                         f"directory there, {SEE}")
+        raise SystemExit(f"no {name} dataset at {root} (--data-root; default {ROOTS[name]}): {SEE}")
     items = {"clevr": partial(_clevr, setting=setting), "spot": _spot, "ier": _ier, "levir": _levir}[name](root, split)
     items = _nonempty_captions(items, name, split)
     return _check_files(items, name, root, split, skip_missing) if images else items
-
-
-def reversed_pairs(items, root):
-    """The synthetic set's pairs as (after, before), captioned from the scene records (an addition is now a drop)."""
-    scenes = synth.read_scenes(root) if synth.is_synthetic(root) else None
-    if scenes is None:
-        raise SystemExit(f"--reverse needs the synthetic set's scene records ({Path(root) / 'scenes.json'}): pass "
-                         f"--no-reverse")
-    style = json.loads((Path(root) / "synth.json").read_text()).get("caption_style", "ours")
-    return [Item(it.id + "_r", it.after, it.before, it.captions, "distractor") if it.change_type == "distractor" else
-            Item(it.id + "_r", it.after, it.before, synth.reversed_captions(scenes[it.id], it.id, style),
-                 synth.reverse(scenes[it.id])["type"]) for it in items]
 
 
 def _nonempty_captions(items, name, split):
@@ -123,8 +99,7 @@ def _captions_ok(caps):
 
 def _clevr(root, split, setting):
     if missing := [f for f in CLEVR_FILES if not (root / f).exists()]:
-        raise SystemExit(f"CLEVR-Change at {root} lacks {', '.join(missing)}: expected {', '.join(CLEVR_FILES)} "
-                         f"there, {SEE}")
+        raise SystemExit(f"CLEVR-Change at {root} lacks {', '.join(missing)}: {SEE}")
     want = 'split ids {"train": [0, 3, ...], "val": [...], "test": [...]}'
     splits = _read_json(root / "splits.json", want, lambda obj: isinstance(obj, dict))
     if split not in splits:
@@ -201,9 +176,13 @@ class BadImage(OSError):
     """An undecodable image; its message says which and what to do."""
 
 
-def exit_message(error):
-    """A BadImage's own message (a DataLoader adds the worker's traceback)."""
-    return str(error).strip().splitlines()[-1].removeprefix(f"{__name__}.BadImage: ").removeprefix("BadImage: ")
+def run(main):
+    """A script's main(); an undecodable image met in it said in one line, without the DataLoader's traceback."""
+    try:
+        return main()
+    except BadImage as e:
+        last = str(e).strip().splitlines()[-1]
+        raise SystemExit(last.removeprefix(f"{__name__}.BadImage: ").removeprefix("BadImage: ")) from None
 
 
 def _readable(path):
@@ -223,13 +202,13 @@ def _check_files(items, name, root, split, skip_missing):
             ok = dict(zip(image_paths(items), pool.map(_readable, image_paths(items), chunksize=64)))
         kept = [it for it in items if all(ok[p] for p in paths(it))]
         if len(kept) < len(items):
-            print(f"--skip-missing: dropped {len(items) - len(kept)} of {len(items)} {name} {split} pairs with "
-                  f"missing or unreadable images: numbers are not comparable to published ones")
+            print(f"--skip-missing: dropped {len(items) - len(kept)} of {len(items)} {name} {split} pairs (missing or "
+                  f"unreadable images): not comparable to published figures")
         return kept
     missing = [p for it in items for p in paths(it) if not os.path.isfile(p)]
     if missing:
-        raise SystemExit(f"{len(missing)} image(s) of {name} {split} missing, first {missing[0]}: expected the "
-                         f"dataset's images under {root} ({SEE}), or pass --skip-missing to drop those pairs")
+        raise SystemExit(f"{len(missing)} image(s) of {name} {split} missing, first {missing[0]} ({SEE}); "
+                         f"--skip-missing drops those pairs")
     return items
 
 
@@ -243,8 +222,12 @@ def _decode_uint8(path, size):
     try:
         return resize_uint8(open_image(path), size).numpy()
     except SystemExit as e:
-        raise BadImage(f"{e}: replace that file with a readable image, or pass --skip-missing to drop its pair "
-                       f"({SEE})") from None
+        raise BadImage(f"{e}: replace that file, or pass --skip-missing to drop its pair ({SEE})") from None
+
+
+def pair_images(batch, device):
+    """A batch's before and after images on `device`, normalized for CLIP."""
+    return [normalize(batch[k].to(device, non_blocking=True)) for k in ("before", "after")]
 
 
 def image_paths(items):
@@ -286,8 +269,7 @@ class ImageCache:
         # copy-on-write: writable for torch, shared between processes
         self.array = np.load(self.folder / "images.npy", mmap_mode="c")
         if self.array.shape != (len(paths), 3, size, size):
-            raise SystemExit(f"image cache {self.folder} holds {self.array.shape}, not {(len(paths), 3, size, size)}:"
-                             f" delete that folder and run again")
+            raise SystemExit(f"image cache {self.folder} holds {self.array.shape}: delete it and run again")
         self.data = torch.from_numpy(self.array)
 
     def __getitem__(self, path):
@@ -494,7 +476,8 @@ def distractor_partners(items):
 
 
 def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0, pairs=None):
-    """A DataLoader with an EpochSampler (or DistractorBatches of `pairs`)."""
+    """A DataLoader with an EpochSampler (or DistractorBatches of `pairs`); no workers for features."""
+    workers = 0 if getattr(dataset, "features", None) is not None else workers
     order = dict(batch_sampler=DistractorBatches(pairs, batch_size, seed)) if pairs is not None else dict(
         batch_size=batch_size, sampler=EpochSampler(len(dataset), shuffle, seed), drop_last=drop_last)
     return torch.utils.data.DataLoader(

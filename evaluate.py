@@ -111,7 +111,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except data.BadImage as e:
-        raise SystemExit(data.exit_message(e)) from None
+    data.run(main)

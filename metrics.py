@@ -324,8 +324,7 @@ def load_synonyms():
             for form in forms.split():
                 bases[form].append(base)
         return synsets, dict(bases), f"Meteor 1.5's synonym files in {jar}"
-    _warn_once("METEOR: no synonym data (pip install pycocoevalcap: Meteor 1.5's files are in it): synonym stage "
-               "skipped; METEOR reads up to 0.007 (0.7 points x100) lower for it")
+    _warn_once("METEOR: no synonym data (pip install pycocoevalcap): synonym stage skipped, up to 0.007 lower")
     return None
 
 
@@ -578,8 +577,8 @@ def meteor(refs_tok, cands_tok, paraphrase=None):
     stemmer, synonyms = _stemmer(), load_synonyms()
     path = os.environ.get("METEOR_PARAPHRASE") or meteor_data()["paraphrase"] if paraphrase is None else paraphrase
     if path is None:
-        _warn_once("METEOR: no paraphrase table (pip install pycocoevalcap: Meteor 1.5's paraphrase-en.gz is in it): "
-                   "paraphrase stage skipped; METEOR reads up to 0.010 (1 point x100) below coco-caption's")
+        _warn_once("METEOR: no paraphrase table (pip install pycocoevalcap): paraphrase stage skipped, up to 0.010 "
+                   "lower")
     sources = ({w: stemmer(w) for w in vocab} if stemmer else None,
                _synonyms(vocab, synonyms[:2]) if synonyms else None, None)
     if path and (para := load_paraphrases(path, vocab)):
@@ -610,12 +609,11 @@ def _check(refs, cands):
         raise ValueError("no candidates to score")
     missing, unused = [i for i in cands if i not in refs], [i for i in refs if i not in cands]
     if missing or unused:
-        raise ValueError(f"refs and cands must have the same ids: {len(missing)} candidate ids have no references "
-                         f"(e.g. {missing[:3]}), {len(unused)} reference ids have no candidate (e.g. {unused[:3]}); "
-                         "pass refs restricted to the ids you score: {i: refs[i] for i in cands}")
+        raise ValueError(f"refs and cands must have the same ids: {len(missing)} candidates have no references "
+                         f"(e.g. {missing[:3]}), {len(unused)} references no candidate (e.g. {unused[:3]})")
     out = {}
     for i, c in cands.items():
-        if isinstance(c, (list, tuple)) and len(c) == 1:  # coco-caption's {id: [caption]} form
+        if isinstance(c, (list, tuple)) and len(c) == 1:  # coco-caption's {id: [caption]}
             c = c[0]
         if not isinstance(c, str):
             raise TypeError(f"candidate {i!r} must be a string, got {type(c).__name__}: {c!r}")
@@ -646,23 +644,26 @@ def evaluate(refs, cands, per_item=False, paraphrase=None):
     return (corpus, items) if per_item else corpus
 
 
+def json_file(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path} as JSON ({type(e).__name__}: {e})") from None
+
+
+def a_file(path):
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"nothing at {path}")
+    return path
+
+
 def get_args(argv=None):
     parser = argparse.ArgumentParser(description="coco-caption metrics in pure Python (printed x100, as papers do)")
-    parser.add_argument("--refs", help="JSON file {id: [reference sentence, ...]}")
-    parser.add_argument("--cands", help="JSON file {id: candidate sentence}")
-    parser.add_argument("--paraphrase", default=None, help="Meteor's paraphrase-en.gz (default: $METEOR_PARAPHRASE, "
-                                                           "else the one in $METEOR_DATA or pycocoevalcap)")
-    args = parser.parse_args(argv)
-    if not (args.refs and args.cands):
-        parser.error("give --refs and --cands")
-    if args.paraphrase and not os.path.isfile(args.paraphrase):
-        parser.error(f"argument --paraphrase: nothing at {args.paraphrase}")
-    for flag in ("refs", "cands"):  # a bad file is an argument error
-        try:
-            setattr(args, flag, json.loads(Path(getattr(args, flag)).read_text()))
-        except (OSError, UnicodeDecodeError, ValueError) as e:
-            parser.error(f"argument --{flag}: cannot read {getattr(args, flag)} as JSON ({type(e).__name__}: {e})")
-    return parser, args
+    parser.add_argument("--refs", type=json_file, required=True, help="JSON file {id: [reference sentence, ...]}")
+    parser.add_argument("--cands", type=json_file, required=True, help="JSON file {id: candidate sentence}")
+    parser.add_argument("--paraphrase", type=a_file, help="Meteor's paraphrase-en.gz (default: $METEOR_PARAPHRASE, "
+                                                          "else meteor_data()'s)")
+    return parser, parser.parse_args(argv)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,11 @@ def draw_gallery(path, items, preds, model=None, size=None, device="cpu", n=8):
     print(f"gallery of {len(rows)} test pairs -> {path}")
 
 
+def attention_line(figures):
+    return (f"attention: the strongest patch of the last inter block's [CLS] map falls on the changed object in "
+            f"{figures['map on the change %']:.0f}% of change pairs (a random patch: {figures['random patch %']:.0f}%)")
+
+
 def attention_on_change(model, items, root, device):
     """On the synthetic set: how often the last inter block's map has its strongest patch on the changed object,
     over the change pairs (distractors have none), and what a patch drawn at random gives (maps_on_change)."""

@@ -7,20 +7,13 @@
     python pretrain.py --world clevr --out clevr.pt   # CLEVR's world: the shipped mini12-clevr
     python pretrain.py --eval-only --ckpt mini12-clevr --world clevr --clevr-root assets/clevr_renders
 
-CLIP4IDC adapts a CLIP that already sees objects: OpenAI pretrained ViT-B/32 on 400M image-text pairs, and the
-adaptation (adapt.py) moves its weights at 1e-7. The quickstart has no such CLIP, so this file makes one in
-miniature: both towers of model.py's CLIP (OpenAI's parameter names, so it loads through the same clip_load path
-as ViT-B-32.pt), trained with CLIP's symmetric contrastive loss on single images of synthetic scenes (synth.py,
-rendered with another seed than the quickstart's set: none of its scenes are seen here) and descriptions that
-name every object with its size, colour, material and shape.
-
-Each image also meets hard negatives (NegCLIP, Yuksekgonul et al. 2023: its own description with one attribute of
-one object changed or swapped, synth.hard_negative), else a batch is told apart by its colours alone; `--object-loss`
-adds a per-object term (as FILIP and RegionCLIP: the patch token under each object picks its own phrase); the image
-tower's attention starts mimetically (Trockman and Kolter 2023). Held-out figures at every evaluation: image ->
-description R@1 among its hard negatives, retrieval among all held-out descriptions, and a linear probe of each
-object attribute read from the patch token under the object (RESULTS.md "The mini CLIP"). The defaults are the
-recipe of the shipped `assets/clip_mini12_synth.pt`, and with `--world clevr` of `assets/clip_mini12_clevr.pt`.
+CLIP4IDC adapts a CLIP that already sees objects; the quickstart has none, so this file makes one in miniature:
+model.py's CLIP (OpenAI's names: it loads as ViT-B-32.pt does), trained with CLIP's contrastive loss on single images
+of synthetic scenes (another seed than the quickstart's set) and descriptions naming every object's size, colour,
+material and shape. Each image also meets hard negatives (NegCLIP: its description with one attribute changed or
+swapped); `--object-loss` makes the patch token under each object pick its own phrase (as FILIP); the image tower's
+attention starts mimetically (Trockman and Kolter 2023). The defaults are the shipped assets/clip_mini12_synth.pt's
+recipe (with `--world clevr`, clip_mini12_clevr.pt's).
 """
 import argparse
 import json
@@ -139,9 +132,8 @@ def get_args(argv=None):
 
 
 def scene_images(root, split, workers=None):
-    """[(image path, [(object, (u, v))])] of one split of a set synth.make wrote: the three images of each scene
-    (before, after the change, before from a moved camera), each with its own objects; an image where an object
-    is cut by the frame or hidden is left out (synth.views)."""
+    """[(image path, [(object, (u, v))])] of one split of a synthetic set: each scene's three images with their
+    objects, but those with an object cut or hidden (synth.views)."""
     meta = json.loads((root / "synth.json").read_text())
     ids = [int(i) for i in json.loads((root / "splits.json").read_text())[split]]
     with Pool(workers or os.cpu_count()) as pool:
@@ -151,8 +143,7 @@ def scene_images(root, split, workers=None):
 
 
 def clevr_images(root):
-    """Every image of a set with CLEVR's own scene records (scenes.json of CLEVR-Change's generator), as
-    scene_images gives a synthetic set's: each object at CLEVR's pixel_coords, as fractions of the width and height."""
+    """scene_images of a set with CLEVR's own scene records: each object at CLEVR's pixel_coords, as fractions."""
     out = []
     for s in json.loads((Path(root) / "scenes.json").read_text())["scenes"]:
         for kind in ("default", "semantic", "nonsemantic"):
@@ -174,8 +165,7 @@ def cell(u, v, grid):
 
 
 class Descriptions(torch.utils.data.Dataset):
-    """Image k -> (uint8 image [3, S, S], its description, `negatives` hard-negative descriptions). Wording and
-    negatives are drawn from (seed, epoch, k) (data.sample_rng), so a resumed run sees the same text."""
+    """Image k -> (uint8 image [3, S, S], its description, `negatives` hard negatives), drawn from (seed, epoch, k)."""
 
     def __init__(self, images, cache, negatives, context_length, patch_size, seed=0, objects=False):
         self.images, self.cache, self.negatives, self.context_length = images, cache, negatives, context_length
@@ -211,8 +201,7 @@ class Descriptions(torch.utils.data.Dataset):
 
 
 class Steps:
-    """The batches of global steps [start, stop): step s is batch s % per_epoch of epoch s // per_epoch, in an
-    order drawn from (seed, epoch). A function of the step alone, so a run resumes mid-epoch exactly."""
+    """The batches of global steps [start, stop), a function of the step alone: a run resumes mid-epoch exactly."""
 
     def __init__(self, dataset, batch_size, seed, start, stop):
         self.ds, self.B, self.seed, self.start, self.stop = dataset, batch_size, seed, start, stop
@@ -236,8 +225,7 @@ class Steps:
 
 
 def object_loss(obj, phrases, target, logit_scale):
-    """obj (N, D): the patch token under each object; phrases (len(OBJECTS), D): every object CLEVR can have, named.
-    Cross entropy of each token over all the phrases: the token must say which object stands there."""
+    """Cross entropy of each object's patch token obj (N, D) over the phrases (len(OBJECTS), D) of every object."""
     obj, phrases = F.normalize(obj.float(), dim=-1), F.normalize(phrases.float(), dim=-1)
     return F.cross_entropy(logit_scale.float().clamp(max=math.log(100)).exp() * obj @ phrases.t(), target)
 
@@ -253,8 +241,8 @@ def image_tokens(visual, x):
 
 
 def encode_images(model, images, cache, size, ctx, batch=256):
-    """One pass over the images -> their CLIP features (N, D) normalized (token 0 is encode_image's output), the
-    patch token under each object's centre (N_objects, D) and the objects' attributes {attr: [N_objects]}."""
+    """Images -> their CLIP features (N, D) normalized, the patch token under each object (N_objects, D) and the
+    objects' attributes {attr: [N_objects]}."""
     grid = size // model.visual.conv1.kernel_size[0]
     clip_feats, feats, attrs = [], [], {a: [] for a in synth.ATTRS}
     for i in range(0, len(images), batch):
@@ -289,9 +277,8 @@ def linear_probe(x_train, y_train, x_test, y_test, steps=300):
 
 @torch.no_grad()
 def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
-    """Held-out figures: image -> description R@1 among the image's own description and `negatives` hard negatives
-    (chance 100 / (1 + negatives)), image <-> text R@1 among all held-out descriptions, and the linear probe of
-    each attribute (trained on objects of training images, tested on the held-out images' objects)."""
+    """Held-out figures: image -> description R@1 among its hard negatives, image <-> text R@1 among all held-out
+    descriptions, and a linear probe of each attribute (trained on training images' objects)."""
     model.eval()
     rng = random.Random(12345)  # the same texts at every evaluation
     img, xte, yte = encode_images(model, held_out, cache, args.image_size, ctx)
@@ -330,8 +317,8 @@ PAIR_TARGETS = ("type", "new color", "new material", "shape", "color", "where")
 
 
 def pair_labels(scene, u, v):
-    """A change pair's scene record and the changed object's place (u, v) -> its labels: the change type, the new
-    colour or material (None for other types), the changed object's shape and colour, and where it is (3x3 cells)."""
+    """A change pair's record and the changed object's place -> labels: change type, new colour or material, the
+    object's shape, colour and 3x3 cell."""
     kind, k = scene["type"], scene["changed"]
     obj, new = (scene["after"] if kind == "add" else scene["before"])[k], scene["after"][k] if kind != "drop" else {}
     return {"type": kind, "new color": new["color"] if kind == "color" else None,
@@ -452,7 +439,7 @@ def main(argv=None):
         return table
     if args.eval_only:
         model = clip_load.load_clip(args.ckpt or args.out, ctx.device)
-    root = data.resolve_synth(args.root, args.scenes, args.render_seed, workers=args.workers, world=args.world)
+    root = synth.resolve_set(args.root, args.scenes, args.render_seed, workers=args.workers, world=args.world)
     log(f"== pretrain.py: a small CLIP pretrained on single synthetic scenes, on {where(ctx)} ==")
     log("   " + args.line())
     train = scene_images(root, "train", args.workers)

@@ -3,12 +3,10 @@
     python synth.py make --out data/clevr_synth --pairs 3000   # render a set in CLEVR-Change's layout
     python synth.py make --world clevr    # CLEVR's sizes, camera, lamps, colours and captions -> data/clevr_synth_clevr
 
-With no CLEVR-Change on disk, `data.resolve_root("clevr")` renders this set once. Each scene is a few CLEVR objects on
-a floor, ray-cast with PIL + numpy; one object changes (colour, material, position, added, dropped) in the
-"semantic" image, and the "non-semantic" distractor shows the same scene from a moved camera. Captions follow
-CLEVR-Change's style; `--world clevr` renders CLEVR's geometry, lamps, materials, views and captions (WORLDS).
-`scenes.json` records the objects before and after, and `judge` parses a generated caption back: "no change", the
-right change type, the right object? Nothing here imports the rest of clip4idc.
+Without CLEVR-Change on disk, `data.resolve_root("clevr")` renders this set once: a few CLEVR objects on a floor,
+ray-cast with numpy; one object changes (colour, material, position, added, dropped) in the "semantic" image, the
+"non-semantic" distractor moves the camera. `scenes.json` records the objects, and `judge` reads a generated caption
+back against them. Nothing here imports the rest of clip4idc.
 """
 import argparse
 import json
@@ -64,10 +62,8 @@ CLEVR_LAMPS = ((-71, 31, 0.7), (174, 26, 0.3), (68, 63, 0.55))
 
 
 def camera(j, w=OURS):
-    """Pinhole camera above and in front of the scene, looking along +y. j: 6 jitter values in about [-1, 1]
-    (position, look-at point, zoom); j = 0 is the base view. In our world the distractor image moves them by
-    0.5-1; CLEVR's generator moves only the position, along CLEVR's own axes (j[:3], turned into our frame), and
-    the camera keeps aiming at the centre."""
+    """Pinhole camera above and in front of the scene, looking along +y; j: 6 jitters in about [-1, 1]
+    (position, look-at, zoom), 0 the base view. CLEVR's generator moves only the position, along its own axes."""
     back, up, ahead = w["camera"]
     if w["name"] == "ours":
         pos = np.array([0.8 * j[0], back + 0.8 * j[1], up + 0.6 * j[2]])
@@ -86,9 +82,8 @@ def _towards(az, el):
 
 
 def light(j, w=OURS):
-    """The lamps, as directions towards them with their strengths: {"dir": the key light's (it casts the
-    shadows), "power", "lamps": [(dir, strength)]}. j: 3 jitters (azimuth, elevation, power). Our world has one key
-    light from the front left; CLEVR's has its key light front right, a fill from the left and a back light."""
+    """The lamps: {"dir": the key light's (it casts the shadows), "power", "lamps": [(dir, strength)]}; j: 3
+    jitters (azimuth, elevation, power). Ours: one key light, front left; CLEVR's: key, fill and back lights."""
     if w["name"] == "ours":
         d = _towards(-125 + 35 * j[0], 50 + 12 * j[1])
         return {"dir": d, "power": 1 + 0.2 * j[2], "lamps": [(d, 0.75)]}
@@ -116,8 +111,8 @@ def geometry(o, w=OURS):
 
 
 def visibility(objs, cam, wo=OURS, w=60, h=40):
-    """Fraction of each object's disc not hidden by nearer ones, on a coarse grid (CLEVR rejects scenes where an
-    object is mostly occluded; we do too, so every object a caption names can be seen)."""
+    """Fraction of each object's disc not hidden by nearer ones (CLEVR rejects mostly hidden objects; so
+    do we)."""
     ys, xs = np.mgrid[0:h, 0:w] + 0.5
     owner, area = np.full((h, w), -1), []
     depth = [(np.asarray(geometry(o, wo)[0]) - cam["pos"]) @ cam["fwd"] for o in objs]
@@ -135,9 +130,8 @@ def visibility(objs, cam, wo=OURS, w=60, h=40):
 
 
 def intersect(o, org, d, w=OURS):
-    """Ray-object hits: (t [n], normal [n, 3], edge [n]); t = inf where the ray misses; edge = 1 on a cube's
-    edges and the rim of a cylinder's top: drawn darker on rubber, as glinting bevels on metal, so shapes and
-    materials read at low resolution."""
+    """Ray-object hits: (t [n], normal [n, 3], edge [n]); t = inf on a miss; edge = 1 on a cube's edges and a
+    cylinder's rim, drawn so shapes and materials read at low resolution."""
     (r, s, a, hgt), c = dims(o, w), np.array([o["x"], o["y"], 0.0])
     t, edge = np.full(len(d), np.inf), np.zeros(len(d))
     n = np.zeros_like(d)
@@ -195,9 +189,8 @@ def intersect(o, org, d, w=OURS):
 
 
 def shade(o, p, n, d, lt):
-    """Rubber: diffuse under the lamps (lt["lamps"]) with a faint sheen. Metal: a mirror tinted by its colour --
-    bright sky above the horizon, the floor below it (dark at the object's foot, lighter further out) -- and a sharp
-    white highlight from the key light."""
+    """Rubber: diffuse under the lamps with a faint sheen. Metal: a mirror tinted by its colour (sky above the
+    horizon, floor below), and the key light's highlight."""
     albedo = np.array(COLORS[o["color"]]) / 255
     ndl = np.clip(n @ lt["dir"], 0, 1)[:, None]
     lit = sum(strength * np.clip(n @ towards, 0, 1) for towards, strength in lt["lamps"])[:, None]
@@ -216,12 +209,9 @@ def shade(o, p, n, d, lt):
 
 
 def shade_clevr(o, p, n, d, lt, w, env=(0.75, 0.12, 0.2), lobes=(1.0, 1.5)):
-    """CLEVR's materials, toned as its renders show them (`tone`). Rubber: diffuse under the lamps with a faint
-    sheen. Metal (CLEVR's MyMetal: two glossy BSDFs, rough and smooth, tinted by the colour, no diffuse part)
-    mirrors CLEVR's scene: the floor near the object, lit by the lamps above it (dark at the object's own foot),
-    the far floor and backdrop dim towards the horizon (the lamps are near the objects), Blender's black world
-    above; and the lamps themselves, each a broad glow in the object's colour (the rough lobe) and a small spot
-    that saturates to white (the smooth one)."""
+    """CLEVR's materials as its renders show them (`tone`). Rubber: diffuse with a faint sheen. Metal
+    (CLEVR's MyMetal: rough and smooth glossy lobes, no diffuse) mirrors the lit floor near the object, the dim far
+    floor and Blender's black sky, and each lamp as a broad glow and a small white spot."""
     if o["material"] == "rubber":
         return tone(shade(o, p, n, d, lt), w)
     albedo = np.array(COLORS[o["color"]]) / 255
@@ -255,9 +245,8 @@ def rays(cam, w, h, box=np.s_[:, :]):
 
 
 def tone(rgb, w):
-    """CLEVR-Change's renders show CLEVR's colours darker and less saturated than their RGB values (Blender's
-    view transform): a grey offset plus the luminance and the colour around it, each scaled (w["tone"], fitted to
-    the rubber objects' centre colours of the development set, eight colours, three numbers)."""
+    """CLEVR's colours as its renders show them, darker and less saturated (Blender's view transform): a
+    grey offset plus the luminance and the colour around it, each scaled (w["tone"], fitted to the development set)."""
     if w["tone"] is None:
         return rgb
     grey, gain, colour = w["tone"]
@@ -266,8 +255,7 @@ def tone(rgb, w):
 
 
 def floor(objs, cam, lt, w, h, wo=OURS):
-    """Floor brightness (h, w): a broad light pool, soft shadows, fading into the backdrop far away, like CLEVR's.
-    It is smooth, so it is computed at half resolution and upsampled."""
+    """Floor brightness (h, w): a broad light pool, soft shadows, fading far away; computed at half resolution."""
     w2, h2 = (w + 1) // 2, (h + 1) // 2
     d, org = rays(cam, w2, h2), cam["pos"].astype(np.float32)
     t = np.where(d[..., 2] < 0, -org[2] / np.minimum(d[..., 2], -1e-9), np.float32(1e9))  # ray meets z = 0
@@ -310,8 +298,8 @@ def render(objs, cam, lt, w, h, wo=OURS):
 
 
 def new_object(rng, objs, w=OURS):
-    """A random object on free floor whose (size, color, material, shape) no other object has, so the full
-    description always names exactly one object. None when the floor is too crowded."""
+    """A random object on free floor whose (size, color, material, shape) no other has, so its full
+    description names it alone; None when the floor is too crowded."""
     taken = {tuple(o[k] for k in ATTRS) for o in objs}
     for _ in range(50):
         o = {"size": rng.choice(list(SIZES)), "color": rng.choice(list(COLORS)), "material": rng.choice(MATERIALS),
@@ -411,9 +399,8 @@ def say(rng, word):
 
 
 def refer(rng, o, scene, relate=0.15, was=False, nested=False, style="ours"):
-    """A description that picks out o and only o in `scene` ("small red metal cube", "red thing", "cylinder that
-    was behind the cube"): attributes a viewer can see, sometimes a spatial relation to another object. style
-    "clevr": CLEVR-Change's relation words, and often its "other X that is the same colour as the Y"."""
+    """A description that picks out o alone in `scene` ("small red metal cube", "red thing", "cylinder that
+    was behind the cube"); style "clevr": CLEVR-Change's relation words and "same colour as" phrases."""
     if style == "clevr" and not nested and rng.random() < 0.4:
         for ref in rng.sample(scene, len(scene)):
             for a in rng.sample(ATTRS, len(ATTRS)):
@@ -463,9 +450,8 @@ def captions(rng, kind, before, after, k, n=6, style="ours"):
 
 
 def reverse(scene):
-    """A scene record (scenes.json) seen backwards, the after image first: an added object is dropped, a dropped
-    one added, a colour, material or position goes back to what it was. The changed index keeps its meaning: in
-    "before" for a drop, in "after" for an add, in both otherwise."""
+    """A scene record seen backwards, the after image first: an addition becomes a drop and so on; the changed
+    index keeps its meaning."""
     kind = {"add": "drop", "drop": "add"}.get(scene["type"], scene["type"])
     return {"type": kind, "before": scene["after"], "after": scene["before"], "changed": scene["changed"]}
 
@@ -477,6 +463,20 @@ def reversed_captions(scene, key, style="ours"):
                     back["changed"], style=style)
 
 
+def reversed_pairs(items, root):
+    """A synthetic set's data.Items as (after, before), captioned from the scene records (an addition is now a drop)."""
+    scenes = read_scenes(root) if is_synthetic(root) else None
+    if scenes is None:
+        raise SystemExit(f"--reverse needs the synthetic set's scene records ({Path(root) / 'scenes.json'}): pass "
+                         f"--no-reverse")
+    style = json.loads((Path(root) / "synth.json").read_text()).get("caption_style", "ours")
+    flip = lambda it, **changed: it._replace(id=it.id + "_r", before=it.after, after=it.before, alt_before=None,
+                                             **changed)
+    return [flip(it) if it.change_type == "distractor" else
+            flip(it, captions=reversed_captions(scenes[it.id], it.id, style),
+                 change_type=reverse(scenes[it.id])["type"]) for it in items]
+
+
 # -----------------------------------------------------------------------------
 # scene descriptions for CLIP pretraining in miniature (pretrain.py): every visible object, and hard negatives
 
@@ -486,10 +486,8 @@ NUMBERS = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven"}
 
 
 def description(objs, seed):
-    """Every object of a scene with its size, colour, material and shape, in an order and wording drawn from
-    `seed`: "there is a large red metal cube, a small gray rubber sphere and ...". Every random draw is one
-    `random()` call, a fixed number per object, so the same seed on a scene that differs in one attribute (a hard
-    negative) gives the same sentence but for that word."""
+    """Every object of a scene with its size, colour, material and shape, order and wording drawn from
+    `seed`, a fixed number of draws per object: a hard negative gets the same sentence but for its one word."""
     r = random.Random(seed)
     frame, order = FRAMES[int(r.random() * len(FRAMES))], sorted(range(len(objs)), key=lambda _: r.random())
     pick = lambda word: SAY.get(word, (word,))[int(r.random() * len(SAY.get(word, (word,))))]
@@ -503,9 +501,8 @@ VALUES = {"size": tuple(SIZES), "color": tuple(COLORS), "material": MATERIALS, "
 
 
 def hard_negative(rng, objs):
-    """The scene with one attribute of one object changed ("the red cube" -> "the blue cube"), or with one
-    attribute swapped between two objects that differ in it (binding: which object is red?), as NegCLIP's hard
-    negatives. Never the same set of objects as the scene itself."""
+    """The scene with one attribute of one object changed, or swapped between two objects (binding), as
+    NegCLIP's hard negatives; never the scene's own set of objects."""
     key = lambda os: sorted(tuple(o[a] for a in ATTRS) for o in os)
     while True:
         out, a = [dict(o) for o in objs], rng.choice(ATTRS)
@@ -521,10 +518,8 @@ def hard_negative(rng, objs):
 
 
 def views(i, seed, world="ours", size=IMAGE_SIZE):
-    """Scene i of a set `make` wrote: each image's objects as a viewer sees them, {image name: [(object, (u, v))]}
-    with (u, v) the object's centre as fractions of the image's width and height (only `size`'s aspect matters: the
-    focal length is in widths, so the height's fraction depends on it; the frame tests assume 3:2), or None for an
-    image in which an object is cut by the frame or hidden (its description would name what cannot be seen)."""
+    """Scene i of a set `make` wrote: {image name: [(object, (u, v))]}, (u, v) its centre as fractions of the
+    width and height, or None for an image where an object is cut by the frame or hidden."""
     out, w = {}, WORLDS[world]
     for name, (objs, jc, _) in _scene(i, seed, world)[5].items():
         cam = camera(jc, w)
@@ -539,11 +534,9 @@ def views(i, seed, world="ours", size=IMAGE_SIZE):
 
 
 def _scene(i, seed, world="ours"):
-    """Scene i's random draws, in order -> (its random stream, change type, objects before and after, the changed
-    object's index, the three views {image name: (objects, camera jitter, light jitter)}). In our world the
-    distractor moves the camera and the light by 0.5-1 (in jitter units), the change image the camera by 0-0.3.
-    In CLEVR's world the lamps stay still and the cameras move as CLEVR-Change's generator moves them: the
-    before's by up to 1 unit an axis, the after's and the distractor's by up to 1 unit an axis from the before's."""
+    """Scene i's random draws -> (its random stream, change type, objects before and after, the changed index,
+    {image name: (objects, camera jitter, light jitter)}). Ours moves the distractor's camera and light by 0.5-1;
+    CLEVR's world moves the cameras as CLEVR-Change's generator does, the lamps stay."""
     rng = random.Random(f"clevr-synth-{seed}-{i}")  # one stream per scene: any worker split gives the same set
     kind = rng.choice(CHANGES)
     before, after, k = make_scene(rng, kind, WORLDS[world])
@@ -561,8 +554,8 @@ def _scene(i, seed, world="ours"):
 
 
 def _make_triple(i, out, seed, size, world="ours"):
-    """Scene i -> default, semantic-change and non-semantic images on disk; returns its type, change captions,
-    no-change captions and scene record (the objects before and after, the changed one's index)."""
+    """Scene i -> its three images on disk; returns its type, change captions, no-change captions and
+    scene record."""
     rng, kind, before, after, k, views = _scene(i, seed, world)
     w = WORLDS[world]
     for name, (objs, j1, j2) in views.items():
@@ -573,9 +566,8 @@ def _make_triple(i, out, seed, size, world="ours"):
 
 
 def changed_region(root, scene_id):
-    """Where the changed object is drawn in a change pair of a set `make` wrote: {"before": box, "after": box},
-    each box (left, top, right, bottom) as fractions of the image's width and height (the object's bounding disc),
-    or None where it is absent (before an "add", after a "drop")."""
+    """Where the changed object is drawn in a change pair: {"before": box, "after": box}, each (left, top,
+    right, bottom) as fractions of the image (its bounding disc), None where it is absent."""
     meta = json.loads((Path(root) / "synth.json").read_text())
     _, kind, before, after, k, views = _scene(int(scene_id), **scene_options(meta))
     wo, (w, h) = WORLDS[meta.get("world", "ours")], meta["size"]
@@ -595,16 +587,23 @@ def scene_options(meta):
 
 
 def set_meta(pairs, size, seed, world="ours"):
-    """The synth.json of a set made with these arguments (data.resolve_synth re-renders a set whose meta differs);
-    CLEVR's world says its caption style too (data.reversed_pairs reads it)."""
+    """The synth.json of a set made with these arguments; CLEVR's world says its caption style too."""
     return {"pairs": pairs, "size": list(size), "seed": seed, "version": VERSION,
             **({"caption_style": world, "world": world} if world != "ours" else {})}
 
 
+def resolve_set(out, pairs, seed, size=IMAGE_SIZE, workers=None, world="ours"):
+    """A synthetic set at `out`, rendered unless its synth.json has these arguments."""
+    out = Path(out)
+    meta = out / "synth.json"
+    if not meta.is_file() or json.loads(meta.read_text()) != set_meta(pairs, size, seed, world=world):
+        make_synth(out, pairs, seed, size, workers, world=world)
+    return out
+
+
 def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None, world="ours"):
-    """Write a synthetic CLEVR-Change (images/, sc_images/, nsc_images/, the caption, split and type files) and
-    scenes.json ({"%06d": {"type", "before": [objects], "after": [objects], "changed": index}}). world "clevr":
-    CLEVR's geometry, lamps, colours and views (WORLDS, _scene), and CLEVR-Change's caption style."""
+    """Write a synthetic CLEVR-Change (its layout and files) and scenes.json ({"%06d": {"type", "before",
+    "after", "changed"}}); world "clevr": CLEVR's geometry, lamps, colours, views and caption style."""
     out = Path(out)
     for d in ("images", "sc_images", "nsc_images"):
         (out / d).mkdir(parents=True, exist_ok=True)
@@ -708,8 +707,7 @@ def resolve(phrase, scene):
 
 def read(caption):
     """A caption -> (what it says, the referring expression): ("no change", None), (change type, expression), or
-    (None, None) for a sentence of none of our templates. Templates shared by colour and material ("the {o}
-    became {new}") are told apart by the new word."""
+    (None, None) for none of our templates."""
     text = " ".join(caption.lower().split())
     if text in NO_CHANGE:
         return "no change", None
@@ -725,8 +723,7 @@ def read(caption):
 
 
 def judge(caption, scene):
-    """One change pair's caption against its scene record: does it say a change, of the right type, naming the
-    changed object (uniquely, in the scene the references describe: after for "add", else before)?"""
+    """One change pair's caption against its record: a change, of the right type, naming the changed object?"""
     kind, phrase = read(caption)
     where = scene["after"] if scene["type"] == "add" else scene["before"]
     found = resolve(phrase, where) if phrase else []
@@ -734,10 +731,20 @@ def judge(caption, scene):
             "object": len(found) == 1 and found[0] is where[scene["changed"]]}
 
 
+def report_lines(judged):
+    """report's figures in two lines."""
+    types = ", ".join(f"{t} {judged[t]['right type %']:.0f}/{judged[t]['right object %']:.0f}%"
+                      for t in CHANGES if t in judged)
+    return [f"read back against the scenes: {judged['change caption %']:.0f}% of {judged['change pairs']} change "
+            f"pairs get a change caption, {judged['right type %']:.0f}% the right change type, "
+            f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}% of "
+            f"{judged['distractor pairs']} distractors get \"no change\"",
+            f"   by change type, right type/object: {types}"]
+
+
 def report(preds, scenes):
-    """{item id: caption} over change pairs ("000123") and distractor pairs ("000123_n") -> the percentages a reader
-    wants: change pairs given a change caption, the right change type, the right object; distractors given "no
-    change"; and the first two per change type."""
+    """{item id: caption} -> the percentages: change pairs given a change caption, the right type, the right
+    object (also per type); distractors ("_n") given "no change"."""
     judged = {i: judge(c, scenes[i]) for i, c in preds.items() if not i.endswith("_n")}
     calm = [read(c)[0] == "no change" for i, c in preds.items() if i.endswith("_n")]
     pct = lambda flags: round(100 * sum(flags) / max(1, len(flags)), 1)
@@ -756,8 +763,7 @@ _skipped = set()
 
 
 def _clevr_objects(scene):
-    """A CLEVR scene record's objects as judge reads them: their attributes, and the spatial relations CLEVR's
-    generator computed (relationships[r][j]: the objects that stand r of object j)."""
+    """A CLEVR scene record's objects as judge reads them, with CLEVR's spatial relations."""
     rel = scene["relationships"]
     return [{**{a: o[a] for a in ATTRS}, "index": j,
              "relations": {ours: rel[theirs][j] for theirs, ours in CLEVR_RELATIONS.items()}}
@@ -775,11 +781,8 @@ def _clevr_record(s):
 
 
 def read_scenes(root):
-    """The record of every change pair's scenes, {pair id: {"type", "before": [objects], "after": [objects],
-    "changed": index of the changed object in after for "add", else in before}}, or None where there is none.
-    Reads a synthetic set's scenes.json, and CLEVR-Change-style scene records from CLEVR's own renderer ({"scenes":
-    [{"image_index", "change", "default_scene", "semantic_scene", ...}]}). A scenes.json of any other format is
-    skipped, said once in one line."""
+    """{pair id: {"type", "before", "after", "changed"}} from a synthetic set's scenes.json or CLEVR's
+    own renderer's ({"scenes": [...]}); None without one, or for one of another format (said once)."""
     path = Path(root) / "scenes.json"
     if not path.is_file():
         return None
@@ -800,8 +803,7 @@ def read_scenes(root):
 
 
 def is_synthetic(root):
-    """A set `make` wrote, with its scene records (synth.json and scenes.json beside its images): they allow
-    --reverse and locate the changed object for the attention figure (changed_region)."""
+    """A set `make` wrote (synth.json and scenes.json): --reverse and the attention figure need it."""
     return all((Path(root) / f).is_file() for f in ("synth.json", "scenes.json"))
 
 

@@ -2421,7 +2421,7 @@ def test_clevr_caption_style_reads_back(tmp_path):
     assert any(c.endswith(("has been newly placed", "is in a different location")) for c in said)
     assert not any(c.startswith(("someone", "a ", "there is")) for c in said)  # none of our own templates
     assert json.loads((root / "synth.json").read_text())["caption_style"] == "clevr"
-    back = data.reversed_pairs(data.load_items("clevr", root, "train", "semantic"), root)
+    back = synth.reversed_pairs(data.load_items("clevr", root, "train", "semantic"), root)
     assert all(synth.judge(c, synth.reverse(scenes[it.id[:-2]]))["type"] for it in back for c in it.captions)
     assert not any(c.startswith(("someone", "a ", "there is")) for it in back for c in it.captions)
 
@@ -2431,7 +2431,7 @@ def test_reversed_pairs_are_captioned_backwards(synth_set, tmp_path):
     backwards, read back right against the reversed scene (an add is a drop, a colour goes back) and wrong against
     the forward one wherever the direction shows in the words (add/drop, the new colour or material)."""
     items = data.load_items("clevr", synth_set, "train", "total")
-    back = data.reversed_pairs(items, synth_set)
+    back = synth.reversed_pairs(items, synth_set)
     scenes = synth.read_scenes(synth_set)
     flipped = {"add": "drop", "drop": "add"}
     assert len(back) == len(items) and {it.change_type for it in items} >= {"distractor", "color"}
@@ -2449,11 +2449,11 @@ def test_reversed_pairs_are_captioned_backwards(synth_set, tmp_path):
             last = synth.WORD.get(c.split()[-1], c.split()[-1])  # "... turned {new}": the value it went back to
             if it.change_type in ("color", "material") and synth.ATTR_OF.get(last) == it.change_type:
                 assert last == scene["before"][scene["changed"]][it.change_type], (c, scene)
-    assert data.reversed_pairs(items, synth_set) == back  # the same captions every time
+    assert synth.reversed_pairs(items, synth_set) == back  # the same captions every time
     shutil.copytree(synth_set, tmp_path / "no_records")
     (tmp_path / "no_records" / "scenes.json").unlink()
     with pytest.raises(SystemExit, match="scenes.json.*--no-reverse"):
-        data.reversed_pairs(items, tmp_path / "no_records")
+        synth.reversed_pairs(items, tmp_path / "no_records")
 
 
 @pytest.mark.parametrize("pool", [1, 2])

@@ -41,9 +41,8 @@ def device_arg(text):
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a device; this machine has {devices_here()}") from None
     if d.type == "cuda" and not torch.cuda.is_available():
-        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
-        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here ({build}); pass --device cpu "
-                                         f"(this machine has {devices_here()})")
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here (torch {torch.__version__}); pass --device "
+                                         f"cpu")
     if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{text!r}: no such GPU; this machine has {devices_here()}")
     if d.type not in ("cpu", "cuda"):
@@ -101,8 +100,8 @@ def image_cache_flag(p):
 
 
 def optimizer_flag(p, decay, presets):
-    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help=f"bertadam: the authors' "
-                   f"(warmup, {decay} decay, their decay sets); adamw: ours (cosine, no decay on 1-D tensors) {presets}")
+    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help="bertadam: the authors' (warmup, "
+                   f"{decay} decay, their decay sets); adamw: ours (cosine, no decay on 1-D tensors) {presets}")
 
 
 class Settings(SimpleNamespace):
@@ -134,7 +133,7 @@ def over_preset(flags, given, presets, preset, bad):
     s = {**vars(flags), **presets[preset], **{k: getattr(flags, k) for k in given}, "preset": preset}
     if s["authors_numerics"]:
         if s["optimizer"] != "bertadam":
-            bad("--authors-numerics", f"their fp16 state is BertAdam's: give --optimizer bertadam (preset {preset})")
+            bad("--authors-numerics", f"their fp16 state is BertAdam's: give --optimizer bertadam")
         if "amp" in given:
             bad("--amp", "--authors-numerics runs their fp16, without autocast: leave --amp out")
         s["amp"] = "off"
@@ -153,8 +152,7 @@ def check_sizes(parser, image_size, patch_size, widths):
         parser.error(f"argument --image-size: {image_size} is not a multiple of --patch-size {patch_size}")
     for flag, w in widths.items():
         if w % (w // 64 or 1):
-            parser.error(f"argument {flag}: {w} does not split into its {w // 64} heads (heads = width // 64): "
-                         f"give a multiple of 64, or less than 128 (one head)")
+            parser.error(f"argument {flag}: {w} does not split into width // 64 heads: give a multiple of 64")
 
 
 def flag_error(flag, message):
@@ -472,8 +470,7 @@ def last_path(out):
 def check_resume(parser, resume, out):
     """--resume without a state left by --out's run: an error."""
     if resume and not os.path.isfile(last_path(out)):
-        parser.error(f"argument --resume: no resumable state at {last_path(out)} (written after each epoch of a run "
-                     f"with --out {out}); start without --resume")
+        parser.error(f"argument --resume: no resumable state at {last_path(out)}; start without --resume")
 
 
 def load_resume(out, device="cpu"):
@@ -497,12 +494,11 @@ def resume_run(state, model, optimizer, scheduler, args):
     """save_state's file put back into the model, optimizer, scheduler and random streams -> its run; a setting
     other than the saved one is an error."""
     if missing := [k for k in new_run() if k not in state]:
-        raise SystemExit(f"--resume: the resumable state has no {missing[0]} (an older clip4idc's): start without "
-                         f"--resume")
+        raise SystemExit(f"--resume: the state has no {missing[0]} (an older clip4idc's): start without --resume")
     for k, v in state.get("args", {}).items():
         if k not in RESUMABLE and vars(args).get(k, v) != v:
-            raise SystemExit(f"--resume: the run was set {k}={v!r}, this command {k}={getattr(args, k)!r}: resume it "
-                             f"with the flags it was started with")
+            raise SystemExit(f"--resume: the run was set {k}={v!r}, this command {k}={getattr(args, k)!r}: give the "
+                             f"run's flags")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
