@@ -4,9 +4,8 @@
     python adapt.py --data clevr --n-inter 0     # every block intra, none inter (Table 7: 12 + 0; the mini: 6 + 0)
 
 The pair encoder (model.py) turns (before, after) into a vector v, CLIP's text tower the caption into g; a
-symmetric InfoNCE loss (eq. 6-8) pulls each pair to its own caption. Val retrieval after each epoch chooses the
-checkpoint, test is evaluated once. Presets: paper (the authors'), mini (the shipped small CLIP, minutes on a CPU),
-compare (not the paper's: mini's inter blocks taught to compare), scratch (a small CLIP from nothing).
+symmetric InfoNCE loss (eq. 6-8) pulls each pair to its own caption. Presets: paper (the authors'), mini (the shipped
+small CLIP, minutes on a CPU), compare (not the paper's), scratch (a small CLIP from nothing).
 """
 import argparse
 import math
@@ -24,8 +23,8 @@ from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, authors_fp16_, 
 from train_utils import (GraphedStep, HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule,
                          check_resume, check_sizes, end_epoch, freeze, given_flags, image_cache_flag, interrupted,
                          load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset, param_groups,
-                         pick_device, policy_table, resume_run, run_flags, save_atomic, save_state, setup,
-                         train_epoch, warmup_cosine, where)
+                         pick_device, policy_table, preset_values, resume_run, run_flags, save_atomic, save_state,
+                         setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # settings: a preset (complete, literal), the flags given over it, then what the weights, data and device decide
@@ -55,7 +54,7 @@ PRESETS = {
 
 
 def parser():
-    pre = lambda k: "[" + ", ".join(f"{n}: {v[k]}" for n, v in PRESETS.items() if v[k] is not None) + "]"
+    pre = preset_values(PRESETS)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     # data
     p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier", "levir"], help="dataset")

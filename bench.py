@@ -1,12 +1,7 @@
-"""Benchmarks for clip4idc, one subcommand each (`python bench.py SUBCOMMAND --help`); BENCHMARKS.md gives the
-figures they printed: adapt (the ViT-B/32 adaptation step, eager / compiled / one CUDA graph: pairs/s, MFU, peak
-memory), decode (greedy captions/s with and without the key/value cache), e2e (the adaptation loop with its data,
-projected to CLEVR-Change) and matmul (this CPU's fp32 GFLOP/s: quote it beside any timing).
-
-Every subcommand runs on the CPU too (--device cpu; slowly, and the compiled and captured steps only on CUDA).
-Model FLOPs are counted by adapt_step_flops (matmuls; backward = 2x forward), checked against torch's FLOP counter
-in the tests. Decoding runs all --max-len steps (no caption stops early): the worst case, the same number of steps
-on both paths.
+"""Benchmarks, one subcommand each (`python bench.py SUBCOMMAND --help`; their figures in BENCHMARKS.md): adapt (the
+ViT-B/32 adaptation step, eager / compiled / one CUDA graph), decode (greedy captions/s with and without the key/value
+cache), e2e (the adaptation loop with its data), matmul (this CPU's fp32 GFLOP/s: quote it beside any timing).
+Every subcommand runs on a CPU too (the compiled and captured steps on CUDA only). Decoding runs all --max-len steps.
 """
 import argparse
 import os
@@ -102,17 +97,14 @@ def device_and_amp(args):
 
 
 def transformer_flops(seqs, length, width, layers, causal=False):
-    """Forward FLOPs of `layers` CLIP blocks over `seqs` sequences of `length` tokens: the matmuls only (2 per
-    multiply-add): q/k/v/out projections 4 w^2 and the MLP 8 w^2 per token, attention scores and values
-    2 * length^2 * w per sequence each. Causal attention is counted in full, as SDPA's math reference computes
-    it (flash kernels skip about half of it). LayerNorm, softmax, GELU and residual adds are left out."""
+    """Forward FLOPs of `layers` CLIP blocks over `seqs` sequences of `length` tokens, matmuls only:
+    projections 4 w^2 and MLP 8 w^2 per token, attention 2 * length^2 * w twice per sequence (causal in full)."""
     return layers * (seqs * length * 2 * 12 * width ** 2 + seqs * 2 * 2 * length ** 2 * width)
 
 
 def adapt_step_flops(cfg, batch, text_len):
-    """Model FLOPs of one adaptation step (paper preset): the pair encoder and the text tower, forward and
-    backward. Backward costs twice the forward (gradients of inputs and of weights); the patch convolution sees
-    only data and its weights are frozen, so it costs its forward alone. The loss (B x B logits) is negligible."""
+    """Model FLOPs of one adaptation step (paper preset), both towers, backward twice the forward (the
+    frozen patch convolution: its forward alone)."""
     grid = cfg.image_resolution // cfg.vision_patch_size
     n, w, e = grid * grid + 1, cfg.vision_width, cfg.embed_dim
     conv = 2 * batch * 2 * grid * grid * 3 * cfg.vision_patch_size ** 2 * w  # both images
@@ -135,8 +127,7 @@ def gpu_peak(device):
 
 
 def throughput(fn, device, steps=10, warmup=3):
-    """Seconds per call of `fn` run back to back, as a training loop runs (the GPU is waited for once, at the
-    end, so the CPU queues work while the GPU runs)."""
+    """Seconds per call of `fn` run back to back (the GPU waited for once, at the end)."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -157,9 +148,8 @@ def paper_adapt_args():
 
 
 def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=False, cfg=None):
-    """adapt.py's paper-preset training step on a random ViT-B/32 (or a CLIP of `cfg`),
-    uint8 images normalized on the device. graphs: captured as one CUDA graph (GraphedStep); with compile, compiled
-    inside it."""
+    """adapt.py's paper-preset step on a random ViT-B/32 (or a CLIP of `cfg`); graphs: as one CUDA graph,
+    compile: compiled inside it."""
     from adapt import PairText, contrastive_loss, lr_rule
     import clip_load
     args = paper_adapt_args()
@@ -266,10 +256,8 @@ def bench_adapt(args):
 
 
 def loop_rate(loader, step, device, batches, warmup=1):
-    """pairs/s of `step` fed by `loader` (step=None: the loader alone, batches copied to the device), over
-    `batches` batches after `warmup` (worker start-up, compilation, and the batches the workers prefetched
-    meanwhile, which would flatter the loader); and the GPU's mean utilization meanwhile (nvidia-smi's figure,
-    sampled every 50 ms by a thread; None without pynvml)."""
+    """pairs/s of `step` fed by `loader` (step None: the loader alone) over `batches` batches after `warmup`
+    (start-up, compilation, prefetched batches), and the GPU's mean utilization meanwhile (None without pynvml)."""
     import threading
     warmup = max(warmup, 1 + loader.num_workers * (loader.prefetch_factor or 0))
     it, n, busy, stop = iter(loader), 0, [], threading.Event()
@@ -304,9 +292,8 @@ def loop_rate(loader, step, device, batches, warmup=1):
 
 
 def bench_e2e(args):
-    """Pairs/s of adapt.py's whole loop, data included, on a synthetic set at CLEVR-Change's 480x320: images decoded
-    once over all cores into the disk cache, uint8 batches normalized on the GPU, bf16 autocast; the loader alone,
-    the model step alone, the loop, and its projection to 12 adaptation epochs of the real CLEVR-Change."""
+    """Pairs/s of adapt.py's loop, data included, on a synthetic set at CLEVR-Change's 480x320 (the disk
+    cache, bf16): the loader alone, the step alone, the loop, and 12 epochs of CLEVR-Change projected."""
     import data
     import synth
     from pathlib import Path
@@ -359,8 +346,8 @@ def bench_matmul(args):
 
 
 def bench_numerics(args):
-    """--steps stage-1 steps at the paper preset's peak rates on random pairs from one random ViT-B/32: ours (fp32
-    masters) and theirs (their module_clip.CLIP, convert_weights, BertAdam). How far the fp16-held weights moved."""
+    """--steps stage-1 steps at the paper's peak rates on one random ViT-B/32: ours (fp32 masters) against
+    theirs (their module_clip.CLIP, convert_weights, BertAdam): how far the fp16 weights moved."""
     import sys
     import types
     from adapt import contrastive_loss, lr_rule

@@ -3,9 +3,9 @@
     python caption.py --ckpt adapted.pt      # train, select on val CIDEr-D, test once -> captioner.pt, captions.json
     python caption.py --ckpt ViT-B/32        # the same on CLIP not adapted (paper Table 5)
 
-The captioner reads the pair encoder's tokens and learns by word-level cross entropy; the encoder trains at a tiny
-rate or is frozen. CLEVR-Change in the "total" setting: change pairs and distractor pairs ("no change" captions).
-Presets: paper (the authors' captioner, model.Captioner), mini and compare (model.MiniCaptioner).
+The captioner reads the pair encoder's tokens and learns by word-level cross entropy, the encoder at a tiny rate or
+frozen, on change pairs and distractor pairs ("no change"). Presets: paper (the authors' captioner, model.Captioner),
+mini and compare (model.MiniCaptioner).
 """
 import argparse
 import json
@@ -25,10 +25,10 @@ import plots
 import synth
 from model import (INPUT_EMBEDDINGS, Captioner, CaptionerConfig, MiniCaptioner, MiniCaptionerConfig,
                    authors_fp16_)
-from train_utils import (HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule,
-                         check_resume, end_epoch, flag_error, fmt_time, freeze, given_flags, image_cache_flag,
-                         interrupted, load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset,
-                         param_groups, pick_device, policy_table, resume_run, run_flags, save_atomic, save_state,
+from train_utils import (HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule, check_resume,
+                         end_epoch, flag_error, fmt_time, freeze, given_flags, image_cache_flag, interrupted,
+                         load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset, param_groups,
+                         pick_device, policy_table, preset_values, resume_run, run_flags, save_atomic, save_state,
                          setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
@@ -57,22 +57,16 @@ FORMAT = 3  # captioner.pt's layout
 
 
 def parser():
-    pre = lambda k: "[" + ", ".join(f"{n}: {v[k]}" for n, v in PRESETS.items() if v[k] is not None) + "]"
+    pre = preset_values(PRESETS)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--ckpt", default="adapted.pt", help="adapted.pt, or a CLIP ('ViT-B/32', 'mini12-synth', a file): "
                    "the no-adaptation ablation")
     p.add_argument("--out", default="captioner.pt", help="the best captioner (resumable state: *.last.pt)")
-    p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
     p.add_argument("--preset", choices=list(PRESETS), default=None, help="default: --ckpt's adaptation preset "
                    "(scratch: mini); a CLIP: mini if shipped, else paper")
-    # data
-    p.add_argument("--data", choices=["clevr", "spot", "ier", "levir"], default=None,
-                   help="dataset (default: the checkpoint's, else clevr)")
-    p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's)")
-    p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
+    test_flags(p)
     p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None, help="also train on each pair "
                    "backwards (synthetic sets only) [paper: off; mini, compare: on a synthetic set]")
-    p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
     image_cache_flag(p)
     # model
     p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks (default: the checkpoint's, else 3)")
@@ -104,8 +98,18 @@ def parser():
     run_flags(p, log_every=50)
     p.add_argument("--patience", type=at_least(1), default=None, help="stop after this many epochs without val "
                    f"CIDEr-D gain {pre('patience')}")
-    p.add_argument("--eval-batch-size", type=at_least(1), default=64, help="pairs per decoding batch")
     return p
+
+
+def test_flags(p):
+    """The data flags of caption.py and evaluate.py, alike."""
+    p.add_argument("--data", choices=["clevr", "spot", "ier", "levir"], default=None,
+                   help="dataset (default: the checkpoint's, else clevr)")
+    p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's)")
+    p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
+    p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
+    p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
+    p.add_argument("--eval-batch-size", type=at_least(1), default=64, help="pairs per decoding batch")
 
 
 def settings(argv=None):

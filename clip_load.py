@@ -1,10 +1,9 @@
 """CLIP's weights, BPE tokenizer and preprocessing.
 
 - `load_clip`: OpenAI's TorchScript archive, a state dict, the authors' checkpoints (`clip.*`) or our adapted.pt ->
-  model.CLIP in fp32; "ViT-B/32" is downloaded to ~/.cache/clip, SHA256 checked. `authors_captioner` renames the
-  authors' `decoder.*` keys onto model.Captioner.
+  model.CLIP in fp32; "ViT-B/32" is downloaded to ~/.cache/clip. `authors_captioner`: the authors' `decoder.*`.
 - `tokenize` / `decode`: OpenAI's byte-level BPE, the ids of `clip.tokenize`.
-- `preprocess`: a bicubic squash to the input size (the authors'; a change at the border survives), CLIP's mean/std.
+- `preprocess`: a bicubic squash (the authors'; a change at the border survives), CLIP's mean/std.
 """
 import argparse
 import gzip

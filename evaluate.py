@@ -1,6 +1,6 @@
 """Evaluate a captioner (caption.py's, or the authors' released one), or caption two images.
 
-    python evaluate.py --ckpt captioner.pt                        # test scores, baseline, predictions (--beam 3)
+    python evaluate.py --ckpt captioner.pt                        # test scores, baseline, predictions
     python evaluate.py --ckpt captioner.pt --gallery gallery.png  # and test pairs drawn with their captions
     python evaluate.py --ckpt pytorch_model.bin.clevr --amp off   # the authors' released captioner
     python evaluate.py --ckpt captioner.pt --before a.png --after b.png --explain why.png   # your own two images
@@ -24,15 +24,9 @@ TEST_ONLY = {"data", "data_root", "skip_missing", "results", "gallery", "workers
 def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--ckpt", default="captioner.pt", help="a captioner: caption.py's, or the authors'")
-    p.add_argument("--data", choices=["clevr", "spot", "ier", "levir"], default=None,
-                   help="dataset (default: the captioner's, else clevr)")
-    p.add_argument("--data-root", default=None, help="dataset directory (default: the captioner's, else data/...)")
-    p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
-    p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
+    caption.test_flags(p)
     p.add_argument("--beam", type=at_least(1), default=1, help="beam size (1: greedy, as the paper)")
     p.add_argument("--gallery", default=None, help="also draw test pairs with their captions into this PNG")
-    p.add_argument("--workers", type=at_least(0), default=2, help="image-loading processes")
-    p.add_argument("--eval-batch-size", type=at_least(1), default=64, help="pairs per decoding batch")
     device_flags(p)
     p.add_argument("--before", default=None, help="caption this image pair instead of the test split")
     p.add_argument("--after", default=None, help="the 'after' image of --before")

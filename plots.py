@@ -1,12 +1,8 @@
-"""Every picture of clip4idc, drawn with PIL and numpy: the gallery of test pairs with their captions, where the
-pair encoder looked (attention heat maps), and training curves.
+"""Every picture, drawn with PIL and numpy: test pairs with their captions, where the pair encoder looked (attention
+maps), training curves (`<checkpoint>.curves.png`, after every epoch).
 
     python evaluate.py --ckpt captioner.pt --gallery gallery.png          # test pairs, captions, heat maps
     python evaluate.py --ckpt captioner.pt --before a.png --after b.png --explain why.png
-
-The stages write their training curves (`<checkpoint>.curves.png`) after every epoch. The drawing takes images,
-numbers and text; the last section runs a captioner's encoder to get its maps, and measures on a synthetic set how
-often they fall on the changed object.
 """
 import math
 import textwrap
@@ -35,11 +31,9 @@ def colormap(x):
 
 
 def pair_maps(weights, grid):
-    """The last inter block's attention (heads, 2(n+1), 2(n+1)) over [CLS_before, before's n patches, CLS_after,
-    after's n patches] -> {"before": (grid, grid), "after": (grid, grid)}. The map on an image is where the two
-    [CLS] tokens, which become the pair vector (eq. 5) and lead the captioner's memory, look among that image's
-    patches: their attention to those patches, averaged over heads and over the two [CLS] tokens (each looks at
-    its own image and at the other), normalized to sum to 1 over the image."""
+    """The last inter block's attention (heads, 2(n+1), 2(n+1)) -> {"before": (grid, grid), "after": (grid,
+    grid)}: where the two [CLS] tokens (the pair vector's, eq. 5) look among each image's patches, averaged over
+    heads and both [CLS], summing to 1 over the image."""
     w = np.asarray(weights, dtype=np.float64).mean(0)  # (T, T), averaged over heads
     n = grid * grid
     cls = w[[0, n + 1]]  # the two [CLS] rows
@@ -48,8 +42,7 @@ def pair_maps(weights, grid):
 
 
 def overlay(image, heat, alpha=0.55):
-    """A PIL image with a (grid, grid) map blended over it: the map scaled to its own maximum, upsampled to the
-    image (bilinear), coloured along RAMP."""
+    """A PIL image with a (grid, grid) map blended over it, scaled to its maximum, coloured along RAMP."""
     h = np.asarray(heat, dtype=np.float64)
     up = Image.fromarray((h / max(h.max(), 1e-12) * 255).astype(np.uint8), "L").resize(image.size, Image.BILINEAR)
     return Image.blend(image.convert("RGB"), Image.fromarray(colormap(np.asarray(up) / 255.0)), alpha)
@@ -112,8 +105,7 @@ def gallery(path, rows, height=128, text_w=440):
 
 
 def curves(path, history, metric, size=(640, 240)):
-    """Two panels side by side, loss and `metric` against the epoch, from the stages' history
-    ([{"epoch": 1, "loss": ..., metric: ...}, ...]): axes, labels, each point's value, the best epoch marked."""
+    """Loss and `metric` against the epoch, from the stages' history, the best epoch marked."""
     w, h = size
     sheet = Image.new("RGB", (2 * w, h), "white")
     draw = ImageDraw.Draw(sheet)
@@ -155,8 +147,8 @@ def curves(path, history, metric, size=(640, 240)):
 
 
 def attention_weights(attn, x):
-    """The weights softmax(Q K^T / sqrt(head size)) that `attn` (a model.MultiheadAttention, no causal mask)
-    applies to x (B, T, width): (B, heads, T, T), each row summing to 1, by the plain path (training runs SDPA)."""
+    """softmax(Q K^T / sqrt(head size)) of `attn` (a model.MultiheadAttention) on x (B, T, width):
+    (B, heads, T, T)."""
     B, T, C = x.shape
     q, k, _ = F.linear(x, attn.in_proj_weight, attn.in_proj_bias).split(C, dim=2)
     q, k = (t.view(B, T, attn.heads, C // attn.heads).transpose(1, 2) for t in (q, k))
@@ -164,8 +156,7 @@ def attention_weights(attn, x):
 
 
 def inter_attention(visual, before, after):
-    """The last inter block's attention weights on these pairs (B, heads, 2(n+1), 2(n+1)): a hook reads the
-    block's input during visual.forward_pair and takes attention_weights of it."""
+    """The last inter block's attention weights on these pairs (B, heads, 2(n+1), 2(n+1))."""
     assert visual.n_inter > 0, "the attention maps are the inter blocks': an N + 0 encoder has none"
     weights = []
     keep = lambda attn, inputs: weights.append(attention_weights(attn, inputs[0]))  # inputs[0]: ln_1(x)
@@ -179,8 +170,7 @@ def inter_attention(visual, before, after):
 
 @torch.no_grad()
 def encoder_maps(model, pairs, size, device, batch=64):
-    """[(before path, after path)] -> their attention maps {"before": (g, g), "after": (g, g)}, through the
-    plain-softmax path (inter_attention), `batch` pairs at a time."""
+    """[(before path, after path)] -> their pair_maps, `batch` pairs at a time."""
     grid = size // model.clip.cfg.vision_patch_size
     out = []
     for i in range(0, len(pairs), batch):
@@ -191,8 +181,7 @@ def encoder_maps(model, pairs, size, device, batch=64):
 
 
 def maps_on_change(maps, items, root):
-    """On a synthetic set: % of change pairs whose map's strongest patch overlaps the changed object (on the image
-    that shows it: after for "add", else before), and the % a patch drawn at random would give."""
+    """% of change pairs whose map's strongest patch overlaps the changed object, and a random patch's %."""
     hits, chance = [], []
     for m, it in zip(maps, items):
         region = synth.changed_region(root, it.id)
@@ -210,8 +199,7 @@ def rgb(path):
 
 
 def draw_gallery(path, items, preds, model=None, size=None, device="cpu", n=8):
-    """Test pairs, one per row: before | after | (their heat maps, when the encoder has inter blocks) | the
-    generated and the first reference caption."""
+    """Test pairs, one per row: before | after | (their heat maps) | the generated and a reference caption."""
     picks = items[:: max(1, len(items) // n)][:n]
     maps = (encoder_maps(model, [(it.before, it.after) for it in picks], size, device)
             if model is not None and model.clip.cfg.n_inter > 0 else [None] * len(picks))
@@ -228,8 +216,8 @@ def attention_line(figures):
 
 
 def attention_on_change(model, items, root, device):
-    """On the synthetic set: how often the last inter block's map has its strongest patch on the changed object,
-    over the change pairs (distractors have none), and what a patch drawn at random gives (maps_on_change)."""
+    """On the synthetic set: how often the last inter block's map peaks on the changed object, and a
+    random patch's figure (maps_on_change)."""
     changes = [it for it in items if it.change_type != "distractor"]
     maps = encoder_maps(model, [(it.before, it.after) for it in changes], model.clip.cfg.image_resolution, device)
     return dict(zip(("map on the change %", "random patch %"), maps_on_change(maps, changes, root)))

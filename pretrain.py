@@ -182,10 +182,9 @@ class Descriptions(torch.utils.data.Dataset):
                                                     for _ in range(self.negatives)]
 
     def batch(self, keys, epoch):
-        """-> {"images": (B, 3, S, S) uint8, "ids": token ids (B * (1 + negatives), L): the B descriptions first,
-        then the first negative of each image, then the second...}; with `objects` (--object-loss) also "objects":
-        (image in batch, patch cell, index in OBJECTS) rows (N_objects, 3), and "phrases": OBJECTS' phrases worded
-        for this step (len(OBJECTS), L)."""
+        """-> {"images": (B, 3, S, S) uint8, "ids": (B * (1 + negatives), L): the descriptions, then each
+        image's first negative, then its second...}; with `objects` also "objects" (image, patch cell, index in
+        OBJECTS) rows and "phrases" (len(OBJECTS), L)."""
         images = self.cache.batch([self.images[k][0] for k in keys])
         texts = [self.texts(k, epoch) for k in keys]
         ordered = [t[j] for j in range(1 + self.negatives) for t in texts]
@@ -235,8 +234,7 @@ def object_loss(obj, phrases, target, logit_scale):
 
 
 def image_tokens(visual, x):
-    """Single images (B, 3, S, S) -> every output token after ln_post and proj (B, n+1, D): what the pair encoder's
-    tokens are made of."""
+    """Images (B, 3, S, S) -> every output token (B, n+1, D), as the pair encoder's."""
     return visual.ln_post(visual.transformer(visual.stem(x))) @ visual.proj
 
 
@@ -328,10 +326,9 @@ def pair_labels(scene, u, v):
 
 @torch.no_grad()
 def pair_features(visual, items, root, ctx, batch=64):
-    """Change pairs -> ({feature: (N, dim)}, {target: [N labels]}). Features: the pair vector v (eq. 5); each
-    image's output patch tokens averaged (before, after); at the patch under the changed object's centre (on the
-    image that shows it: after for "add", else before) both images' tokens after the intra blocks and at the
-    output (ln_post and proj on both), and after minus before there (what the mini captioner's --mem-diff adds)."""
+    """Change pairs -> ({feature: (N, dim)}, {target: [N labels]}). Features: v (eq. 5); each image's patch
+    tokens averaged; at the changed object's patch both images' tokens after the intra blocks and at the output, and
+    after minus before there."""
     scenes, size = synth.read_scenes(root), visual.input_resolution
     grid = size // visual.conv1.kernel_size[0]
     feats, rows = {f: [] for f in PAIR_FEATURES}, []  # rows: each pair's labels
@@ -362,8 +359,7 @@ def pair_features(visual, items, root, ctx, batch=64):
 
 
 def probe_pairs(path, root, ctx, n_train=2000):
-    """One adapted.pt -> {(feature, target): val accuracy %} and {target: (the majority class's val share %, val
-    pairs)}: a linear probe per feature and target (linear_probe), on the pairs the target applies to."""
+    """One adapted.pt -> {(feature, target): val accuracy %} and {target: (majority share %, val pairs)}."""
     visual = clip_load.load_clip(path, ctx.device).visual.eval()
     (xtr, ytr), (xte, yte) = (pair_features(visual, data.load_items("clevr", root, split, "semantic")[:n_train],
                                             root, ctx) for split in ("train", "val"))
@@ -388,10 +384,8 @@ def fmt(m):
 
 
 def mimetic_init_(visual, a1=0.7, b1=0.7, a2=0.4, b2=0.4):
-    """Mimetic initialization of the image tower's attention (Trockman and Kolter, ICML 2023), in place: per head,
-    W_q^T W_k is the best rank-(head size) approximation of a1 Z + b1 I, so that a token starts out attending to
-    tokens like itself (as trained ViTs' attention does); W_o W_v = a2 Z' - b2 I; Z, Z' ~ N(0, 1/width); biases 0.
-    It gives better held-out figures at the same cost (RESULTS.md "The mini CLIP")."""
+    """Mimetic initialization of the image tower's attention (Trockman and Kolter 2023), in place: per head
+    W_q^T W_k ~ a1 Z + b1 I (a token attends to tokens like itself), W_o W_v = a2 Z' - b2 I, Z, Z' ~ N(0, 1/width)."""
     for block in visual.transformer.resblocks:
         attn, W = block.attn, block.attn.in_proj_weight  # W's rows: W_q, W_k, W_v
         C = W.shape[1]

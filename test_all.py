@@ -3819,15 +3819,15 @@ def test_device_flag_says_what_this_machine_has(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert [train_utils.device_arg(d) for d in ("cpu", "cuda", "cuda:1")] == ["cpu", "cuda", "cuda:1"]
-    with bad("'cuda:7': no such GPU; this machine has cpu, cuda (cuda:0 to cuda:1)"):
+    with bad("'cuda:7' is not a device here; this machine has cpu, cuda:0 to cuda:1"):
         train_utils.device_arg("cuda:7")
-    with bad("'mps': this code runs on cpu or cuda only; this machine has cpu, cuda (cuda:0 to cuda:1)"):
+    with bad("'mps' is not a device here; this machine has cpu, cuda:0 to cuda:1"):
         train_utils.device_arg("mps")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    with bad("'cuda': no CUDA device here"):
+    with bad("'cuda': no CUDA here"):
         train_utils.device_arg("cuda")
-    with bad("'gpu' is not a device; this machine has cpu"):
+    with bad("'gpu' is not a device here; this machine has cpu"):
         train_utils.device_arg("gpu")
 
 

@@ -29,25 +29,18 @@ def autocast(device, amp="auto"):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-def devices_here():
-    n = torch.cuda.device_count()
-    return "cpu" + (f", cuda (cuda:0 to cuda:{n - 1})" if n > 1 else ", cuda (cuda:0)" if n else "")
-
-
 def device_arg(text):
     """argparse type of --device: one this machine has."""
     try:
         d = torch.device(text)
     except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; this machine has {devices_here()}") from None
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here (torch {torch.__version__}); pass --device "
-                                         f"cpu")
-    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text!r}: no such GPU; this machine has {devices_here()}")
-    if d.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: this code runs on cpu or cuda only; this machine has "
-                                         f"{devices_here()}")
+        d = None
+    if d and d.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA here (torch {torch.__version__}); pass --device cpu")
+    n = torch.cuda.device_count()
+    if d is None or d.type not in ("cpu", "cuda") or d.type == "cuda" and (d.index or 0) >= n:
+        here = "cpu" + (f", cuda:0 to cuda:{n - 1}" if n else "")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device here; this machine has {here}")
     return text
 
 
@@ -86,6 +79,11 @@ def run_flags(p, log_every=20, warmup=0.1):
                    help="fraction of the steps of linear warmup, then the schedule's decay")
     p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
     p.add_argument("--log-every", type=at_least(1), default=log_every, help="steps between progress lines")
+
+
+def preset_values(presets):
+    """help's "[paper: 1e-4, mini: 1e-3]" of a setting."""
+    return lambda k: "[" + ", ".join(f"{n}: {v[k]}" for n, v in presets.items() if v[k] is not None) + "]"
 
 
 def device_flags(p):
