@@ -103,8 +103,8 @@ def parser():
 
 
 def settings(argv=None):
-    """Every setting, decided once: the preset, the flags given over it, then what the CLIP file, the dataset and the
-    device decide. A flag the run would ignore is an error."""
+    """Every setting, decided once: the preset, the flags given over it, then what the CLIP file, the
+    dataset and the device decide; a flag the run would ignore is an error."""
     p = parser()
     flags, given = p.parse_args(argv), given_flags(p, argv)
     preset = flags.preset or ("mini" if flags.clip in clip_load.SHIPPED else "paper" if flags.clip else
@@ -171,8 +171,8 @@ class PairText(torch.nn.Module):
 
 @torch.no_grad()
 def fixed_intra(model, items, args, ctx, cache):
-    """Where nothing before the inter blocks trains (compare), each training pair's intra-block tokens (eq. 2),
-    computed once: (pairs, 2, n+1, width); else None."""
+    """Where nothing before the inter blocks trains (compare), the training pairs' intra-block tokens
+    (pairs, 2, n+1, width), computed once; else None."""
     n_intra = model.cfg.vision_layers - model.cfg.n_inter
     if not (args.clip and args.freeze_blocks >= n_intra and args.swap_prob == 0 and model.cfg.n_inter):
         return None
@@ -187,8 +187,8 @@ def fixed_intra(model, items, args, ctx, cache):
 
 
 def two_gpu_gradient_(model):
-    """The authors' two GPUs: AllGather's backward keeps each rank's slice (until_module.py 265-269), DDP averages
-    the ranks: each gradient but logit_scale's is half the batch's."""
+    """The authors' two GPUs: AllGather's backward keeps a rank's slice (until_module.py 265-269) and
+    DDP averages: every gradient but logit_scale's halved."""
     for p in model.parameters():
         if p.requires_grad and p is not model.logit_scale:
             p.register_hook(lambda g: g * 0.5)
@@ -196,8 +196,8 @@ def two_gpu_gradient_(model):
 
 
 def contrastive_loss(v, g, logit_scale):
-    """eq. (6)-(8): InfoNCE, pair -> text and text -> pair averaged, in fp32. v (B, D), g (B(1 + K), D): row i is
-    pair i's caption, rows B.. hard negatives (pretrain.py's), in pair -> text only."""
+    """eq. (6)-(8): InfoNCE, pair -> text and text -> pair averaged, in fp32; g's rows B.. are hard
+    negatives (pretrain.py's), pair -> text only."""
     with torch.autocast(v.device.type, enabled=False):
         v, g = F.normalize(v.float(), dim=-1), F.normalize(g.float(), dim=-1)
         scale = logit_scale.float().clamp(max=math.log(100)).exp()  # the authors' clamp
@@ -207,7 +207,7 @@ def contrastive_loss(v, g, logit_scale):
 
 
 def lr_rule(args):
-    """Parameter name -> learning rate (None: frozen): e1, e2, p, ln_mid at lr_new, CLIP's at lr_clip; frozen: a
+    """Parameter name -> learning rate (None: frozen): e1, e2, p, ln_mid at lr_new, CLIP's at lr_clip but a
     CLIP file's input embeddings (the authors') and the first --freeze-blocks image blocks."""
     def lr(name):
         if name.startswith(PAIR_KEYS):
@@ -242,9 +242,8 @@ def encode_split(model, items, args, ctx, cache=None):
 
 
 def retrieval_metrics(sim, owner):
-    """sim (P, T), owner[t] caption t's pair, ranked as the authors' metrics.py: text -> pair among the pairs; pair
-    -> text among the caption *sets*, a set scoring its best caption. Ties pessimistic (theirs: arbitrary); MdR
-    np.median's (pair -> text), torch's (text -> pair)."""
+    """sim (P, T), owner[t] caption t's pair, ranked as the authors' metrics.py: text -> pair among
+    the pairs, pair -> text among the caption sets (a set's best caption); ties pessimistic (theirs: arbitrary)."""
     P, T = sim.shape
     own = sim[owner, torch.arange(T)]  # (T,)
     t2p = (sim >= own[None, :]).sum(0)  # (T,)
@@ -270,7 +269,6 @@ def chance_metrics(P):
 
 
 def evaluate(model, items, args, ctx, cache=None):
-    """Retrieval figures on `items`; None when the features are not finite."""
     v, g, owner = encode_split(model, items, args, ctx, cache)
     return retrieval_metrics(v @ g.t(), owner) if torch.isfinite(v).all() and torch.isfinite(g).all() else None
 
@@ -290,7 +288,6 @@ def fmt(m):
 
 
 def banner(ctx, args):
-    """What is adapted, said plainly, and every setting."""
     log(f"== adapt.py: preset '{args.preset}' on {where(ctx)} ==")
     paper = f"For the paper's results give --clip ViT-B/32 ({clip_load.WEIGHTS})."
     if args.clip in clip_load.SHIPPED:
@@ -302,7 +299,6 @@ def banner(ctx, args):
 
 
 def load_data(args, ctx, model):
-    """The splits, the image cache, the training loader."""
     split = lambda s: data.load_items(args.data, args.data_root, s, setting="semantic", skip_missing=args.skip_missing)
     splits = {s: split(s) for s in ("train", "val", "test")}
     cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache)

@@ -83,13 +83,13 @@ def bench_decode(args):
 
 
 # -----------------------------------------------------------------------------
-# pair / adapt: the full-size ViT-B/32 pair encoder (random weights: speed does not depend on their values)
+# pair / adapt: the full-size ViT-B/32 pair encoder, random weights
 
 
 def device_and_amp(args):
     if getattr(args, "threads", 0):
         torch.set_num_threads(args.threads)
-    ctx = setup(0, args.device)  # as the stages: bf16 autocast and TF32 on CUDA, fp32 on a CPU
+    ctx = setup(0, args.device)  # as the stages
     return ctx.device, ctx.amp, where(ctx, speed=True)
 
 
@@ -153,7 +153,7 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
     from adapt import PairText, contrastive_loss, lr_rule
     import clip_load
     args = paper_adapt_args()
-    torch.manual_seed(0)  # random weights (speed does not depend on their values), the same in every run
+    torch.manual_seed(0)  # random weights, the same in every run
     model = CLIP(cfg or CLIPConfig()).to(device).train()
     size = model.cfg.image_resolution
     net = torch.compile(PairText(model)) if compile else PairText(model)
@@ -167,10 +167,10 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
     images = torch.randint(0, 256, (2, batch, 3, size, size), dtype=torch.uint8, generator=g).to(device)
     ids = random_ids(batch, text_len, device)
 
-    def update(b):  # adapt.py's: forward, loss, backward, clip, step; b a loader's batch (None: the fixed one)
+    def update(b):  # adapt.py's; b a loader's batch (None: the fixed one)
         if b is None:  # the paper's 32 tokens
             before, after, text = images[0], images[1], ids
-        else:  # as adapt.py: trimmed to the longest caption on the CPU, or (compiled) static shapes, all 32 tokens
+        else:  # as adapt.py: trimmed, or static shapes when compiled
             text = clip_load.trim(b["ids"], static=compile or graphs)
             before, after, text = (t.to(device, non_blocking=True) for t in (b["before"], b["after"], text))
         with amp:
@@ -208,8 +208,7 @@ def report_step(label, seconds, batch, flops, peaks, device):
           flush=True)
 
 
-# bench.py adapt --impl: name -> (compiled, one CUDA graph); both: the compiled step inside the graph, its kernels
-# fused and launched at once (the step toward 40 % MFU, BENCHMARKS.md)
+# bench.py adapt --impl: name -> (compiled, one CUDA graph)
 ADAPT_IMPLS = {"ours": (False, False), "ours+compile": (True, False), "ours+graphs": (False, True),
                "ours+compile+graphs": (True, True)}
 
@@ -222,7 +221,7 @@ def bench_adapt(args):
     print(f"adaptation step, ViT-B/32 9 + 3 at 224 px, batch {args.batch} pairs x {args.text_len} tokens, {where}, "
           f"torch {torch.__version__}; model FLOPs per step {flops / 1e12:.2f} T (bench.adapt_step_flops: matmuls, "
           f"backward = 2x forward)")
-    if device.type != "cuda":  # fp32; on a CPU a graph step runs as it is (GraphedStep), a compiled one compiles
+    if device.type != "cuda":
         for name in args.impl or ["ours"]:
             compiled, graphs = ADAPT_IMPLS[name]
             _, step = our_adapt_step(device, amp, compiled, args.batch, args.text_len, graphs)
@@ -241,7 +240,7 @@ def bench_adapt(args):
         how = ", compiled" * compiled + ", one CUDA graph" * graphs
         seconds = throughput(step, device, args.repeats, warmup=5 if compiled else 3)
         report_step(f"ours (fp32 weights, bf16 autocast{how})", seconds, args.batch, flops, peaks, device)
-        if args.profile and name in args.profile:  # where its GPU time goes: CUDA time by kernel, largest first
+        if args.profile and name in args.profile:  # CUDA time by kernel, largest first
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
@@ -307,7 +306,7 @@ def bench_e2e(args):
     items = data.load_items("clevr", root, "train", "semantic")
     print(f"end to end, adaptation at batch {args.batch}, {len(items)} pairs at 480x320, {where}, {cores} CPU cores, "
           f"torch {torch.__version__}")
-    Path(args.workdir).mkdir(parents=True, exist_ok=True)  # a fresh cache each run, so that its build is measured
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)  # a fresh cache each run: its build is measured
     cache = data.ImageCache(items, 224, workers=cores, directory=tempfile.mkdtemp(dir=args.workdir))
     print(f"decode 480x320 PNG -> 224 uint8: {cache.rate:.0f} images/s building the cache on {cores} cores "
           f"({len(cache.index)} images)")
@@ -322,7 +321,7 @@ def bench_e2e(args):
     rate, busy = loop_rate(loader(), step, device, args.batches, 3 if args.compile else 1)  # compiling: one graph
     print(f"  model step alone: {fixed:8.0f} pairs/s | whole loop: {rate:8.0f} pairs/s, GPU utilization "
           f"{busy if busy is None else round(busy)}%", flush=True)
-    samples, images = 33_830 * 6, 39_803 * 3  # CLEVR-Change: 33,830 train scenes, ~6 change captions each
+    samples, images = 33_830 * 6, 39_803 * 3  # CLEVR-Change's train scenes, ~6 captions each
     build = images / cache.rate
     print(f"projected, 12 adaptation epochs of CLEVR-Change ({samples:,} samples each, one per change caption): "
           f"{fmt_min(build + 12 * samples / rate)} ({fmt_min(build)} decoding {images:,} images once, then "
@@ -342,7 +341,7 @@ def bench_matmul(args):
 
 
 # -----------------------------------------------------------------------------
-# numerics: how far ViT-B/32's weights move in the authors' fp16 step, rebuilt, and in ours (RESULTS.md "Numerics")
+# numerics: how far ViT-B/32's weights move in the authors' fp16 step, rebuilt, and in ours
 
 
 def bench_numerics(args):

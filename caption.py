@@ -113,8 +113,8 @@ def test_flags(p):
 
 
 def settings(argv=None):
-    """Every setting, decided once: the preset, the flags given over it, then what the encoder file, the dataset and
-    the device decide. A flag the run would ignore is an error."""
+    """Every setting, decided once: the preset, the flags given over it, then what the encoder file, the
+    dataset and the device decide; a flag the run would ignore is an error."""
     p = parser()
     flags, given = p.parse_args(argv), given_flags(p, argv)
     bad = lambda flag, why: p.error(f"argument {flag}: {why}")
@@ -246,8 +246,8 @@ class PairCaptioner(nn.Module):
         self.clip, self.captioner = clip, captioner
 
     def memory(self, before=None, after=None, tokens=None, both_ways=False):
-        """The pair encoder's tokens (pooled by the mini captioner), or `tokens` (encode_all's); both_ways: (after,
-        before) too, as rows B..2B-1."""
+        """The pair encoder's tokens (pooled by the mini captioner), or encode_all's `tokens`; both_ways:
+        (after, before) too, as rows B..2B-1."""
         if tokens is not None:
             return tokens
         return self.captioner.pool(self.clip.visual.forward_pair(before, after, both_ways).tokens.float())
@@ -325,8 +325,8 @@ def read_ckpt_info(path):
 
 
 def lr_rule(args):
-    """Parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py 640-667): the captioner at
-    --lr, the image tower but its input embeddings at --encoder-lr, CLIP's (tied) words on Spot-the-Diff only."""
+    """Parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py 640-667): the
+    captioner at --lr, the image tower but its input embeddings at --encoder-lr, the tied words on spot only."""
     def lr(name):
         if name.startswith("captioner."):
             return args.lr
@@ -375,8 +375,8 @@ def summary(scores):
 
 
 def final_test(model, loader, train_items, items, vocab, ctx, name, root, results_path, beam=1):
-    """The captioner on test -> results (scores, by change type, the constant-caption baseline, predictions; with
-    scene records the read-back and attention figures), to results_path and the log."""
+    """The captioner on test -> results (scores, by type, the constant-caption baseline, predictions,
+    the read-back and attention figures), to results_path and the log."""
     t0 = time.time()
     preds = predict(model, loader, items, vocab, ctx, beam)
     scores, by_type = score(items, preds, by_type=name == "clevr")
@@ -430,7 +430,6 @@ def load_data(args, vocab=None):
 
 
 def new_model(args, vocab, clip):
-    """The pair encoder `clip` and a fresh captioner of the preset's kind."""
     common = dict(vocab_size=len(vocab), width=args.width, heads=args.heads, enc_layers=args.enc_layers,
                   dec_layers=args.dec_layers, max_len=MAX_LEN, dropout=args.dropout)
     if args.captioner == "authors":
@@ -443,7 +442,6 @@ def new_model(args, vocab, clip):
 
 
 def describe(model, rule, params, args):
-    """What trains at which rate, and the model in one line."""
     clip, cfg = model.clip.cfg, model.captioner.cfg
     log("what trains:\n" + policy_table(model.named_parameters(), rule))
     log(f"model: pair encoder {clip.vision_layers - clip.n_inter} + {clip.n_inter} "
@@ -480,7 +478,6 @@ def loaders(model, splits, caption_ids, args, ctx):
 
 
 def validate(model, loader, items, vocab, scenes, ctx):
-    """Val CIDEr-D; with scene records what the captions get right."""
     preds = predict(model, loader, items, vocab, ctx)
     val = {"CIDEr-D": cider(items, preds)}
     if scenes:

@@ -80,7 +80,6 @@ def no_weights(path):
 
 
 def weights_arg(text):
-    """argparse type of --clip: a released or shipped name, or a file."""
     if text in MODELS or text in SHIPPED or Path(text).expanduser().is_file():
         return text
     raise argparse.ArgumentTypeError(no_weights(text))
@@ -150,14 +149,12 @@ def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
 
 
 def clip_config(path_or_name):
-    """The CLIPConfig of a weights file or name."""
     path = resolve(path_or_name)
     sd, extra = read_state_dict(path)
     return config_of(sd, extra.get("config", {}).get("n_inter", 3))
 
 
 def build_clip(sd, extra, path, n_inter=None):
-    """read_state_dict's (state dict, extra) -> the fp32 CLIP."""
     n_inter = extra.get("config", {}).get("n_inter", 3) if n_inter is None else n_inter
     layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
     if not 0 <= n_inter <= layers:
@@ -223,7 +220,6 @@ def bytes_to_unicode():
 
 @lru_cache(maxsize=1)
 def vocab():
-    """(token -> id, merge pair -> rank)."""
     if not BPE_PATH.is_file() or sha256(BPE_PATH) != BPE_SHA256:
         raise SystemExit(f"{BPE_PATH} is missing or corrupt (SHA256 must be {BPE_SHA256}): restore it from git")
     merges = [tuple(m.split()) for m in gzip.open(BPE_PATH).read().decode("utf-8").split("\n")[1:49152 - 256 - 2 + 1]]
@@ -264,7 +260,6 @@ def encode(text):
 
 
 def decode(ids):
-    """BPE ids -> text, as OpenAI's."""
     text = "".join(bpe_tokens()[i] for i in ids)
     byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
     return bytearray(byte_decoder[c] for c in text).decode("utf-8", errors="replace").replace("</w>", " ")
@@ -272,7 +267,6 @@ def decode(ids):
 
 @lru_cache(maxsize=1)
 def bpe_tokens():
-    """CLIP's 49,408 tokens in id order."""
     return list(vocab()[0])
 
 
@@ -321,7 +315,6 @@ _MEAN_STD = {}  # device -> CLIP's mean and std there, made once (a CUDA graph c
 
 
 def normalize(x):
-    """uint8 [..., 3, H, W] -> float32, CLIP's mean/std."""
     if x.device not in _MEAN_STD:
         _MEAN_STD[x.device] = [torch.tensor(v, device=x.device).view(3, 1, 1) for v in (MEAN, STD)]
     mean, std = _MEAN_STD[x.device]
@@ -329,7 +322,6 @@ def normalize(x):
 
 
 def preprocess(image, size=224):
-    """PIL image -> float [3, size, size] for the model."""
     return normalize(resize_uint8(image, size))
 
 

@@ -57,8 +57,7 @@ def is_real(name, root=None):
 
 
 def load_items(name, root, split, setting="total", skip_missing=False, images=True):
-    """Items of one split. clevr "semantic": change pairs only; "total": and the distractor pairs. images=False: the
-    images not looked for."""
+    """Items of one split. clevr "semantic": change pairs only; "total": and the distractor pairs."""
     root = Path(root)
     if not root.is_dir():
         raise SystemExit(f"no {name} dataset at {root} (--data-root; default {ROOTS[name]}): {SEE}")
@@ -68,7 +67,6 @@ def load_items(name, root, split, setting="total", skip_missing=False, images=Tr
 
 
 def _nonempty_captions(items, name, split):
-    """Empty captions left out, and pairs with none left, counted."""
     kept = [it._replace(captions=[c for c in it.captions if c.strip()]) for it in items]
     n_empty = sum(len(a.captions) - len(b.captions) for a, b in zip(items, kept))
     if n_empty:
@@ -217,12 +215,11 @@ def _check_files(items, name, root, split, skip_missing):
 
 
 def _decode_uint8(path, size):
-    """The decoding rule: squashed to uint8 [3, size, size]. An unreadable file raises BadImage (a SystemExit would
-    hang a Pool)."""
+    """The decoding rule: squashed to uint8 [3, size, size]; BadImage, not SystemExit (that would hang a Pool)."""
     try:
         return resize_uint8(open_image(path), size).numpy()
     except SystemExit as e:
-        raise BadImage(f"{e}: replace that file, or pass --skip-missing to drop its pair ({SEE})") from None
+        raise BadImage(f"{e}: replace it with a readable image, or --skip-missing drops its pair ({SEE})") from None
 
 
 def pair_images(batch, device):
@@ -231,7 +228,6 @@ def pair_images(batch, device):
 
 
 def image_paths(items):
-    """Every distinct image the items name, sorted."""
     return sorted({p for it in items for p in (it.before, it.after, it.alt_before) if p})
 
 
@@ -255,8 +251,8 @@ def use_image_cache(items, size, flag=None, directory=None):
 
 
 class ImageCache:
-    """The items' images decoded once to uint8 [N, 3, S, S] in a memmapped file, reused by later runs; its name hashes
-    the preprocessing, the size and every image's path, size and time."""
+    """The items' images decoded once to uint8 [N, 3, S, S] in a memmapped file, named by a hash of the
+    preprocessing, the size and every image's path, size and time."""
 
     def __init__(self, items, size, workers=2, log_every=0, directory=None):
         paths = image_paths(items)
@@ -285,7 +281,6 @@ class ImageCache:
 
 
 def _build_cache(folder, paths, size, workers, log_every):
-    """Decode every image into folder/images.npy -> images/s."""
     tmp = _start_build(folder)
     t0 = time.time()
     try:
@@ -340,7 +335,6 @@ def _alive(pid):
 
 
 def open_image_cache(items, size, flag=None, directory=None):
-    """The ImageCache of these items, built if need be; None when not used."""
     if not use_image_cache(items, size, flag, directory):
         return None
     cache = ImageCache(items, size, os.cpu_count(), log_every=20_000, directory=directory)
@@ -351,8 +345,8 @@ def open_image_cache(items, size, flag=None, directory=None):
 
 
 class _Pairs(torch.utils.data.Dataset):
-    """Items -> dicts of uint8 "before", "after" (or "features", a frozen encoder's tokens) and the dataset's
-    fields; `parts(key)` says what a sample is, `__getitems__` builds whole batches."""
+    """Items -> dicts of uint8 "before", "after" (or a frozen encoder's "features") and the dataset's fields;
+    `parts(key)` says what a sample is, `__getitems__` builds whole batches."""
 
     def __init__(self, items, size=224, cache=None, features=None):
         self.items, self.size, self.cache, self.features = items, size, cache, features
@@ -390,9 +384,8 @@ def set_epoch(loader, epoch):
 
 
 class CaptionDataset(_Pairs):
-    """Training samples -> {"before", "after" (or "features"), "ids", "index"}: one per caption, or (draw) one per
-    pair, its caption drawn per epoch; ids: every caption's tokens (default CLIP's BPE); swap_prob: the chance of the
-    non-semantic before image."""
+    """Training samples {"before", "after" (or "features"), "ids", "index"}: one per caption, or (draw) one
+    per pair, its caption drawn per epoch; swap_prob: the chance of the non-semantic before image."""
 
     def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None, seed=0, ids=None,
                  draw=False, features=None):
@@ -421,8 +414,6 @@ class CaptionDataset(_Pairs):
 
 
 class ImageDataset(_Pairs):
-    """Images only -> {"before", "after" (or "features"), "index"}."""
-
     def __len__(self):
         return len(self.items)
 
@@ -448,8 +439,8 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 class DistractorBatches(torch.utils.data.Sampler):
-    """Stage 2's batches as the authors' (dataloader_clevr_caption.py 197-213): `batch` change pairs, then their
-    distractors; pairs: (change, distractor) indices."""
+    """Stage 2's batches as the authors' (dataloader_clevr_caption.py 197-213): `batch` change pairs, then
+    their distractors."""
 
     def __init__(self, pairs, batch, seed=0):
         self.pairs, self.batch, self.order = pairs, batch, EpochSampler(len(pairs), True, seed)

@@ -218,8 +218,8 @@ def cider_d_constant(prepared, captions, sigma=6.0):
 
 
 def constant_baseline(train_captions, refs, fallback=()):
-    """The best CIDEr-D of one caption for every item (of the 5,000 most frequent training captions, else
-    `fallback`): what a model blind to the images reaches. -> {"caption", "scores" x100, "candidates"}"""
+    """The best CIDEr-D of one caption given for every item (of the 5,000 most frequent training
+    captions, else `fallback`): a model blind to the images. -> {"caption", "scores" x100, "candidates"}"""
     candidates = [c for c, _ in Counter(map(tokenize, train_captions)).most_common(5000)]
     source = "training captions"
     if not candidates:
@@ -301,8 +301,7 @@ JAR, PARAPHRASE = "meteor-1.5.jar", "paraphrase-en.gz"
 
 
 def meteor_data():
-    """Meteor's files -> {"jar": path or None, "paraphrase": path or None}: in $METEOR_DATA (or its data/), else in
-    pycocoevalcap's meteor/ (found, not imported)."""
+    """Meteor's files {"jar", "paraphrase"} (None: absent) in $METEOR_DATA, else in pycocoevalcap."""
     folders = [Path(os.environ["METEOR_DATA"])] if os.environ.get("METEOR_DATA") else []
     spec = importlib.util.find_spec("pycocoevalcap")
     folders += [Path(p) / "meteor" for p in spec.submodule_search_locations or ()] if spec else []
@@ -312,8 +311,8 @@ def meteor_data():
 
 @lru_cache(maxsize=None)
 def load_synonyms():
-    """The jar's synonym/english.synsets (word / synset ids) and english.exceptions (base form / irregular forms)
-    -> (word -> synset ids, irregular form -> base forms, where from), or None after a warning."""
+    """The jar's english.synsets and english.exceptions -> (word -> synset ids, irregular form -> base
+    forms, where from), or None after a warning."""
     if (jar := meteor_data()["jar"]) is not None:
         with zipfile.ZipFile(jar) as z:
             lines = z.read("synonym/english.synsets").decode("utf-8").splitlines()
@@ -351,7 +350,6 @@ def _synonym_sets(word, wordnet):
 
 
 def _synonyms(vocab, wordnet):
-    """{word: the other words of `vocab` sharing a synset with it}."""
     sets, words_of = {w: _synonym_sets(w, wordnet) for w in vocab}, defaultdict(set)
     for w, ids in sets.items():
         for x in ids:
@@ -369,15 +367,13 @@ def _index_path(table):
 
 
 def _smallest_uint(values, n):
-    """values (each <= n) in the smallest unsigned type holding n."""
     dtype = next(t for t in (np.uint8, np.uint16, np.uint32, np.uint64) if n <= np.iinfo(t).max)
     return np.asarray(values, dtype=dtype)
 
 
 def build_paraphrase_index(table, out, log_every=1_000_000):
-    """paraphrase-en.gz (probability / phrase / paraphrase) -> folder `out`: words.txt (id = line), tokens.npy
-    (each entry's phrase then paraphrase as ids), ends.npy (where each entry ends), split.npy (its phrase's
-    length); built aside and renamed into place."""
+    """paraphrase-en.gz -> folder `out`: words.txt, tokens.npy (each entry's phrase then paraphrase
+    as word ids), ends.npy, split.npy (the phrase's length); built aside and renamed into place."""
     out, t0 = Path(out), time.time()
     ids, tokens, ends, split = {}, array("q"), array("q"), array("q")
     with gzip.open(table, "rt", encoding="utf-8") as f:
@@ -570,8 +566,8 @@ def _perfect(st):
 
 
 def meteor(refs_tok, cands_tok, paraphrase=None):
-    """-> (the corpus score of the summed statistics, {id: score}); per item the best reference (the first on
-    ties). paraphrase: paraphrase-en.gz, None: $METEOR_PARAPHRASE else meteor_data()'s, False: no such stage."""
+    """-> (the corpus score of the summed statistics, {id: score}), each item's best reference. paraphrase:
+    paraphrase-en.gz, None: $METEOR_PARAPHRASE else meteor_data()'s, False: no such stage."""
     norm = {s: meteor_normalize(s) for s in {*cands_tok.values(), *(r for i in cands_tok for r in refs_tok[i])}}
     vocab = {w for words in norm.values() for w in words}
     stemmer, synonyms = _stemmer(), load_synonyms()
@@ -625,8 +621,8 @@ def _check(refs, cands):
 
 
 def evaluate(refs, cands, per_item=False, paraphrase=None):
-    """refs {id: [sentence, ...]}, cands {id: sentence} -> {"BLEU-1": ..., "CIDEr-D": ...}, per_item: and {metric:
-    {id: score}}. Empty sentences score as coco-caption's (a candidate 0, a reference still counts), said once."""
+    """refs {id: [sentence, ...]}, cands {id: sentence} -> {"BLEU-1": ..., "CIDEr-D": ...} (per_item: and
+    {metric: {id: score}}); empty sentences score as coco-caption's, said once."""
     cands = _check(refs, cands)
     tok = {s: tokenize(s) for s in {*cands.values(), *(r for i in cands for r in refs[i])}}
     cands_tok = {i: tok[c] for i, c in cands.items()}

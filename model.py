@@ -36,8 +36,8 @@ class QuickGELU(nn.Module):
 
 
 def attention(q, k, v, causal=False, dropout=0.0):
-    """(B, heads, Tq, hs), (B, heads, Tk, hs) x2 -> (B, heads, Tq, hs). Causal: the queries are the last Tq of the
-    Tk positions (after a cached prefix), each seeing the keys up to its own."""
+    """(B, heads, Tq, hs), (B, heads, Tk, hs) x2 -> (B, heads, Tq, hs); causal: the queries are the last Tq
+    of the Tk positions."""
     Tq, Tk = q.shape[2], k.shape[2]
     assert not causal or Tq <= Tk, f"causal attention needs the {Tq} queries among the {Tk} key positions"
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq) if causal and Tq > 1 else None
@@ -160,8 +160,8 @@ class VisionTransformer(nn.Module):
         return x
 
     def inter(self, x):
-        """eq. (3)-(5) on the two images' tokens side by side, x (B, 2(n+1), width) -> PairEncoding; at N + 0 too,
-        as the authors' (module_clip.py 341-361)."""
+        """eq. (3)-(5) on the images' tokens side by side (B, 2(n+1), width) -> PairEncoding; at N + 0
+        too, as the authors' (module_clip.py 341-361)."""
         n1 = x.shape[1] // 2
         e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
         x = self.ln_mid(x + e.to(x.dtype) + self.joint_positional_embedding.to(x.dtype))  # eq. (4)
@@ -206,7 +206,6 @@ class CLIP(nn.Module):
         self.initialize_parameters()
 
     def initialize_parameters(self):
-        """OpenAI's initialization (a model from scratch)."""
         nn.init.normal_(self.token_embedding.weight, std=0.02)
         nn.init.normal_(self.positional_embedding, std=0.01)
         for tower in (self.transformer, self.visual.transformer):
@@ -219,7 +218,6 @@ class CLIP(nn.Module):
         nn.init.normal_(self.text_projection, std=self.transformer.width ** -0.5)
 
     def encode_image(self, image):
-        """(B, 3, H, W) -> (B, embed_dim), as OpenAI's CLIP."""
         return self.visual(image)
 
     def encode_text(self, text):
@@ -237,7 +235,6 @@ class CLIP(nn.Module):
         return logits, logits.t()
 
     def encode_pair(self, before, after):
-        """The CLIP4IDC pair encoder -> PairEncoding."""
         return self.visual.forward_pair(before, after)
 
 
@@ -260,7 +257,7 @@ def share_joint_positions_(visual, norm):
 
 
 def authors_fp16_(clip):
-    """The authors' fp16, in place: their convert_weights (module_clip.py 541-562) halves conv1, the attention and
+    """The authors' fp16, in place (their convert_weights, module_clip.py 541-562): conv1, the attention and
     MLP Linears, visual.proj and text_projection."""
     for m in clip.modules():
         names = ("in_proj_weight", "in_proj_bias") if isinstance(m, MultiheadAttention) else \
@@ -330,7 +327,6 @@ def feed_forward(width):
 
 
 def caches(kv_cache):
-    """A decoder layer's self- and cross-attention caches."""
     return (None, None) if kv_cache is None else (kv_cache.setdefault("self", {}), kv_cache.setdefault("cross", {}))
 
 
@@ -348,8 +344,7 @@ def init_weights_(module):
 
 @torch.no_grad()
 def generate(self, memory, bos, eos, max_len=None, use_kv_cache=True):
-    """Greedy decoding -> ids (B, <= max_len), <eos> included, 0 after it; without the cache the whole prefix runs
-    each step, as the authors'."""
+    """Greedy decoding -> ids (B, <= max_len), 0 after <eos>; without the cache, the whole prefix each step."""
     max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
     mem = self.encode(memory)
     out = torch.full((len(memory), 1), bos, dtype=torch.long, device=memory.device)
@@ -468,7 +463,6 @@ class Captioner(nn.Module):
         return self.head(x) @ self.token_embedding.weight.t() + self.head_bias
 
     def forward(self, memory, tokens):
-        """Teacher forcing -> logits (B, T, vocab)."""
         return self.decode(tokens, self.encode(memory))
 
     def pool(self, memory):

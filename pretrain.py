@@ -41,8 +41,7 @@ from train_utils import (HelpFormatter, Progress, Settings, at_least, check_resu
                          warmup_cosine, where)
 
 ROOT = "data/clevr_pretrain"
-# the text tower is 64 wide: its token embedding (49,408 BPE ids x width) is most of the file, 6.3 MB in fp16
-# the shipped mini12-synth's recipe: 96 px in a 12x12 grid of 8-px patches, so that an object spans several
+# the shipped mini12-synth's recipe: 12x12 patches of 8 px (an object spans several); 64-wide words (6.3 MB in fp16)
 DEFAULTS = dict(scenes=12000, image_size=96, patch_size=8, vision_width=128, vision_layers=6, text_width=64,
                 text_layers=4, embed_dim=128, context_length=77, batch_size=128, negatives=1, lr=5e-4,
                 weight_decay=0.1, warmup=0.02, samples=300_000, eval_every=150)
@@ -74,12 +73,10 @@ def get_args(argv=None):
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=d["weight_decay"],
                    help="AdamW weight decay (matrices)")
     run_flags(p, warmup=d["warmup"])
-    p.add_argument("--object-loss", type=at_least(0.0, float), default=1.0,
-                   help="weight of the per-object loss (0: off): the patch token under each object must pick its "
-                        f"phrase among all {len(OBJECTS)} objects CLEVR has")
-    p.add_argument("--mimetic-init", action=argparse.BooleanOptionalAction, default=True, help="initialize the "
-                   "image tower's attention mimetically (Trockman and Kolter 2023): each token first attends to "
-                   "tokens like itself")
+    p.add_argument("--object-loss", type=at_least(0.0, float), default=1.0, help="weight of the per-object loss "
+                   f"(0: off): each object's patch token picks its phrase among all {len(OBJECTS)}")
+    p.add_argument("--mimetic-init", action=argparse.BooleanOptionalAction, default=True, help="the image tower's "
+                   "attention initialized mimetically (mimetic_init_)")
     p.add_argument("--samples", type=at_least(1), default=argparse.SUPPRESS, help="training images seen in all (the "
                    f"schedule) (default: {d['samples']:,}; {CLEVR['samples']:,} for --world clevr)")
     p.add_argument("--eval-every", type=at_least(1), default=argparse.SUPPRESS, help="steps between held-out "
@@ -91,10 +88,10 @@ def get_args(argv=None):
                    help="minutes: stop after the first evaluation past this (the state is saved; --resume continues)")
     p.add_argument("--eval-only", action="store_true", help="evaluate --ckpt on the held-out scenes and stop")
     p.add_argument("--ckpt", type=clip_load.weights_arg, help="with --eval-only: a CLIP checkpoint (default: --out)")
-    p.add_argument("--clevr-root", default=None, help="with --eval-only: also read every image of this set of "
-                   "CLEVR's own renders (with CLEVR's scene records), the probes trained on --root's objects")
+    p.add_argument("--clevr-root", default=None, help="with --eval-only: also probe the images of this set of "
+                   "CLEVR's own renders")
     p.add_argument("--probe-pairs", nargs="+", default=None, metavar="ADAPTED", help="linear probes of these pair "
-                   "encoders (adapt.py's --out) on --pairs-root's change pairs, a table each, and stop (probe_pairs)")
+                   "encoders (adapt.py's --out) on --pairs-root's change pairs, and stop (probe_pairs)")
     p.add_argument("--pairs-root", default=synth.SYNTH_ROOT, help="with --probe-pairs: a synthetic CLEVR-Change set "
                    "(adapt.py's on no real data)")
     p.add_argument("--export", default=None, help="write --out's weights as a shipped fp16 file at this path and stop")
@@ -113,8 +110,7 @@ def get_args(argv=None):
         p.error(f"argument {flag}: not read " + (f"with {mode}" if mode else "when training: it goes with " + (
             "--probe-pairs" if flag == "--pairs-root" else "--eval-only")))
     if args.clevr_root and not (Path(args.clevr_root) / "scenes.json").is_file():  # before any scene is rendered
-        p.error(f"argument --clevr-root: no scenes.json in {args.clevr_root} (CLEVR's scene records, as "
-                f"CLEVR-Change's generator writes them): give a set rendered by it")
+        p.error(f"argument --clevr-root: no scenes.json (CLEVR's scene records) in {args.clevr_root}")
     check_resume(p, args.resume, args.out)
     for flag, wants in (("--export", args.export), ("--eval-only", args.eval_only and not args.ckpt)):
         if wants and not os.path.isfile(args.out):
@@ -307,8 +303,7 @@ def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
 
 
 # -----------------------------------------------------------------------------
-# probes of a pair encoder (adapt.py's output): what its tokens carry of the change (RESULTS.md "What stage 1
-# teaches the encoder"), linear probes on change pairs of a synthetic set, trained on train, read on val
+# probes of a pair encoder (adapt.py's output): what its tokens carry of the change, linear probes on change pairs
 
 PAIR_FEATURES = ("v", "tokens, mean", "intra, at the change", "output, at the change", "after - before there")
 PAIR_TARGETS = ("type", "new color", "new material", "shape", "color", "where")
@@ -421,7 +416,7 @@ def main(argv=None):
         return export(args)
     ctx = setup(args.seed, args.device, args.amp)
     if args.probe_pairs:
-        if not synth.is_synthetic(args.pairs_root):  # here, not in get_args: the default is a folder made on first use
+        if not synth.is_synthetic(args.pairs_root):  # not in get_args: the default folder is made on first use
             raise SystemExit(f"argument --pairs-root: {args.pairs_root} is no synthetic set with scene records "
                              f"(synth.py writes one: python synth.py, or run adapt.py once without real data)")
         for path in args.probe_pairs:
@@ -454,7 +449,7 @@ def main(argv=None):
                     f"{100 / 9:.1f}, probe % {chance}")
         return m
 
-    # a CLIP from nothing, as adapt.py's scratch preset builds one (n_inter: unused here; the mini preset's third)
+    # a CLIP from nothing, as adapt.py's scratch preset builds one
     model = CLIP(CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size,
                             args.context_length, transformer_width=args.text_width,
                             transformer_layers=args.text_layers, transformer_heads=max(1, args.text_width // 64),
@@ -462,8 +457,7 @@ def main(argv=None):
     if args.mimetic_init:
         mimetic_init_(model.visual)
     model = model.to(ctx.device)
-    # everything at one rate, but CLIP4IDC's pair parameters frozen: single images never use them, and the shipped
-    # file leaves them out (as OpenAI's release has none)
+    # one rate; the pair parameters frozen (single images never use them; the shipped file, as OpenAI's, has none)
     rule = lambda name: None if name.startswith(PAIR_KEYS) else args.lr
     freeze(model.named_parameters(), rule)
     groups = param_groups(model.named_parameters(), rule, args.weight_decay)

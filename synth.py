@@ -35,16 +35,12 @@ MATERIALS = ("rubber", "metal")
 CHANGES = ("color", "material", "move", "add", "drop")
 ATTRS = ("size", "color", "material", "shape")
 
-# Two worlds. "ours": objects larger than CLEVR's, so that a 96-px input shows them, under one key light, in CLEVR's
-# colours at full strength. "clevr": CLEVR's own geometry as a ray caster can follow it -- its object radii and
-# proportions (a cube's half side r / sqrt 2, a cylinder of radius r and height 2r), its floor extent, its camera
-# (35 mm lens, 11 units away, 26 degrees up, aimed at the centre) and three lamps (key, fill, back) -- and its
-# colours as CLEVR-Change's renders show them: darker, less saturated (`tone`), on a darker floor. The views differ
-# too (_scene): "clevr" jitters the camera of each of the three images on its own, under lamps that stay still.
+# Two worlds. "ours": objects larger than CLEVR's (a 96-px input shows them), one key light, CLEVR's colours at full
+# strength. "clevr": CLEVR's own geometry (object proportions, floor, camera, three lamps) and its colours as
+# CLEVR-Change's renders show them (`tone`); each image's camera jittered on its own (_scene).
 WORLDS = {
     "ours": {"name": "ours", "sizes": {"small": 0.6, "large": 0.95}, "cube": 0.8, "cylinder": (0.8, 1.6),
-             "bound": {"cube": 1.39, "sphere": 1.0, "cylinder": 1.13},  # bounding sphere radius / r (rounded: a
-             # set's scenes depend on these values, so a seed gives the same set)
+             "bound": {"cube": 1.39, "sphere": 1.0, "cylinder": 1.13},  # bounding sphere radius / r
              "extent": 2.7,  # objects stand in [-extent, extent]^2 on the ground plane z = 0
              "camera": (-10.5, 7.0, 0.5), "zoom": 2.25, "floor": (0.62, 0.25, 0.95, 0.5, 0.45), "tone": None},
     "clevr": {"name": "clevr", "sizes": {"small": 0.35, "large": 0.7}, "cube": 1.0, "cylinder": (1.0, 2.0),
@@ -111,8 +107,7 @@ def geometry(o, w=OURS):
 
 
 def visibility(objs, cam, wo=OURS, w=60, h=40):
-    """Fraction of each object's disc not hidden by nearer ones (CLEVR rejects mostly hidden objects; so
-    do we)."""
+    """Fraction of each object's disc not hidden by nearer ones (CLEVR rejects mostly hidden objects)."""
     ys, xs = np.mgrid[0:h, 0:w] + 0.5
     owner, area = np.full((h, w), -1), []
     depth = [(np.asarray(geometry(o, wo)[0]) - cam["pos"]) @ cam["fwd"] for o in objs]
@@ -201,7 +196,7 @@ def shade(o, p, n, d, lt):
         return albedo * (0.3 + lit * lt["power"]) + 0.04 * ndh ** 4
     refl = d - 2 * (d * n).sum(1, keepdims=True) * n
     rz = refl[:, 2:]
-    reach = p[:, 2:] / np.maximum(-rz, 1e-3)  # how far the mirrored ray runs before it meets the floor
+    reach = p[:, 2:] / np.maximum(-rz, 1e-3)  # the mirrored ray's run to the floor
     env = np.where(rz > 0, 0.5 + np.clip(1.5 * rz, 0, 0.6), 0.6 * (1 - np.exp(-reach / 0.6)))
     hxy = half[:, :2] / (np.linalg.norm(half[:, :2], axis=1, keepdims=True) + 1e-9)
     streak = np.clip((n[:, :2] * hxy).sum(1), 0, 1)[:, None] ** 30 * (o["shape"] == "cylinder") * (n[:, 2:] < 0.1)
@@ -218,11 +213,11 @@ def shade_clevr(o, p, n, d, lt, w, env=(0.75, 0.12, 0.2), lobes=(1.0, 1.5)):
     near, horizon, back = env
     refl = d - 2 * (d * n).sum(1, keepdims=True) * n
     rz = refl[:, 2:]
-    reach = p[:, 2:] / np.maximum(-rz, 1e-3)  # how far the mirrored ray runs before it meets the floor
+    reach = p[:, 2:] / np.maximum(-rz, 1e-3)  # the mirrored ray's run to the floor
     below = horizon + (near - horizon) * np.exp(-reach / 4) * (1 - np.exp(-reach / 0.5))
     above = (horizon + back * np.clip((refl[:, 1:2] + 0.3) / 0.5, 0, 1)) * np.clip(1 - rz / 0.5, 0, 1)
     lamp = lambda k: sum(s * np.clip(refl @ t, 0, 1) ** k for t, s in lt["lamps"])[:, None] * lt["power"]
-    # `tone` is rubber's: a mirror keeps more of its range (dark where it mirrors the dark, its colour where lit)
+    # `tone` is rubber's: a mirror keeps more of its range
     rgb = albedo * (np.where(rz < 0, below, above) + lobes[0] * lamp(3))
     luma = rgb @ np.array([0.299, 0.587, 0.114])
     return 0.07 + luma[:, None] + 0.7 * (rgb - luma[:, None]) + lobes[1] * lamp(150)
@@ -317,14 +312,14 @@ def _apart(o, p, w=OURS, gap=0.25):
 def _in_frame(o, cam, w=OURS, margin=0.05):
     """The object's bounding circle lies inside the 3:2 frame, away from its border."""
     c, rad = geometry(o, w)
-    u, v, s = project(cam, c, 1.5, 1.0)  # in image heights: the frame is [0, 1.5] x [0, 1]
+    u, v, s = project(cam, c, 1.5, 1.0)  # the frame: [0, 1.5] x [0, 1]
     r = rad * s
     return 1.5 * margin < u - r and u + r < 1.5 * (1 - margin) and margin < v - r and v + r < 1 - margin
 
 
 def make_scene(rng, kind, w=OURS):
     """(before objects, after objects, index of the changed object in before -- in after for "add")."""
-    lo, hi = {"add": (3, 6), "drop": (4, 7)}.get(kind, (3, 7))  # 3-7 objects in both images
+    lo, hi = {"add": (3, 6), "drop": (4, 7)}.get(kind, (3, 7))  # 3-7 objects
     cam, extent = camera(np.zeros(6), w), w["extent"]
     while True:
         before, n = [], rng.randint(lo, hi)
@@ -352,9 +347,9 @@ def make_scene(rng, kind, w=OURS):
         if not all(_in_frame(o, cam, w) for o in before + after):
             continue
         vb, va = visibility(before, cam, w), visibility(after, cam, w)
-        if min(vb.values()) < 0.4 or min(va.values()) < 0.4:  # every object can be seen, at least in part
+        if min(vb.values()) < 0.4 or min(va.values()) < 0.4:  # every object seen, at least in part
             continue
-        if (kind != "add" and vb[k] < 0.8) or (kind != "drop" and va[k] < 0.8):  # the changed one clearly so
+        if (kind != "add" and vb[k] < 0.8) or (kind != "drop" and va[k] < 0.8):  # the changed one clearly
             continue
         return before, after, k
 
@@ -365,7 +360,7 @@ def make_scene(rng, kind, w=OURS):
 SAY = {"small": ("small", "tiny"), "large": ("large", "big"), "rubber": ("rubber", "matte"),
        "metal": ("metal", "metallic", "shiny"), "cube": ("cube", "block"), "sphere": ("sphere", "ball"),
        "thing": ("thing", "object")}
-RELATIONS = {  # in the base camera's frame (it looks along +y), with a margin so a viewer can tell
+RELATIONS = {  # in the base camera's frame, with a margin a viewer can tell
     "behind": lambda a, b: a["y"] - b["y"] > 0.8, "in front of": lambda a, b: b["y"] - a["y"] > 0.8,
     "to the left of": lambda a, b: b["x"] - a["x"] > 0.8, "to the right of": lambda a, b: a["x"] - b["x"] > 0.8}
 TEMPLATES = {
@@ -418,7 +413,7 @@ def refer(rng, o, scene, relate=0.15, was=False, nested=False, style="ours"):
             rels = [r for r, holds in RELATIONS.items() if holds(o, ref) and not any(holds(p, ref) for p in alike)]
             if ref is not o and ref not in alike and rels:
                 that = "that was " if was else rng.choice(["that is ", ""])  # "moved the cube to the left of" misleads
-                if style == "clevr":  # its relation words, drawn before the description (as its sets were made)
+                if style == "clevr":  # its relation words, drawn before the description
                     rel = rng.choice(CLEVR_RELATIONS_SAID[rng.choice(rels)])
                     return f"{describe(rng, o, keys)} {that}{rel} the {refer(rng, ref, scene, nested=True)}"
                 return f"{describe(rng, o, keys)} {that}{rng.choice(rels)} the {refer(rng, ref, scene, nested=True)}"
@@ -535,12 +530,11 @@ def views(i, seed, world="ours", size=IMAGE_SIZE):
 
 def _scene(i, seed, world="ours"):
     """Scene i's random draws -> (its random stream, change type, objects before and after, the changed index,
-    {image name: (objects, camera jitter, light jitter)}). Ours moves the distractor's camera and light by 0.5-1;
-    CLEVR's world moves the cameras as CLEVR-Change's generator does, the lamps stay."""
-    rng = random.Random(f"clevr-synth-{seed}-{i}")  # one stream per scene: any worker split gives the same set
+    {image name: (objects, camera jitter, light jitter)})."""
+    rng = random.Random(f"clevr-synth-{seed}-{i}")  # one stream per scene
     kind = rng.choice(CHANGES)
     before, after, k = make_scene(rng, kind, WORLDS[world])
-    if world == "clevr":  # as CLEVR-Change's generator: the after and distractor cameras moved from the before's
+    if world == "clevr":  # as CLEVR-Change's generator: the cameras moved from the before's
         jl, jb = [rng.uniform(-1, 1) for _ in range(3)], [rng.uniform(-1, 1) for _ in range(3)]
         moved = lambda: [a + rng.uniform(-1, 1) for a in jb] + [0.0] * 3
         return rng, kind, before, after, k, {"images/CLEVR_default": (before, jb + [0.0] * 3, jl),
@@ -630,9 +624,7 @@ def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None
 
 
 # -----------------------------------------------------------------------------
-# reading a caption back: what it says changed, and which object it names. Our own grammar, and CLEVR-Change's
-# (its change phrases, "left of" / "on the left side of", "both ... and ...", "the other X that is the same colour
-# as the Y"), so that captions of a model trained on either are read alike, against either kind of scene record
+# reading a caption back: what it says changed, and which object it names, in our grammar or CLEVR-Change's
 
 WORD = {w: k for k, ws in SAY.items() for w in ws}  # a synonym -> its canonical word: "tiny" -> "small"
 ATTR_OF = {**{v: "color" for v in COLORS}, **{v: "material" for v in MATERIALS}, **{v: "size" for v in SIZES},
@@ -656,8 +648,8 @@ PATTERNS = [(kind, _pattern(t)) for kind in CHANGES  # ours, then CLEVR-Change's
 
 
 def _attributes(phrase):
-    """"small red thing" -> {"size": "small", "color": "red"}; None unless it is adjectives and a shape or thing.
-    A leading "other" (CLEVR-Change's "the other cube that ...") adds nothing: a referred object is never itself."""
+    """"small red thing" -> {"size": "small", "color": "red"}; None unless adjectives and a shape or thing (a
+    leading "other" adds nothing)."""
     words = phrase.split()
     *adjectives, noun = [WORD.get(w, w) for w in (words[1:] if words[:1] == ["other"] else words)] or [""]
     if noun != "thing" and ATTR_OF.get(noun) != "shape":
@@ -671,8 +663,7 @@ def _attributes(phrase):
 
 
 def _parse(phrase):
-    """A referring expression -> (attributes, [(how, ref)]): how is a key of RELATIONS, or ("same", attribute);
-    None when it is not one of the grammars read here."""
+    """A referring expression -> (attributes, [(how, ref)]), how a key of RELATIONS or ("same", attribute)."""
     if m := SAME.match(phrase):
         head, links = m["head"], [(("same", {"colour": "color"}.get(m["attr"], m["attr"])), m["ref"])]
     elif m := RELATION.match(phrase):
@@ -699,7 +690,7 @@ def resolve(phrase, scene):
         return []
     attrs, links = parsed
     found = [o for o in scene if all(o[k] == v for k, v in attrs.items())]
-    for how, ref in links:  # "... that was behind the red cube": keep those that stand so to an object it can mean
+    for how, ref in links:  # "... that was behind the red cube"
         refs = [p for p in scene if all(p[k] == v for k, v in ref.items())]
         found = [o for o in found if any(p is not o and _holds(how, o, p) for p in refs)]
     return found
@@ -719,7 +710,7 @@ def read(caption):
             if kind in CHANGES:
                 parsed.append((kind, m["o"]))
     valid = [(kind, o) for kind, o in parsed if _parse(o) is not None]
-    return (valid or parsed or [(None, None)])[0]  # "the cube has moved" also fits "the {o} moved": take a valid one
+    return (valid or parsed or [(None, None)])[0]  # a valid reading first
 
 
 def judge(caption, scene):
@@ -808,7 +799,7 @@ def is_synthetic(root):
 
 
 def get_args(argv=None):
-    from train_utils import HelpFormatter, at_least  # here: the renderer's processes import this module without torch
+    from train_utils import HelpFormatter, at_least  # here: the renderer's processes need no torch
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     m = p.add_subparsers(dest="cmd", required=True).add_parser(
         "make", formatter_class=HelpFormatter, help="render a synthetic CLEVR-Change-style set")

@@ -30,7 +30,6 @@ def autocast(device, amp="auto"):
 
 
 def device_arg(text):
-    """argparse type of --device: one this machine has."""
     try:
         d = torch.device(text)
     except RuntimeError:
@@ -71,7 +70,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def run_flags(p, log_every=20, warmup=0.1):
-    """The flags of every training stage."""
     p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
     p.add_argument("--seed", type=int, default=0, help="random seed (initialization, data order, draws)")
     device_flags(p)
@@ -154,7 +152,6 @@ def check_sizes(parser, image_size, patch_size, widths):
 
 
 def flag_error(flag, message):
-    """argparse's error after parsing."""
     print(f"{os.path.basename(sys.argv[0])}: error: argument {flag}: {message}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -170,7 +167,6 @@ def keep_freed_memory():
 
 
 def setup(seed=0, device=None, amp="auto"):
-    """The run's device, autocast and seed."""
     device = torch.device(pick_device(device))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # for CUDA graphs' streams
@@ -198,7 +194,6 @@ def seed_everything(seed):
 
 
 def rng_state():
-    """This process's random streams."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -240,8 +235,8 @@ def warmup_cosine(optimizer, total_steps, warmup_frac=0.1):
 
 
 def authors_schedule(optimizer, total_steps, warmup_frac=0.1, kind="cosine"):
-    """The authors' schedules (optimization.py 26-42) of x = step / total_steps: x / warmup, then 0.5 (1 + cos(pi x))
-    (stage 1) or (1 - x) / (1 - warmup) (stage 2)."""
+    """The authors' schedules (optimization.py 26-42) of x = step / total_steps: x / warmup, then
+    0.5 (1 + cos(pi x)) (stage 1) or (1 - x) / (1 - warmup) (stage 2)."""
     def factor(step):
         x = step / total_steps
         if x < warmup_frac:
@@ -280,16 +275,15 @@ def policy_table(named_params, rule):
 
 
 def authors_decays(model, bert=None):
-    """The authors' decay sets (prep_optimizer): all but biases and `bert`'s LayerNorms (CLIP's LayerNorms, e1, e2
-    and logit_scale decay)."""
+    """The authors' decay sets (prep_optimizer): all but biases and `bert`'s LayerNorms."""
     bert_ln = {f"{bert}.{n}.weight" for n, m in getattr(model, bert).named_modules()
                if isinstance(m, torch.nn.LayerNorm)} if bert else set()
     return lambda name, p: "bias" not in name and name not in bert_ln
 
 
 class BertAdam(torch.optim.Optimizer):
-    """The authors' BertAdam (optimization.py 110-167): Adam without bias correction, decoupled decay, moments in the
-    weights' dtype (their per-tensor clip after a global one: a no-op)."""
+    """The authors' BertAdam (optimization.py 110-167): Adam without bias correction, decoupled decay,
+    moments in the weights' dtype."""
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):  # their defaults
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -322,9 +316,8 @@ def make_optimizer(groups, device, capturable=False, rule="adamw", betas=(0.9, 0
 
 
 class GraphedStep:
-    """A stage's `update(batch) -> loss` captured once as a CUDA graph and replayed, then the schedule's step. The
-    rates become device tensors; the first batch warms up on a side stream, undone, then is captured. Other shapes
-    (and a CPU) run eagerly."""
+    """A stage's `update(batch) -> loss` captured once as a CUDA graph and replayed, then the schedule's step;
+    the first batch warms up on a side stream, undone. Other shapes (and a CPU) run eagerly."""
 
     def __init__(self, ctx, update, optimizer, scheduler, params):
         self.ctx, self.body, self.params, self.optimizer, self.scheduler = ctx, update, params, optimizer, scheduler
@@ -385,8 +378,7 @@ class Progress:
 
 
 def train_epoch(ctx, loader, step, optimizer, run, progress):
-    """`step(batch) -> loss` on each batch -> the mean loss; a progress line every log_every steps, where NaN/inf
-    stops the run."""
+    """`step(batch) -> loss` on each batch -> the mean loss; a progress line every log_every steps, NaN stops."""
     t0, seen, count, checked = time.time(), 0, 0, run["step"]
     total = torch.zeros((), device=ctx.device)
     for batch in loader:
@@ -408,7 +400,6 @@ def train_epoch(ctx, loader, step, optimizer, run, progress):
 
 
 def new_run():
-    """Where a run stands."""
     return dict(epoch=0, step=0, best=-1.0, best_epoch=0, epochs_without_gain=0, history=[])
 
 
@@ -438,7 +429,6 @@ def fmt_time(seconds):
 
 
 def to_cpu(obj):
-    """Every tensor in dicts, lists and tuples on the CPU."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
@@ -466,7 +456,6 @@ def last_path(out):
 
 
 def check_resume(parser, resume, out):
-    """--resume without a state left by --out's run: an error."""
     if resume and not os.path.isfile(last_path(out)):
         parser.error(f"argument --resume: no resumable state at {last_path(out)}; start without --resume")
 
@@ -489,8 +478,7 @@ RESUMABLE = {"resume", "device", "workers", "log_every", "eval_batch_size", "ima
 
 
 def resume_run(state, model, optimizer, scheduler, args):
-    """save_state's file put back into the model, optimizer, scheduler and random streams -> its run; a setting
-    other than the saved one is an error."""
+    """save_state's file put back -> its run; a setting other than the saved one is an error."""
     if missing := [k for k in new_run() if k not in state]:
         raise SystemExit(f"--resume: the state has no {missing[0]} (an older clip4idc's): start without --resume")
     for k, v in state.get("args", {}).items():
