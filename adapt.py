@@ -27,7 +27,8 @@ from train_utils import (GraphedStep, HelpFormatter, Progress, Settings, at_leas
                          setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
-# settings: a preset (complete, literal), the flags given over it, then what the weights, data and device decide
+# settings: a preset (literal; None: decided by the weights, data or device), the flags given over it; the flags
+# every stage shares (train_utils.run_flags: seed, warmup, clipping, ...) have one default for all
 
 SIZES = dict(image_size=None, vision_width=None, vision_layers=None, patch_size=None, text_width=None,
              text_layers=None, embed_dim=None)  # None: the CLIP file's own
@@ -171,8 +172,8 @@ class PairText(torch.nn.Module):
 
 @torch.no_grad()
 def fixed_intra(model, items, args, ctx, cache):
-    """Where nothing before the inter blocks trains (compare), the training pairs' intra-block tokens
-    (pairs, 2, n+1, width), computed once; else None."""
+    """Where nothing before the inter blocks trains (the compare preset), the training pairs' intra-block
+    tokens (pairs, 2, n+1, width), computed once; else None."""
     n_intra = model.cfg.vision_layers - model.cfg.n_inter
     if not (args.clip and args.freeze_blocks >= n_intra and args.swap_prob == 0 and model.cfg.n_inter):
         return None
@@ -196,8 +197,8 @@ def two_gpu_gradient_(model):
 
 
 def contrastive_loss(v, g, logit_scale):
-    """eq. (6)-(8): InfoNCE, pair -> text and text -> pair averaged, in fp32; g's rows B.. are hard
-    negatives (pretrain.py's), pair -> text only."""
+    """eq. (6)-(8): InfoNCE, pair -> text and text -> pair averaged, in fp32; the temperature clamped
+    at 0.01 (theirs after each step only: alike from ViT-B/32's). pretrain.py adds hard negatives as g's rows B.."""
     with torch.autocast(v.device.type, enabled=False):
         v, g = F.normalize(v.float(), dim=-1), F.normalize(g.float(), dim=-1)
         scale = logit_scale.float().clamp(max=math.log(100)).exp()  # the authors' clamp
@@ -243,7 +244,8 @@ def encode_split(model, items, args, ctx, cache=None):
 
 def retrieval_metrics(sim, owner):
     """sim (P, T), owner[t] caption t's pair, ranked as the authors' metrics.py: text -> pair among
-    the pairs, pair -> text among the caption sets (a set's best caption); ties pessimistic (theirs: arbitrary)."""
+    the pairs, pair -> text among the caption sets (a set's best caption); ties pessimistic (theirs: arbitrary); MdR
+    np.median's (pair -> text), torch's (text -> pair)."""
     P, T = sim.shape
     own = sim[owner, torch.arange(T)]  # (T,)
     t2p = (sim >= own[None, :]).sum(0)  # (T,)
@@ -351,7 +353,7 @@ def main(argv=None):
     log("   what trains:\n" + policy_table(model.named_parameters(), rule))
     theirs = args.optimizer == "bertadam"
     groups = param_groups(model.named_parameters(), rule, args.weight_decay, authors_decays(model) if theirs else None)
-    optimizer = make_optimizer(groups, ctx.device, args.cuda_graphs, args.optimizer, args.betas)
+    optimizer = make_optimizer(groups, ctx.device, args.optimizer, args.betas, capturable=args.cuda_graphs)
     total_steps = args.epochs * len(loader)
     scheduler = (authors_schedule if theirs else warmup_cosine)(optimizer, total_steps, args.warmup)
     # the temperature clamped after each step, as the authors' (main_task_retrieval.py 287-291)

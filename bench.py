@@ -159,7 +159,7 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
     net = torch.compile(PairText(model)) if compile else PairText(model)
     freeze(model.named_parameters(), lr_rule(args))
     groups = param_groups(model.named_parameters(), lr_rule(args), args.weight_decay, authors_decays(model))
-    optimizer = make_optimizer(groups, device, graphs, args.optimizer, args.betas)
+    optimizer = make_optimizer(groups, device, args.optimizer, args.betas, capturable=graphs)
     scheduler = authors_schedule(optimizer, 1000, args.warmup)
     params = [p for g in groups for p in g["params"]]
     ctx = SimpleNamespace(amp=amp, device=device)

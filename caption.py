@@ -32,22 +32,25 @@ from train_utils import (HelpFormatter, Progress, Settings, at_least, authors_de
                          setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
-# settings: a preset (complete, literal), the flags given over it, then what the weights, data and device decide
+# settings: a preset (literal; None: decided by the weights, data or device), the flags given over it; the flags
+# every stage shares (train_utils.run_flags: seed, warmup, clipping, ...) have one default for all
 
 PRESETS = {
     # the authors' (scripts/caption_clevr.sh; patience: main_task_caption.py 743-750); width None: CLIP's words'
     "paper": dict(captioner="authors", width=None, heads=None, enc_layers=3, dec_layers=3, mem_diff=None,
                   mem_pool=None, batch_size=16, lr=1e-4, encoder_lr=1e-7, freeze_encoder=False, epochs=50,
-                  reverse=False, optimizer="bertadam", betas=(0.9, 0.999), patience=11, tie_is_gain=True,
-                  pair_distractors=True),
+                  reverse=False, optimizer="bertadam", betas=(0.9, 0.999), weight_decay=0.01, dropout=0.1,
+                  patience=11, tie_is_gain=True, pair_distractors=True),
     # for a CPU, adapt.py's small encoders frozen; None: decided by the grid (mem_pool) or the data (reverse)
     "mini": dict(captioner="mini", width=128, heads=4, enc_layers=0, dec_layers=2, mem_diff=True, mem_pool=None,
                  batch_size=32, lr=1e-3, encoder_lr=0.0, freeze_encoder=True, epochs=15, reverse=None,
-                 optimizer="adamw", betas=(0.9, 0.98), patience=10, tie_is_gain=False, pair_distractors=False),
+                 optimizer="adamw", betas=(0.9, 0.98), weight_decay=0.01, dropout=0.1, patience=10, tie_is_gain=False,
+                 pair_distractors=False),
     # after adapt.py --preset compare: mini without after minus before (the inter blocks compare)
     "compare": dict(captioner="mini", width=128, heads=4, enc_layers=0, dec_layers=2, mem_diff=False, mem_pool=None,
                     batch_size=64, lr=1e-3, encoder_lr=0.0, freeze_encoder=True, epochs=30, reverse=None,
-                    optimizer="adamw", betas=(0.9, 0.98), patience=10, tie_is_gain=False, pair_distractors=False),
+                    optimizer="adamw", betas=(0.9, 0.98), weight_decay=0.01, dropout=0.1, patience=10,
+                    tie_is_gain=False, pair_distractors=False),
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)
@@ -80,7 +83,8 @@ def parser():
                    f"each memory token also gets after minus before {pre('mem_diff')}")
     p.add_argument("--mem-pool", type=at_least(1), default=None, help="the mini captioner: patch tokens averaged over "
                    "k x k cells [mini, compare: 2 on an even grid of 12x12 or more, else 1]")
-    p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=0.1, help="captioner dropout")
+    p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=None,
+                   help=f"captioner dropout {pre('dropout')}")
     # optimization
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
     p.add_argument("--batch-size", type=at_least(1), default=None, help="pairs per step (--pair-distractors: change "
@@ -90,7 +94,8 @@ def parser():
                    help=f"pair encoder's learning rate {pre('encoder_lr')}")
     p.add_argument("--freeze-encoder", action=argparse.BooleanOptionalAction, default=None,
                    help=f"the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
-    p.add_argument("--weight-decay", type=at_least(0.0, float), default=0.01, help="weight decay")
+    p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
+                   help=f"weight decay {pre('weight_decay')}")
     optimizer_flag(p, "linear", pre("optimizer"))
     p.add_argument("--pair-distractors", action=argparse.BooleanOptionalAction, default=None, help="CLEVR: each "
                    f"change pair with its distractor, two losses summed (the authors') {pre('pair_distractors')}")
@@ -253,7 +258,8 @@ class PairCaptioner(nn.Module):
         return self.captioner.pool(self.clip.visual.forward_pair(before, after, both_ways).tokens.float())
 
     def forward(self, ids, **inputs):
-        return self.captioner(self.memory(**inputs), ids)  # (B, T, vocab)
+        """Teacher forcing: ids (B, T) given the pair (before=, after= or tokens=) -> logits (B, T, vocab)."""
+        return self.captioner(self.memory(**inputs), ids)
 
     @torch.no_grad()
     def caption(self, beam=1, **inputs):
@@ -296,7 +302,7 @@ def load_captioner(path, device="cpu"):
         state, enc, dec = clip_load.authors_captioner(extra["decoder"], sd, path)
         width = clip.cfg.transformer_width
         captioner = Captioner(CaptionerConfig(clip.cfg.vocab_size, 2 * clip.visual.positional_embedding.shape[0],
-                                              width, max(1, width // 64), enc, dec), clip)
+                                              width, max(1, width // 64), enc, dec, MAX_LEN), clip)
         vocab = clip_load.bpe_tokens()
     else:
         state, cfg, vocab = extra["captioner"], extra["captioner_config"], extra["vocab"]
@@ -326,7 +332,8 @@ def read_ckpt_info(path):
 
 def lr_rule(args):
     """Parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py 640-667): the
-    captioner at --lr, the image tower but its input embeddings at --encoder-lr, the tied words on spot only."""
+    captioner at --lr, the image tower but its input embeddings at --encoder-lr, the tied words on spot only; the
+    text tower frozen (theirs trains, but gets no gradient)."""
     def lr(name):
         if name.startswith("captioner."):
             return args.lr
@@ -528,7 +535,7 @@ def main(argv=None):
     decays = authors_decays(model, bert="captioner") if theirs else None
     groups = param_groups(model.named_parameters(), rule, args.weight_decay, decays)
     params = [p for g in groups for p in g["params"]]
-    optimizer = make_optimizer(groups, ctx.device, rule=args.optimizer, betas=args.betas)
+    optimizer = make_optimizer(groups, ctx.device, args.optimizer, args.betas)
     describe(model, rule, params, args)
     train_loader, val_loader, test_loader = loaders(model, splits, caption_ids, args, ctx)
     total_steps = args.epochs * len(train_loader)

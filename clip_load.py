@@ -21,7 +21,7 @@ import regex as re
 import torch
 from PIL import Image
 
-from model import build_model, config_of
+from model import N_INTER, build_model, config_of
 
 # -----------------------------------------------------------------------------
 # weights
@@ -143,7 +143,7 @@ def read_state_dict(path):
 
 
 def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
-    """CLIP in fp32, eval mode. n_inter None: the file's, else 3."""
+    """CLIP in fp32, eval mode. n_inter None: the file's, else N_INTER."""
     path = resolve(path_or_name)
     return build_clip(*read_state_dict(path), path, n_inter).to(device).eval()
 
@@ -151,11 +151,11 @@ def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
 def clip_config(path_or_name):
     path = resolve(path_or_name)
     sd, extra = read_state_dict(path)
-    return config_of(sd, extra.get("config", {}).get("n_inter", 3))
+    return config_of(sd, extra.get("config", {}).get("n_inter", N_INTER))
 
 
 def build_clip(sd, extra, path, n_inter=None):
-    n_inter = extra.get("config", {}).get("n_inter", 3) if n_inter is None else n_inter
+    n_inter = extra.get("config", {}).get("n_inter", N_INTER) if n_inter is None else n_inter
     layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
     if not 0 <= n_inter <= layers:
         raise SystemExit(f"--n-inter {n_inter}: {path} has {layers} vision blocks")

@@ -83,13 +83,13 @@ def evaluate_captioner(args, info):
                               workers=args.workers, device=ctx.device)
     results = caption.final_test(model, loader, train_items, test_items, vocab, ctx, name, root, args.results,
                                  args.beam)
-    if info.get("authors") and isinstance(ctx.amp, torch.autocast):
-        fp32 = caption.predict(model, loader, test_items, vocab, setup(0, ctx.device, "off"), args.beam)
-        differ = sum(p["caption"] != fp32[p["id"]] for p in results["predictions"])
-        log(f"bf16 against fp32 (--amp off, the reference for their weights): {differ} of {len(fp32)} captions differ")
     if args.gallery:
         preds = {p["id"]: p["caption"] for p in results["predictions"]}
         plots.draw_gallery(args.gallery, test_items, preds, model, model.clip.cfg.image_resolution, ctx.device)
+    if info.get("authors") and isinstance(ctx.amp, torch.autocast):  # last: setup turns TF32 off for the process
+        fp32 = caption.predict(model, loader, test_items, vocab, setup(0, ctx.device, "off"), args.beam)
+        differ = sum(p["caption"] != fp32[p["id"]] for p in results["predictions"])
+        log(f"bf16 against fp32 (--amp off, the reference for their weights): {differ} of {len(fp32)} captions differ")
     return results
 
 

@@ -4,8 +4,8 @@ Parameter names are the keys of OpenAI's `ViT-B-32.pt` (it loads with `strict=Tr
 
 Pair encoder (paper Sec. 3.1, eq. 2-5): the first N_intra vision blocks see each image alone; the two token
 sequences then get a per-image embedding (e1, e2), a joint positional embedding p and a LayerNorm, and the last
-N_inter blocks attend across both images. Its tokens (B, 2(n+1), embed) feed the captioner; the mean of its two
-[CLS] tokens is the pair vector v used for retrieval.
+N_inter blocks attend across both images. Its tokens (B, 2(n+1), embed), each image's n patches and [CLS], feed the
+captioner; the mean of its two [CLS] tokens is the pair vector v used for retrieval.
 """
 import math
 from collections import OrderedDict
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 # building blocks (OpenAI's names: ln_1, attn.in_proj_weight, mlp.c_fc, ...)
 
 USE_SDPA = True  # False: the plain softmax below (tests, FLOP counts)
+N_INTER = 3  # the paper's 9 + 3: the inter blocks of a CLIP file that records none
 
 
 class LayerNorm(nn.LayerNorm):
@@ -108,7 +109,7 @@ class PairEncoding(NamedTuple):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, input_resolution, patch_size, width, layers, heads, output_dim, n_inter=3):
+    def __init__(self, input_resolution, patch_size, width, layers, heads, output_dim, n_inter=N_INTER):
         super().__init__()
         assert 0 <= n_inter <= layers, f"n_inter={n_inter} must be within 0..{layers} (the vision layers)"
         self.input_resolution, self.n_inter = input_resolution, n_inter
@@ -188,7 +189,7 @@ class CLIPConfig:
     transformer_width: int = 512
     transformer_heads: int = 8
     transformer_layers: int = 12
-    n_inter: int = 3  # CLIP4IDC: the last vision blocks that are inter blocks
+    n_inter: int = N_INTER  # CLIP4IDC: the last vision blocks that are inter blocks
 
 
 class CLIP(nn.Module):
@@ -270,7 +271,7 @@ def authors_fp16_(clip):
     return clip
 
 
-def config_of(sd, n_inter=3):
+def config_of(sd, n_inter=N_INTER):
     """The CLIPConfig of a state dict, read off its shapes (as openai/CLIP's `build_model`)."""
     vision_width, patch = sd["visual.conv1.weight"].shape[0], sd["visual.conv1.weight"].shape[-1]
     vision_layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
@@ -282,7 +283,7 @@ def config_of(sd, n_inter=3):
                       max(1, width // 64), layers, n_inter)
 
 
-def build_model(sd, n_inter=3):
+def build_model(sd, n_inter=N_INTER):
     """A CLIP of `sd`'s sizes; the pair parameters `sd` lacks added to it fresh, so a strict load checks the rest."""
     model = CLIP(config_of(sd, n_inter))
     sd.update({k: v for k, v in model.state_dict().items() if k in PAIR_KEYS and k not in sd})
@@ -479,7 +480,7 @@ class Captioner(nn.Module):
 class MiniCaptionerConfig:
     vocab_size: int = 100
     memory_dim: int = 128  # the pair encoder's embed_dim
-    memory_len: int = 74  # its 2(m+1) tokens, pooled
+    memory_len: int = 74  # its 2(m+1) tokens: m pooled patches per image
     width: int = 128
     heads: int = 4
     enc_layers: int = 0
@@ -491,7 +492,7 @@ class MiniCaptionerConfig:
 
 
 class PreLNBlock(nn.Module):
-    """Pre-LN x + dropout(f(LN(x))), BertLayer's sublayers."""
+    """Pre-LN x + dropout(f(LN(x))), BertLayer's sublayers (no dropout on the attention probabilities)."""
 
     def __init__(self, width, heads, dropout, cross=False):
         super().__init__()

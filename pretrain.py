@@ -461,7 +461,7 @@ def main(argv=None):
     rule = lambda name: None if name.startswith(PAIR_KEYS) else args.lr
     freeze(model.named_parameters(), rule)
     groups = param_groups(model.named_parameters(), rule, args.weight_decay)
-    optimizer = make_optimizer(groups, ctx.device)
+    optimizer = make_optimizer(groups, ctx.device, "adamw", (0.9, 0.98))
     total = max(1, args.samples // args.batch_size)
     scheduler = warmup_cosine(optimizer, total, args.warmup)
     ds = Descriptions(train, cache, args.negatives, args.context_length, args.patch_size, args.seed,

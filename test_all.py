@@ -3668,11 +3668,11 @@ def _steps(graphed, n=5, rule_name="adamw", rates=None):
     train_utils.freeze(model.named_parameters(), rule)
     if rule_name == "bertadam":
         groups = train_utils.param_groups(model.named_parameters(), rule, 0.2, train_utils.authors_decays(model))
-        optimizer = train_utils.make_optimizer(groups, "cpu", rule="bertadam")
+        optimizer = train_utils.make_optimizer(groups, "cpu", "bertadam", (0.9, 0.98))
         scheduler = train_utils.authors_schedule(optimizer, n + 2, 0.3)
     else:
         groups = train_utils.param_groups(model.named_parameters(), rule, 0.2)
-        optimizer = train_utils.make_optimizer(groups, "cpu", capturable=graphed)
+        optimizer = train_utils.make_optimizer(groups, "cpu", "adamw", (0.9, 0.98), capturable=graphed)
         scheduler = train_utils.warmup_cosine(optimizer, n + 2, 0.3)
     if rates is not None:
         optimizer.register_step_pre_hook(lambda opt, *_: rates.append(
@@ -3784,7 +3784,7 @@ def test_cuda_graphs_flag_trains_as_eager(optimizer, adapt_synth, tmp_path, monk
 
 def test_train_epoch_stops_on_nan():
     model = torch.nn.Linear(2, 1)
-    opt = train_utils.make_optimizer([{"params": list(model.parameters()), "lr": 0.1}], "cpu")
+    opt = train_utils.make_optimizer([{"params": list(model.parameters()), "lr": 0.1}], "cpu", "adamw", (0.9, 0.98))
     sched = train_utils.warmup_cosine(opt, 10)
     ctx = train_utils.setup(0, "cpu")
     batches = [{"x": torch.ones(4, 2)}] * 3 + [{"x": torch.full((4, 2), float("nan"))}] + [{"x": torch.ones(4, 2)}] * 3

@@ -283,7 +283,7 @@ def authors_decays(model, bert=None):
 
 class BertAdam(torch.optim.Optimizer):
     """The authors' BertAdam (optimization.py 110-167): Adam without bias correction, decoupled decay,
-    moments in the weights' dtype."""
+    moments in the weights' dtype (their per-tensor clip after a global one: a no-op)."""
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):  # their defaults
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -307,8 +307,8 @@ class BertAdam(torch.optim.Optimizer):
                 p.add_(update * -lr if torch.is_tensor(lr) else -(lr * update))
 
 
-def make_optimizer(groups, device, capturable=False, rule="adamw", betas=(0.9, 0.98)):
-    """BertAdam, or AdamW (fused on CUDA; capturable: in a CUDA graph)."""
+def make_optimizer(groups, device, rule, betas, capturable=False):
+    """BertAdam, or AdamW (fused on CUDA; capturable: in a CUDA graph); eps 1e-6, the authors'."""
     if rule == "bertadam":
         return BertAdam(groups, lr=groups[0]["lr"], betas=betas, eps=1e-6)
     fused = capturable or torch.device(device).type == "cuda"
