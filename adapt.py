@@ -33,8 +33,8 @@ from train_utils import (GraphedStep, HelpFormatter, Progress, Settings, at_leas
 SIZES = dict(image_size=None, vision_width=None, vision_layers=None, patch_size=None, text_width=None,
              text_layers=None, embed_dim=None)  # None: the CLIP file's own
 PRESETS = {
-    # the authors' (main_task_retrieval.py, scripts/retrieve_clevr.sh)
-    "paper": dict(clip="ViT-B/32", n_inter=3, **SIZES, batch_size=128, epochs=12, lr_new=1e-4, lr_clip=1e-7,
+    # the authors' (main_task_retrieval.py, scripts/retrieve_clevr.sh); epochs None: 12, on spot 20 (retrieve_spot.sh)
+    "paper": dict(clip="ViT-B/32", n_inter=3, **SIZES, batch_size=128, epochs=None, lr_new=1e-4, lr_clip=1e-7,
                   weight_decay=0.2, optimizer="bertadam", betas=(0.9, 0.98), select="text->pair R@1",
                   tie_is_gain=True, workers=8, draw_captions=False, swap_prob=None, shared_p=0.0, freeze_blocks=0,
                   cuda_graphs=None),
@@ -81,8 +81,8 @@ def parser():
         p.add_argument(f"--{name}", type=at_least(1), default=None, help="model size, without a CLIP file "
                        f"{pre(name.replace('-', '_'))}")
     # optimization
-    p.add_argument("--epochs", type=at_least(1), default=None, help=f"training epochs {pre('epochs')} (paper on "
-                   "spot: 20)")
+    p.add_argument("--epochs", type=at_least(1), default=None, help=f"training epochs {pre('epochs')} (paper: 12, on "
+                   "spot 20)")
     p.add_argument("--batch-size", type=at_least(1), default=None, help="samples per step: pairs, or captions "
                    f"without --draw-captions {pre('batch_size')}")
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None, help=f"lr of e1, e2, p, ln_mid {pre('lr_new')}")
@@ -112,8 +112,6 @@ def settings(argv=None):
                               "paper" if data.is_real(flags.data, flags.data_root) else "mini")
     bad = lambda flag, why: p.error(f"argument {flag}: {why}")
     s = over_preset(flags, given, PRESETS, preset, bad)
-    if preset == "paper" and flags.data == "spot" and "epochs" not in given:
-        s["epochs"] = 20  # retrieve_spot.sh
     if "swap_prob" in given and flags.data != "clevr":
         bad("--swap-prob", f"only CLEVR-Change has images to swap in, not {flags.data}")
     if "shared_p" in given and s["n_inter"] == 0:
@@ -136,6 +134,8 @@ def settings(argv=None):
     root = data.resolve_root(flags.data, flags.data_root)  # the synthetic set rendered on first use
     if s["swap_prob"] is None:  # off on the synthetic set, whose distractors move the camera more
         s["swap_prob"] = 0.5 if flags.data == "clevr" and data.is_real("clevr", root) else 0.0
+    if s["epochs"] is None:
+        s["epochs"] = 20 if flags.data == "spot" else 12
     s.update(data_root=str(root), device=pick_device(s["device"]))
     if s["cuda_graphs"] is None:
         s["cuda_graphs"] = preset == "paper" and s["device"] != "cpu" and not (s["compile"] or s["authors_numerics"])
