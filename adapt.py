@@ -21,14 +21,14 @@ import data
 import plots
 from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, authors_fp16_, share_joint_positions_
 from train_utils import (GraphedStep, HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule,
-                         check_resume, check_sizes, end_epoch, freeze, given_flags, image_cache_flag, interrupted,
-                         load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset, param_groups,
-                         pick_device, policy_table, preset_values, resume_run, run_flags, save_atomic, save_state,
-                         setup, train_epoch, warmup_cosine, where)
+                         check_resume, check_sizes, concrete_amp, end_epoch, freeze, given_flags, image_cache_flag,
+                         interrupted, load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset,
+                         param_groups, pick_device, policy_table, preset_values, resume_run, run_flags, save_atomic,
+                         save_state, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # settings: a preset (literal; None: decided by the weights, data or device), the flags given over it; the flags
-# every stage shares (train_utils.run_flags: seed, warmup, clipping, ...) have one default for all
+# every stage shares (train_utils.run_flags: seed, warmup, clipping, ...) have defaults of their own, not a preset's
 
 SIZES = dict(image_size=None, vision_width=None, vision_layers=None, patch_size=None, text_width=None,
              text_layers=None, embed_dim=None)  # None: the CLIP file's own
@@ -137,6 +137,7 @@ def settings(argv=None):
     if s["epochs"] is None:
         s["epochs"] = 20 if flags.data == "spot" else 12
     s.update(data_root=str(root), device=pick_device(s["device"]))
+    s["amp"] = concrete_amp(s["amp"], s["device"])
     if s["cuda_graphs"] is None:
         s["cuda_graphs"] = preset == "paper" and s["device"] != "cpu" and not (s["compile"] or s["authors_numerics"])
     return Settings(**s)
@@ -201,7 +202,7 @@ def contrastive_loss(v, g, logit_scale):
     at 0.01 (theirs after each step only: alike from ViT-B/32's). pretrain.py adds hard negatives as g's rows B.."""
     with torch.autocast(v.device.type, enabled=False):
         v, g = F.normalize(v.float(), dim=-1), F.normalize(g.float(), dim=-1)
-        scale = logit_scale.float().clamp(max=math.log(100)).exp()  # the authors' clamp
+        scale = logit_scale.float().clamp(max=math.log(100)).exp()
         logits = scale * v @ g.t()
         labels = torch.arange(len(v), device=v.device)
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits[:, :len(v)].t(), labels)) / 2

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from model import CLIP, CLIPConfig, Captioner, CaptionerConfig, MiniCaptioner, MiniCaptionerConfig
+from model import CLIP, CLIPConfig, Captioner, CaptionerConfig, MiniCaptioner, MiniCaptionerConfig, generate
 from train_utils import (BertAdam, GraphedStep, HelpFormatter, at_least, authors_decays, authors_schedule,
                          device_arg, freeze, make_optimizer, matmul_gflops, param_groups, setup, where)
 
@@ -65,7 +65,7 @@ def bench_decode(args):
         memory = torch.randn(args.batch, cfg.memory_len, getattr(cfg, "memory_dim", cfg.width), device=device)
         label = f"{name}: {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide, {cfg.vocab_size} words"
         with amp:  # eos = -1: never stops early, every caption takes max_len steps
-            results = {c: timed(lambda: model.generate(memory, bos=1, eos=-1, use_kv_cache=c), device, args.repeats)
+            results = {c: timed(lambda: generate(model, memory, bos=1, eos=-1, use_kv_cache=c), device, args.repeats)
                        for c in (True, False)}
         for use_kv_cache in (True, False):
             seconds = results[use_kv_cache][0]
@@ -76,7 +76,7 @@ def bench_decode(args):
         note = ""
         if device.type == "cuda":  # bf16 rounds the two paths' sums differently: random logits are near ties
             torch.backends.cuda.matmul.allow_tf32 = False
-            ids = [model.generate(memory, bos=1, eos=-1, use_kv_cache=c) for c in (True, False)]
+            ids = [generate(model, memory, bos=1, eos=-1, use_kv_cache=c) for c in (True, False)]
             torch.backends.cuda.matmul.allow_tf32 = True
             note = f" (bf16); in fp32: {torch.equal(*ids)}"
         print(f"{'':<44} identical ids with and without the cache: {same}{note}")

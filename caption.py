@@ -24,16 +24,16 @@ import metrics
 import plots
 import synth
 from model import (INPUT_EMBEDDINGS, Captioner, CaptionerConfig, MiniCaptioner, MiniCaptionerConfig,
-                   authors_fp16_)
+                   authors_fp16_, beam_search, generate)
 from train_utils import (HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule, check_resume,
-                         end_epoch, flag_error, fmt_time, freeze, given_flags, image_cache_flag, interrupted,
-                         load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset, param_groups,
-                         pick_device, policy_table, preset_values, resume_run, run_flags, save_atomic, save_state,
-                         setup, train_epoch, warmup_cosine, where)
+                         concrete_amp, end_epoch, flag_error, fmt_time, freeze, given_flags, image_cache_flag,
+                         interrupted, load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset,
+                         param_groups, pick_device, policy_table, preset_values, resume_run, run_flags, save_atomic,
+                         save_state, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
 # settings: a preset (literal; None: decided by the weights, data or device), the flags given over it; the flags
-# every stage shares (train_utils.run_flags: seed, warmup, clipping, ...) have one default for all
+# every stage shares (train_utils.run_flags: seed, warmup, clipping, ...) have defaults of their own, not a preset's
 
 PRESETS = {
     # the authors' (scripts/caption_clevr.sh; patience: main_task_caption.py 743-750); width None: CLIP's words'
@@ -53,7 +53,7 @@ PRESETS = {
                     tie_is_gain=False, pair_distractors=False),
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-PAD, BOS, EOS, UNK = range(4)
+PAD, BOS, EOS, UNK = range(4)  # the mini's words; CLIP's BPE pads with 0 too (its "!")
 MAX_LEN = 32  # a caption's most tokens, the end included (the authors' --max_words)
 CHANGE_TYPES = ("color", "material", "move", "add", "drop", "distractor")
 FORMAT = 3  # captioner.pt's layout
@@ -171,6 +171,7 @@ def settings(argv=None):
             bad("--pair-distractors", f"only CLEVR-Change has distractor pairs, not {name}")
         s["pair_distractors"] = False
     s.update(data=name, data_root=str(root), device=pick_device(s["device"]), adapted=info.get("stage") == "adapt")
+    s["amp"] = concrete_amp(s["amp"], s["device"])
     return Settings(**s)
 
 
@@ -266,8 +267,8 @@ class PairCaptioner(nn.Module):
         mem = self.memory(**inputs)
         start, end = (clip_load.SOT, clip_load.EOT) if isinstance(self.captioner, Captioner) else (BOS, EOS)
         if beam > 1:
-            return self.captioner.beam_search(mem, start, end, beam)
-        return self.captioner.generate(mem, start, end)
+            return beam_search(self.captioner, mem, start, end, beam)
+        return generate(self.captioner, mem, start, end)
 
 
 def model_inputs(batch, device, frozen):
@@ -339,6 +340,7 @@ def lr_rule(args):
             return args.lr
         if args.freeze_encoder:
             return None
+        # the captioner's tied words go by their clip.* name (clip comes first in PairCaptioner)
         if name == "clip.token_embedding.weight" and args.captioner == "authors" and args.data == "spot":
             return args.encoder_lr
         inside = name[len("clip."):]
@@ -475,6 +477,7 @@ def loaders(model, splits, caption_ids, args, ctx):
             loader = loader_for(data.ImageDataset(items[:n], size, cache), args, ctx)
             feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
         log(f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
+    # a caption drawn per pair and epoch, no image swapped: the authors' stage 2
     train_set = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=caption_ids, draw=True,
                                     features=feats.get("train"))
     train = (data.make_loader(train_set, args.batch_size, True, args.workers, ctx.device, seed=args.seed,

@@ -340,20 +340,20 @@ def init_weights_(module):
             nn.init.zeros_(m.bias)
 
 
-# decoding: methods of both captioners below
+# decoding, for either captioner below (through its encode and decode)
 
 
 @torch.no_grad()
-def generate(self, memory, bos, eos, max_len=None, use_kv_cache=True):
+def generate(captioner, memory, bos, eos, max_len=None, use_kv_cache=True):
     """Greedy decoding -> ids (B, <= max_len), 0 after <eos>; without the cache, the whole prefix each step."""
-    max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
-    mem = self.encode(memory)
+    max_len = min(max_len or captioner.cfg.max_len, captioner.cfg.max_len)
+    mem = captioner.encode(memory)
     out = torch.full((len(memory), 1), bos, dtype=torch.long, device=memory.device)
-    kv_caches = [{} for _ in self.decoder] if use_kv_cache else None
+    kv_caches = [{} for _ in captioner.decoder] if use_kv_cache else None
     done = torch.zeros(len(memory), dtype=torch.bool, device=memory.device)
     for t in range(max_len):
         step, start = (out[:, -1:], t) if use_kv_cache else (out, 0)
-        nxt = self.decode(step, mem, kv_caches, start)[:, -1].argmax(-1).masked_fill(done, 0)  # (B,)
+        nxt = captioner.decode(step, mem, kv_caches, start)[:, -1].argmax(-1).masked_fill(done, 0)  # (B,)
         out = torch.cat([out, nxt[:, None]], dim=1)
         done |= nxt == eos
         if done.all():
@@ -362,18 +362,18 @@ def generate(self, memory, bos, eos, max_len=None, use_kv_cache=True):
 
 
 @torch.no_grad()
-def beam_search(self, memory, bos, eos, beam=3, max_len=None):
+def beam_search(captioner, memory, bos, eos, beam=3, max_len=None):
     """Beam search; the best beam by log-probability per token."""
-    max_len = min(max_len or self.cfg.max_len, self.cfg.max_len)
-    mem = [m.repeat_interleave(beam, dim=0) for m in self.encode(memory)]  # each (B*K, M, width)
+    max_len = min(max_len or captioner.cfg.max_len, captioner.cfg.max_len)
+    mem = [m.repeat_interleave(beam, dim=0) for m in captioner.encode(memory)]  # each (B*K, M, width)
     B, K, dev = memory.shape[0], beam, memory.device
     out = torch.full((B * K, 1), bos, dtype=torch.long, device=dev)
     scores = torch.full((B, K), float("-inf"), device=dev)
     scores[:, 0] = 0  # one beam at first, so the first step gives K different words
     done, lengths = torch.zeros(B * K, dtype=torch.bool, device=dev), torch.zeros(B * K, device=dev)
-    kv_caches = [{} for _ in self.decoder]
+    kv_caches = [{} for _ in captioner.decoder]
     for t in range(max_len):
-        logp = self.decode(out[:, -1:], mem, kv_caches, start=t)[:, -1].float().log_softmax(-1)  # (B*K, V)
+        logp = captioner.decode(out[:, -1:], mem, kv_caches, start=t)[:, -1].float().log_softmax(-1)  # (B*K, V)
         V = logp.shape[-1]
         logp[done] = float("-inf")
         logp[done, 0] = 0  # a finished beam continues with padding at no cost
@@ -469,7 +469,6 @@ class Captioner(nn.Module):
     def pool(self, memory):
         return memory  # the authors' read every token
 
-    generate, beam_search = generate, beam_search
 
 
 # The mini presets' captioner: pre-LN, its own words, each memory token projected, placed, marked with its image and
@@ -565,4 +564,3 @@ class MiniCaptioner(nn.Module):
     def forward(self, memory, tokens):
         return self.decode(tokens, self.encode(memory))
 
-    generate, beam_search = generate, beam_search

@@ -566,7 +566,7 @@ def test_kv_cache_equals_no_kv_cache(kind):
     cap = new_captioner(kind, 64, vocab_size=50, memory_len=10, width=64, heads=4, enc_layers=2, dec_layers=2,
                         max_len=12).eval()
     memory = torch.randn(16, 10, 64)
-    cached, full = cap.generate(memory, 1, 2, use_kv_cache=True), cap.generate(memory, 1, 2, use_kv_cache=False)
+    cached, full = M.generate(cap, memory, 1, 2, use_kv_cache=True), M.generate(cap, memory, 1, 2, use_kv_cache=False)
     assert torch.equal(cached, full)
     # the cached step's logits are the full prefix's last-position logits
     kv_caches, mem = [{} for _ in cap.decoder], cap.encode(memory)
@@ -576,11 +576,11 @@ def test_kv_cache_equals_no_kv_cache(kind):
     torch.testing.assert_close(torch.stack(steps, 1), cap.decode(prefix, mem), atol=1e-5, rtol=1e-5)
     try:  # the plain softmax attention path decodes the same
         model.USE_SDPA = False
-        assert torch.equal(cap.generate(memory, 1, 2), cached)
+        assert torch.equal(M.generate(cap, memory, 1, 2), cached)
     finally:
         model.USE_SDPA = True
-    assert torch.equal(cap.beam_search(memory, 1, 2, beam=1), cached)  # a beam of one is greedy
-    assert cap.beam_search(memory, 1, 2, beam=3).shape[0] == 16
+    assert torch.equal(M.beam_search(cap, memory, 1, 2, beam=1), cached)  # a beam of one is greedy
+    assert M.beam_search(cap, memory, 1, 2, beam=3).shape[0] == 16
     # several new positions after a cached prefix (queries aligned at the end of the keys), in both attention paths
     for sdpa in (True, False):
         model.USE_SDPA = sdpa
@@ -682,12 +682,12 @@ def test_greedy_decoding_equals_the_plain_loop():
         lengths |= {len(c) for c in want}
         width = max(len(c) for c in want)
         for use_kv_cache in (True, False):
-            assert torch.equal(cap.generate(memory, BOS, EOS, use_kv_cache=use_kv_cache), padded(want, width))
-        assert torch.equal(cap.generate(memory, BOS, EOS, max_len=2), padded([c[:2] for c in want], 2))
+            assert torch.equal(M.generate(cap, memory, BOS, EOS, use_kv_cache=use_kv_cache), padded(want, width))
+        assert torch.equal(M.generate(cap, memory, BOS, EOS, max_len=2), padded([c[:2] for c in want], 2))
         ended = [i for i, c in enumerate(want) if c[-1] == EOS]  # all end early: so does decoding, no padding
         if ended:
             width = max(len(want[i]) for i in ended)
-            assert torch.equal(cap.generate(memory[ended], BOS, EOS), padded([want[i] for i in ended], width))
+            assert torch.equal(M.generate(cap, memory[ended], BOS, EOS), padded([want[i] for i in ended], width))
     assert {1, 5} <= lengths
 
 
@@ -701,7 +701,7 @@ def test_beam_search_equals_the_textbook_one_and_exhaustive_search():
         cap, memory = sharp_captioner(seed)
         for k in (2, 3, 4):
             want = [beam_reference(cap, m, k)[0] for m in memory]
-            got = cap.beam_search(memory, BOS, EOS, beam=k)
+            got = M.beam_search(cap, memory, BOS, EOS, beam=k)
             assert torch.equal(got, padded(want, got.shape[1])), (seed, k)
             assert torch.equal(caption.PairCaptioner(None, cap).caption(k, tokens=memory), got)  # what caption.py calls
             differs += sum(w != greedy_reference(cap, m) for w, m in zip(want, memory))
@@ -709,7 +709,7 @@ def test_beam_search_equals_the_textbook_one_and_exhaustive_search():
     cap, memory = sharp_captioner(0, max_len=3)
     best = [exhaustive_best(cap, m) for m in memory]
     assert {len(c) for c, _ in best} == {1, 3}  # a caption finished at once beats the longer ones, or not
-    got = cap.beam_search(memory, BOS, EOS, beam=6 ** 3)
+    got = M.beam_search(cap, memory, BOS, EOS, beam=6 ** 3)
     assert torch.equal(got, padded([c for c, _ in best], got.shape[1]))
     per_token = lambda m, c: sum(float(step_logp(cap, m, c[:i])[w]) for i, w in enumerate(c)) / len(c)
     for m, (c, score) in zip(memory, best):
@@ -3633,6 +3633,13 @@ def test_resume_refuses_other_settings():
         train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=2e-3, workers=0))
     run = train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=1e-3, workers=4))
     assert run == train_utils.new_run()
+    # --amp auto is saved as what it ran: a CPU run resumed on a GPU is refused, not switched to bf16 midway
+    amp = lambda device: train_utils.concrete_amp("auto", device)
+    assert (amp("cpu"), amp("cuda:0"), train_utils.concrete_amp("bf16", "cpu")) == ("off", "bf16", "bf16")
+    saved["args"] = {"lr_new": 1e-3, "amp": amp("cpu"), "device": "cpu"}
+    with pytest.raises(SystemExit, match="the run was set amp='off', this command amp='bf16'"):
+        train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=1e-3, amp=amp("cuda:0"),
+                                                                              device="cuda:0"))
 
 
 def test_warmup_cosine_is_the_mini_presets_schedule():
@@ -4365,7 +4372,7 @@ def test_cuda_greedy_decoding_with_and_without_the_cache(gpu, fp32_matmuls):
         want = [greedy_reference(cap, m) for m in memory]
         width = max(len(c) for c in want)
         for use_kv_cache in (True, False):
-            assert torch.equal(cap.generate(memory, BOS, EOS, use_kv_cache=use_kv_cache).cpu(), padded(want, width))
+            assert torch.equal(M.generate(cap, memory, BOS, EOS, use_kv_cache=use_kv_cache).cpu(), padded(want, width))
 
 
 @pytest.mark.cuda

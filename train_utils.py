@@ -142,6 +142,11 @@ def pick_device(device=None):
     return f"cuda:{d.index or 0}" if d.type == "cuda" else "cpu"
 
 
+def concrete_amp(amp, device):
+    """--amp auto as it runs: bf16 on CUDA, off on a CPU (so --resume on the other kind of device is refused)."""
+    return ("bf16" if device.startswith("cuda") else "off") if amp == "auto" else amp
+
+
 def check_sizes(parser, image_size, patch_size, widths):
     """A model from flags: whole patches, widths ({flag: width}) that split into width // 64 heads."""
     if image_size % patch_size:
