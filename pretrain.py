@@ -35,9 +35,9 @@ import clip_load
 import data
 import synth
 from model import CLIP, PAIR_KEYS, CLIPConfig
-from train_utils import (HelpFormatter, Progress, Settings, at_least, check_resume, check_sizes, end_epoch, fmt_time,
-                         freeze, given_flags, last_path, load_resume, log, make_optimizer, new_run, param_groups,
-                         pick_device, resume_run, run_flags, save_atomic, save_state, setup, train_epoch,
+from train_utils import (HelpFormatter, Progress, Settings, at_least, check_resume, check_sizes, concrete_amp,
+                         end_epoch, fmt_time, freeze, given_flags, last_path, load_resume, log, make_optimizer, new_run,
+                         param_groups, pick_device, resume_run, run_flags, save_atomic, save_state, setup, train_epoch,
                          warmup_cosine, where)
 
 ROOT = "data/clevr_pretrain"
@@ -120,6 +120,7 @@ def get_args(argv=None):
         cfg = clip_load.clip_config(args.ckpt or args.out)
         s.update(image_size=cfg.image_resolution, context_length=cfg.context_length)
     s["device"] = pick_device(args.device)
+    s["amp"] = concrete_amp(args.amp, s["device"])
     return Settings(**s)
 
 

@@ -3640,6 +3640,10 @@ def test_resume_refuses_other_settings():
     with pytest.raises(SystemExit, match="the run was set amp='off', this command amp='bf16'"):
         train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=1e-3, amp=amp("cuda:0"),
                                                                               device="cuda:0"))
+    saved["args"]["amp"] = "auto"  # a state saved before the settings resolved auto: what it ran on its device
+    train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=1e-3, amp="off", device="cpu"))
+    with pytest.raises(SystemExit, match="amp='off', this command amp='bf16'"):
+        train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=1e-3, amp="bf16", device="cuda:0"))
 
 
 def test_warmup_cosine_is_the_mini_presets_schedule():

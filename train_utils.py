@@ -129,7 +129,7 @@ def over_preset(flags, given, presets, preset, bad):
     s = {**vars(flags), **presets[preset], **{k: getattr(flags, k) for k in given}, "preset": preset}
     if s["authors_numerics"]:
         if s["optimizer"] != "bertadam":
-            bad("--authors-numerics", f"their fp16 state is BertAdam's: give --optimizer bertadam")
+            bad("--authors-numerics", "their fp16 state is BertAdam's: give --optimizer bertadam")
         if "amp" in given:
             bad("--amp", "--authors-numerics runs their fp16, without autocast: leave --amp out")
         s["amp"] = "off"
@@ -486,7 +486,10 @@ def resume_run(state, model, optimizer, scheduler, args):
     """save_state's file put back -> its run; a setting other than the saved one is an error."""
     if missing := [k for k in new_run() if k not in state]:
         raise SystemExit(f"--resume: the state has no {missing[0]} (an older clip4idc's): start without --resume")
-    for k, v in state.get("args", {}).items():
+    saved = dict(state.get("args", {}))
+    if saved.get("amp") == "auto":  # saved before the settings said what auto runs: what it ran there
+        saved["amp"] = concrete_amp("auto", saved.get("device") or "cpu")
+    for k, v in saved.items():
         if k not in RESUMABLE and vars(args).get(k, v) != v:
             raise SystemExit(f"--resume: the run was set {k}={v!r}, this command {k}={getattr(args, k)!r}: give the "
                              f"run's flags")
