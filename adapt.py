@@ -58,7 +58,8 @@ def parser():
     pre = preset_values(PRESETS)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     # data
-    p.add_argument("--data", default="clevr", choices=["clevr", "spot", "ier", "levir"], help="dataset")
+    p.add_argument("--data", default="clevr", choices=list(data.ROOTS), help="dataset (pairs: your own, README "
+                   "'Your own image pairs')")
     p.add_argument("--data-root", help="dataset directory (default data/<name>; clevr: a synthetic set when absent)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
     p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None, help="CLEVR: chance of the "
@@ -70,9 +71,12 @@ def parser():
     # model
     p.add_argument("--preset", default=None, choices=list(PRESETS), help="default: mini for a shipped --clip, paper "
                    "for another; without --clip, paper on a real dataset, else mini")
-    p.add_argument("--clip", type=clip_load.weights_arg, default=None, help="CLIP weights: a path, ViT-B/32 "
-                   f"(downloaded) or a shipped {' or '.join(clip_load.SHIPPED)} {pre('clip')}")
-    p.add_argument("--n-inter", type=at_least(0), default=None, help=f"inter blocks (the rest intra) {pre('n_inter')}")
+    p.add_argument("--clip", type=clip_load.weights_arg, default=None, help="CLIP weights: a file, a Hugging Face "
+                   f"folder, one of OpenAI's {', '.join(clip_load.MODELS)} (downloaded) or a shipped "
+                   f"{' or '.join(clip_load.SHIPPED)} {pre('clip')}")
+    clip_load.activation_flag(p)
+    p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks, the last of the image tower (the "
+                   f"rest intra; ViT-L/14: 21 + 3, where the authors' code fixes 9 + 15) {pre('n_inter')}")
     p.add_argument("--context-length", type=at_least(2), default=32, help="caption tokens incl. start/end")
     p.add_argument("--shared-p", type=at_least(0.0, float), default=None, help="not the paper's: p alike in both "
                    f"images, codes of this norm; 0: the authors' random p {pre('shared_p')}")
@@ -122,13 +126,14 @@ def settings(argv=None):
             bad("--clip", "the scratch preset trains a model from nothing: give --preset mini or paper")
         if given_sizes := sorted(given & SIZES.keys()):
             bad("--" + given_sizes[0].replace("_", "-"), f"{s['clip']} has its own sizes: leave it out")
-        cfg = clip_load.clip_config(s["clip"])  # downloaded if need be
-        s.update(image_size=cfg.image_resolution, vision_width=cfg.vision_width, vision_layers=cfg.vision_layers,
-                 patch_size=cfg.vision_patch_size, text_width=cfg.transformer_width,
+        cfg = clip_load.clip_config(s["clip"], flags.activation)  # downloaded if need be
+        s.update(activation=cfg.activation, image_size=cfg.image_resolution, vision_width=cfg.vision_width,
+                 vision_layers=cfg.vision_layers, patch_size=cfg.vision_patch_size, text_width=cfg.transformer_width,
                  text_layers=cfg.transformer_layers, embed_dim=cfg.embed_dim)
     else:
         check_sizes(p, s["image_size"], s["patch_size"], {"--vision-width": s["vision_width"],
                                                           "--text-width": s["text_width"]})
+        s["activation"] = s["activation"] or "quick_gelu"
     if s["n_inter"] > s["vision_layers"]:
         bad("--n-inter", f"the image tower has {s['vision_layers']} blocks")
     root = data.resolve_root(flags.data, flags.data_root)  # the synthetic set rendered on first use
@@ -149,10 +154,10 @@ def settings(argv=None):
 
 def new_model(args):
     """CLIP from a file, or from nothing, with fresh pair parameters."""
-    clip = clip_load.load_clip(args.clip, n_inter=args.n_inter) if args.clip else CLIP(CLIPConfig(
-        args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size, args.context_length,
-        transformer_width=args.text_width, transformer_layers=args.text_layers,
-        transformer_heads=max(1, args.text_width // 64), n_inter=args.n_inter))
+    clip = clip_load.load_clip(args.clip, n_inter=args.n_inter, activation=args.activation) if args.clip else CLIP(
+        CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size,
+                   args.context_length, transformer_width=args.text_width, transformer_layers=args.text_layers,
+                   transformer_heads=max(1, args.text_width // 64), n_inter=args.n_inter, activation=args.activation))
     if args.shared_p and args.n_inter:
         share_joint_positions_(clip.visual, args.shared_p)
     return clip

@@ -62,8 +62,9 @@ FORMAT = 3  # captioner.pt's layout
 def parser():
     pre = preset_values(PRESETS)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--ckpt", default="adapted.pt", help="adapted.pt, or a CLIP ('ViT-B/32', 'mini12-synth', a file): "
-                   "the no-adaptation ablation")
+    p.add_argument("--ckpt", default="adapted.pt", help="adapted.pt, or a CLIP (as adapt.py's --clip): the "
+                   "no-adaptation ablation")
+    clip_load.activation_flag(p)
     p.add_argument("--out", default="captioner.pt", help="the best captioner (resumable state: *.last.pt)")
     p.add_argument("--preset", choices=list(PRESETS), default=None, help="default: --ckpt's adaptation preset "
                    "(scratch: mini); a CLIP: mini if shipped, else paper")
@@ -108,8 +109,8 @@ def parser():
 
 def test_flags(p):
     """The data flags of caption.py and evaluate.py, alike."""
-    p.add_argument("--data", choices=["clevr", "spot", "ier", "levir"], default=None,
-                   help="dataset (default: the checkpoint's, else clevr)")
+    p.add_argument("--data", choices=list(data.ROOTS), default=None,
+                   help="dataset (default: the checkpoint's, else clevr; pairs: README 'Your own image pairs')")
     p.add_argument("--data-root", default=None, help="dataset directory (default: the checkpoint's)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
     p.add_argument("--results", default="captions.json", help="test scores, baseline and predictions (JSON)")
@@ -123,7 +124,7 @@ def settings(argv=None):
     p = parser()
     flags, given = p.parse_args(argv), given_flags(p, argv)
     bad = lambda flag, why: p.error(f"argument {flag}: {why}")
-    if not os.path.isfile(flags.ckpt) and flags.ckpt not in clip_load.MODELS and flags.ckpt not in clip_load.SHIPPED:
+    if not os.path.exists(flags.ckpt) and flags.ckpt not in clip_load.MODELS and flags.ckpt not in clip_load.SHIPPED:
         bad("--ckpt", f"no file at {flags.ckpt}: run `python adapt.py` first (it writes adapted.pt)")
     info = {} if flags.ckpt in clip_load.MODELS else read_ckpt_info(flags.ckpt)
     if info.get("stage") == "caption":
@@ -142,7 +143,8 @@ def settings(argv=None):
     check_resume(p, s["resume"], s["out"])
 
     # the encoder decides
-    clip = clip_load.clip_config(flags.ckpt)
+    clip = clip_load.clip_config(flags.ckpt, flags.activation)
+    s["activation"] = clip.activation
     s["n_inter"] = clip.n_inter if flags.n_inter is None else flags.n_inter
     if s["n_inter"] > clip.vision_layers:
         bad("--n-inter", f"{flags.ckpt} has {clip.vision_layers} vision blocks")
@@ -391,6 +393,8 @@ def final_test(model, loader, train_items, items, vocab, ctx, name, root, result
     scores, by_type = score(items, preds, by_type=name == "clevr")
     seconds = time.time() - t0
     scenes = synth.read_scenes(root) if name == "clevr" else None  # what really changed
+    if name == "pairs":
+        log("read-back skipped: your own pairs have no scene records to check the captions against")
     explained = bool(scenes) and synth.is_synthetic(root) and model.clip.cfg.n_inter > 0
     results = {"scores": scores, "scores_by_type": by_type,
                "baseline": metrics.constant_baseline([c for it in train_items for c in it.captions],
@@ -523,7 +527,7 @@ def main(argv=None):
     ctx = setup(args.seed, args.device, args.amp)
     log(f"caption.py: preset {args.preset} on {where(ctx)} | {args.line()}")
     state = load_resume(args.out) if args.resume else None
-    clip = clip_load.load_clip(args.ckpt, ctx.device, args.n_inter)
+    clip = clip_load.load_clip(args.ckpt, ctx.device, args.n_inter, args.activation)
     if not args.adapted:
         log(f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5)")
     if args.authors_numerics:

@@ -1,7 +1,8 @@
 """CLIP's weights, BPE tokenizer and preprocessing.
 
-- `load_clip`: OpenAI's TorchScript archive, a state dict, the authors' checkpoints (`clip.*`) or our adapted.pt ->
-  model.CLIP in fp32; "ViT-B/32" is downloaded to ~/.cache/clip. `authors_captioner`: the authors' `decoder.*`.
+- `load_clip`: OpenAI's TorchScript archive, a state dict, Hugging Face's CLIP folder, the authors' checkpoints
+  (`clip.*`) or our adapted.pt -> model.CLIP in fp32; OpenAI's ViTs by name are downloaded to ~/.cache/clip.
+  `authors_captioner`: the authors' `decoder.*`.
 - `tokenize` / `decode`: OpenAI's byte-level BPE, the ids of `clip.tokenize`.
 - `preprocess`: a bicubic squash (the authors'; a change at the border survives), CLIP's mean/std.
 """
@@ -9,6 +10,7 @@ import argparse
 import gzip
 import hashlib
 import html
+import json
 import os
 import urllib.request
 import zipfile
@@ -21,15 +23,16 @@ import regex as re
 import torch
 from PIL import Image
 
-from model import N_INTER, build_model, config_of
+from model import ACTIVATIONS, N_INTER, build_model, config_of
 
 # -----------------------------------------------------------------------------
 # weights
 
-MODELS = {  # the SHA256 is in the URL
-    "ViT-B/32": "https://openaipublic.azureedge.net/clip/models/"
-                "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af/ViT-B-32.pt",
-}
+MODELS = {name: f"https://openaipublic.azureedge.net/clip/models/{sha}/{file}" for name, sha, file in [  # clip.py's
+    ("ViT-B/32", "40d365715913c9da98579312b702a82c18be219cc2a73407c4526f58eba950af", "ViT-B-32.pt"),  # the paper's
+    ("ViT-B/16", "5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f", "ViT-B-16.pt"),
+    ("ViT-L/14", "b8cca3fd41ae0c99ba7e8951adf17d267cdb84cd88be6f7c2e0eca1737a03836", "ViT-L-14.pt"),
+    ("ViT-L/14@336px", "3035c92b350959924f9f00213499208652fc7ea050643e8b385c2dac08641f02", "ViT-L-14-336px.pt")]}
 CACHE = Path(os.environ.get("CLIP_CACHE", Path.home() / ".cache" / "clip"))
 WEIGHTS = "README 'Real data and OpenAI's weights'"  # where to get OpenAI's weights
 # the small CLIPs pretrain.py pretrained on synthetic scenes, shipped
@@ -63,7 +66,7 @@ def resolve(name_or_path):
         return path
     if name_or_path not in MODELS:
         path = Path(name_or_path).expanduser()
-        if not path.is_file():
+        if not path.exists():
             raise SystemExit(f"CLIP weights: {no_weights(path)}")
         return path
     url = MODELS[name_or_path]
@@ -76,13 +79,20 @@ def resolve(name_or_path):
 
 
 def no_weights(path):
-    return f"no file at {path}: give a path, one of {list(MODELS)} (downloaded) or {list(SHIPPED)}; see {WEIGHTS}"
+    return (f"nothing at {path}: give a file, a Hugging Face folder, one of {list(MODELS)} (downloaded) or "
+            f"{list(SHIPPED)}; see {WEIGHTS}")
 
 
 def weights_arg(text):
-    if text in MODELS or text in SHIPPED or Path(text).expanduser().is_file():
+    if text in MODELS or text in SHIPPED or Path(text).expanduser().exists():
         return text
     raise argparse.ArgumentTypeError(no_weights(text))
+
+
+def activation_flag(p):
+    p.add_argument("--activation", choices=list(ACTIVATIONS), default=None, help="CLIP's MLP activation (default: "
+                   "by the weights' origin: OpenAI's, the authors', ours QuickGELU; a Hugging Face folder's config; "
+                   "a bare state dict QuickGELU, said: open_clip's LAION ViTs are gelu)")
 
 
 def download(url, path, expected):
@@ -109,12 +119,19 @@ def download(url, path, expected):
 
 
 def read_state_dict(path):
-    """A checkpoint -> (CLIP state dict, the file's other entries; the authors' `decoder.*` in extra["decoder"])."""
-    path = Path(path)
+    """A checkpoint -> (CLIP state dict in OpenAI's names, the file's other entries: the authors' `decoder.*` in
+    extra["decoder"], the activation its origin tells in extra["activation"])."""
+    path, origin = Path(path), None
+    if path.is_dir():  # Hugging Face's folder
+        if not (file := next((path / n for n in HF_FILES if (path / n).is_file()), None)):
+            raise SystemExit(f"{path} holds none of {', '.join(HF_FILES)}: not a Hugging Face CLIP folder")
+        path = file
     what = f"{path} ({path.stat().st_size / 2**20:.1f} MiB)"
     try:
-        if zipfile.is_zipfile(path) and any(n.endswith("constants.pkl") for n in zipfile.ZipFile(path).namelist()):
-            sd = torch.jit.load(str(path), map_location="cpu").state_dict()  # OpenAI's TorchScript archive
+        if path.suffix == ".safetensors":
+            sd = read_safetensors(path)
+        elif zipfile.is_zipfile(path) and any(n.endswith("constants.pkl") for n in zipfile.ZipFile(path).namelist()):
+            sd, origin = torch.jit.load(str(path), map_location="cpu").state_dict(), "quick_gelu"  # OpenAI's archive
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # zip, pickle and jit errors alike
@@ -125,6 +142,8 @@ def read_state_dict(path):
     if isinstance(sd, dict) and isinstance(sd.get("model"), dict):  # our adapted.pt / captioner.pt
         extra = {k: v for k, v in sd.items() if k != "model"}
         sd = sd["model"]
+        if "config" in extra or "pretrain" in extra:  # ours: QuickGELU before they said
+            origin = (extra.get("config") or extra["pretrain"]).get("activation", "quick_gelu")
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise SystemExit(f"{what} holds a {type(sd).__name__}, not a state dict of tensors")
     sd = {k.removeprefix("module."): v for k, v in sd.items()}  # saved from DDP
@@ -133,34 +152,105 @@ def read_state_dict(path):
             raise SystemExit(f"{what} holds keys neither clip.* nor decoder.* ({', '.join(other[:3])}): not the "
                              f"authors' CLIP4IDC checkpoint")
         extra = {"decoder": {k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}}
-        sd = {k[len("clip."):]: v for k, v in sd.items() if k.startswith("clip.")}
+        sd, origin = {k[len("clip."):]: v for k, v in sd.items() if k.startswith("clip.")}, "quick_gelu"
+    if any(k.startswith("vision_model.") for k in sd):
+        sd = from_hf(sd, path)
+        origin = hf_activation(path.parent / "config.json", sd)
     sd = {k: v for k, v in sd.items() if k not in NON_PARAMETERS}
     if "visual.conv1.weight" not in sd or "visual.proj" not in sd or "token_embedding.weight" not in sd:
         found = ", ".join(list(sd)[:5])
         raise SystemExit(f"{what} is not a CLIP ViT checkpoint (keys {found}, ...; no visual.conv1.weight, "
                          f"visual.proj or token_embedding.weight)")
-    return sd, extra
+    return sd, {**extra, "activation": origin}
 
 
-def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None):
-    """CLIP in fp32, eval mode. n_inter None: the file's, else N_INTER."""
+def read_safetensors(path):
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise SystemExit(f"{path} is a safetensors file: reading it needs `pip install safetensors`") from None
+    return load_file(path)
+
+
+def decide_activation(extra, given, path):
+    """--activation (`given`), else the origin's; a bare state dict's origin cannot be told: QuickGELU, said."""
+    if given and extra["activation"] and given != extra["activation"]:
+        raise SystemExit(f"--activation {given}: {path} is {extra['activation']} by its origin: leave the flag out")
+    if not (given or extra["activation"]):
+        print(f"*** {path}: a state dict of unknown origin, read with QuickGELU as OpenAI's CLIPs; open_clip's "
+              f"LAION-trained ViTs use GELU: give --activation gelu for those ***", flush=True)
+    return given or extra["activation"] or "quick_gelu"
+
+
+# Hugging Face's CLIPModel layout -> OpenAI's names, replaced in order (q, k, v joined after)
+HF_FILES = ("model.safetensors", "pytorch_model.bin")
+HF_NAMES = (
+    ("text_model.embeddings.token_embedding.", "token_embedding."),
+    ("text_model.embeddings.position_embedding.weight", "positional_embedding"),
+    ("text_model.encoder.layers.", "transformer.resblocks."), ("text_model.final_layer_norm.", "ln_final."),
+    ("vision_model.embeddings.class_embedding", "visual.class_embedding"),
+    ("vision_model.embeddings.patch_embedding.", "visual.conv1."),
+    ("vision_model.embeddings.position_embedding.weight", "visual.positional_embedding"),
+    ("vision_model.pre_layrnorm.", "visual.ln_pre."), ("vision_model.post_layernorm.", "visual.ln_post."),
+    ("vision_model.encoder.layers.", "visual.transformer.resblocks."), (".self_attn.out_proj.", ".attn.out_proj."),
+    (".layer_norm1.", ".ln_1."), (".layer_norm2.", ".ln_2."), (".mlp.fc1.", ".mlp.c_fc."),
+    (".mlp.fc2.", ".mlp.c_proj."))
+HF_TRANSPOSED = {"visual_projection.weight": "visual.proj", "text_projection.weight": "text_projection"}  # x @ W
+
+
+def from_hf(sd, path):
+    ours = {}
+    for k, v in sd.items():
+        if not k.endswith("position_ids"):  # older files' buffer
+            for theirs, mine in HF_NAMES:
+                k = k.replace(theirs, mine)
+            ours[HF_TRANSPOSED.get(k, k)] = v.t() if k in HF_TRANSPOSED else v
+    for k in [k for k in ours if ".self_attn.q_proj." in k]:
+        block, kind = k.split(".self_attn.q_proj.")
+        q, k_, v = (ours.pop(f"{block}.self_attn.{x}_proj.{kind}") for x in "qkv")
+        assert q.shape == k_.shape == v.shape, f"{path}: {block}'s q, k, v differ in shape"
+        ours[f"{block}.attn.in_proj_{kind}"] = torch.cat([q, k_, v])
+    return ours
+
+
+def hf_activation(config_file, sd):
+    """config.json's hidden_act (None without the file); heads must be width / 64, as OpenAI's."""
+    if not config_file.is_file():
+        return None
+    cfg = json.loads(config_file.read_text())
+    towers = [(cfg.get(f"{t}_config") or {}, f"{t}_config", sd[w].shape[0]) for t, w in
+              (("vision", "visual.ln_pre.weight"), ("text", "ln_final.weight"))]
+    acts = {c.get("hidden_act", "quick_gelu") for c, _, _ in towers}
+    for c, name, width in towers:
+        if c.get("num_attention_heads", width // 64) != max(1, width // 64):
+            raise SystemExit(f"{config_file}: {name} has {c['num_attention_heads']} heads of {width} wide tokens; "
+                             f"model.CLIP splits them into width / 64 (OpenAI's)")
+    if len(acts) > 1 or not acts <= ACTIVATIONS.keys():
+        raise SystemExit(f"{config_file}: hidden_act {sorted(acts)}: expected one of {list(ACTIVATIONS)}, the same "
+                         "in both towers")
+    return acts.pop()
+
+
+def load_clip(path_or_name="ViT-B/32", device="cpu", n_inter=None, activation=None):
+    """CLIP in fp32, eval mode. n_inter None: the file's, else N_INTER; activation None: by origin."""
     path = resolve(path_or_name)
-    return build_clip(*read_state_dict(path), path, n_inter).to(device).eval()
+    return build_clip(*read_state_dict(path), path, n_inter, activation).to(device).eval()
 
 
-def clip_config(path_or_name):
+def clip_config(path_or_name, given_activation=None):
     path = resolve(path_or_name)
     sd, extra = read_state_dict(path)
-    return config_of(sd, extra.get("config", {}).get("n_inter", N_INTER))
+    n_inter = extra.get("config", {}).get("n_inter", N_INTER)
+    return config_of(sd, n_inter, decide_activation(extra, given_activation, path))
 
 
-def build_clip(sd, extra, path, n_inter=None):
+def build_clip(sd, extra, path, n_inter=None, given_activation=None):
     n_inter = extra.get("config", {}).get("n_inter", N_INTER) if n_inter is None else n_inter
     layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
     if not 0 <= n_inter <= layers:
         raise SystemExit(f"--n-inter {n_inter}: {path} has {layers} vision blocks")
     try:
-        model = build_model(sd, n_inter=n_inter)
+        model = build_model(sd, n_inter, decide_activation(extra, given_activation, path))
         model.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
     except (RuntimeError, KeyError, ValueError, AssertionError) as e:
         raise SystemExit(f"{path} does not fit the CLIP ViT architecture: {(str(e).splitlines() or [''])[0][:300]} "

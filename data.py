@@ -1,6 +1,6 @@
-"""Data: the CLEVR-Change, Spot-the-Diff, Image-Editing-Request and LEVIR-CC loaders (each pair an `Item`), the
-training samples (`CaptionDataset`) and evaluation images (`ImageDataset`), read from a decoded-image cache or
-streamed. Without CLEVR-Change, `resolve_root("clevr")` renders synth.py's set once.
+"""Data: the CLEVR-Change, Spot-the-Diff, Image-Editing-Request, LEVIR-CC and your own pairs' loaders (each pair an
+`Item`), the training samples (`CaptionDataset`) and evaluation images (`ImageDataset`), read from a decoded-image
+cache or streamed. Without CLEVR-Change, `resolve_root("clevr")` renders synth.py's set once.
 """
 import hashlib
 import json
@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import time
+from collections import Counter
 from functools import partial
 from multiprocessing import Pool
 from pathlib import Path
@@ -21,7 +22,7 @@ import synth
 from clip_load import WEIGHTS, normalize, open_image, resize_uint8, tokenize
 
 ROOTS = {"clevr": "data/clevr_change", "spot": "data/spot_the_diff", "ier": "data/image_editing_request",
-         "levir": "data/levir_cc"}
+         "levir": "data/levir_cc", "pairs": "data/pairs"}
 SEE = f"see {WEIGHTS} for where to get it"
 CLEVR_FILES = ("images", "sc_images", "nsc_images", "change_captions.json", "no_change_captions.json",
                "splits.json", "type_mapping.json")
@@ -60,8 +61,10 @@ def load_items(name, root, split, setting="total", skip_missing=False, images=Tr
     """Items of one split. clevr "semantic": change pairs only; "total": and the distractor pairs."""
     root = Path(root)
     if not root.is_dir():
-        raise SystemExit(f"no {name} dataset at {root} (--data-root; default {ROOTS[name]}): {SEE}")
-    items = {"clevr": partial(_clevr, setting=setting), "spot": _spot, "ier": _ier, "levir": _levir}[name](root, split)
+        see = "see README 'Your own image pairs'" if name == "pairs" else SEE
+        raise SystemExit(f"no {name} dataset at {root} (--data-root; default {ROOTS[name]}): {see}")
+    items = {"clevr": partial(_clevr, setting=setting), "spot": _spot, "ier": _ier, "levir": _levir,
+             "pairs": partial(_pairs, skip_missing=skip_missing, images=images)}[name](root, split)
     items = _nonempty_captions(items, name, split)
     return _check_files(items, name, root, split, skip_missing) if images else items
 
@@ -168,6 +171,46 @@ def _levir(root, split):
     return [Item(Path(d["filename"]).stem, str(images / split / "A" / d["filename"]),
                  str(images / split / "B" / d["filename"]), [s["raw"].strip() for s in d["sentences"]])
             for d in entries if d["split"] == split]
+
+
+PAIRS = "pairs.json"
+_said = set()
+
+
+def _pairs(root, split, skip_missing, images):
+    """Your own pairs: pairs.json, entries {"before", "after", "captions", "split"}, paths relative to root; a bad
+    entry is an error, or dropped under skip_missing."""
+    file, see = root / PAIRS, "README 'Your own image pairs'"
+    want = f'a list [{{"before": "1a.png", "after": "1b.png", "captions": ["..."], "split": "train"}}, ...] ({see})'
+    entries = _read_json(file, want, lambda obj: isinstance(obj, list) and all(
+        isinstance(d, dict) and isinstance(d.get("before"), str) and isinstance(d.get("after"), str) and
+        _captions_ok(d.get("captions")) for d in obj))
+    items, first, dropped = [], {}, Counter()
+    for k, d in enumerate(entries):
+        pair = (d["before"], d["after"])
+        if d.get("split") not in ("train", "val", "test"):
+            problem = "unknown split", f"its split {d.get('split')!r} is not train, val or test"
+        elif not any(c.strip() for c in d["captions"]):
+            problem = "no caption", "its caption list is empty: give it one"
+        elif pair in first:
+            problem = "repeated pair", f"it repeats entry {first[pair]}'s pair: join their captions in one entry"
+        elif missing := [p for p in pair if images and not (root / p).is_file()]:
+            problem = "missing image", f"no image at {root / missing[0]}: fix its path (relative to {root})"
+        else:
+            problem = None
+        first.setdefault(pair, k)
+        if problem and not skip_missing:
+            raise SystemExit(f"{file} entry {k}: {problem[1]} (or --skip-missing drops such entries)")
+        dropped.update([problem[0]] if problem else [])
+        if not problem and d["split"] == split:
+            items.append(Item(str(k), str(root / pair[0]), str(root / pair[1]), d["captions"]))
+    if dropped and (said := f"--skip-missing: dropped {sum(dropped.values())} of {len(entries)} entries of {file} ("
+                            + ", ".join(f"{n} {kind}" for kind, n in dropped.items()) + ")") not in _said:
+        _said.add(said)
+        print(said)
+    if not items:
+        raise SystemExit(f'{file} has no {split} pair: give some entries "split": "{split}" ({see})')
+    return items
 
 
 class BadImage(OSError):

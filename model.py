@@ -20,7 +20,7 @@ import torch.nn.functional as F
 # building blocks (OpenAI's names: ln_1, attn.in_proj_weight, mlp.c_fc, ...)
 
 USE_SDPA = True  # False: the plain softmax below (tests, FLOP counts)
-N_INTER = 3  # the paper's 9 + 3: the inter blocks of a CLIP file that records none
+N_INTER = 3  # the paper's 9 + 3: the inter blocks of a CLIP file that records none (ViT-L/14: 21 + 3)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -34,6 +34,9 @@ class LayerNorm(nn.LayerNorm):
 class QuickGELU(nn.Module):
     def forward(self, x):
         return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {"quick_gelu": QuickGELU, "gelu": nn.GELU}  # OpenAI's CLIPs; open_clip's LAION-trained ViTs
 
 
 def attention(q, k, v, causal=False, dropout=0.0):
@@ -73,13 +76,14 @@ class MultiheadAttention(nn.Module):
 class ResidualAttentionBlock(nn.Module):
     """Pre-LN Transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
 
-    def __init__(self, width, heads):
+    def __init__(self, width, heads, activation):
         super().__init__()
         self.ln_1 = LayerNorm(width)
         self.attn = MultiheadAttention(width, heads)
         self.ln_2 = LayerNorm(width)
-        self.mlp = nn.Sequential(OrderedDict([
-            ("c_fc", nn.Linear(width, 4 * width)), ("gelu", QuickGELU()), ("c_proj", nn.Linear(4 * width, width))]))
+        self.mlp = nn.Sequential(OrderedDict([("c_fc", nn.Linear(width, 4 * width)),
+                                              ("gelu", ACTIVATIONS[activation]()),
+                                              ("c_proj", nn.Linear(4 * width, width))]))
 
     def forward(self, x, causal=False):
         x = x + self.attn(self.ln_1(x), causal)
@@ -87,10 +91,10 @@ class ResidualAttentionBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, width, layers, heads):
+    def __init__(self, width, layers, heads, activation="quick_gelu"):
         super().__init__()
         self.width, self.layers = width, layers
-        self.resblocks = nn.ModuleList([ResidualAttentionBlock(width, heads) for _ in range(layers)])
+        self.resblocks = nn.ModuleList([ResidualAttentionBlock(width, heads, activation) for _ in range(layers)])
 
     def forward(self, x, causal=False):
         for block in self.resblocks:
@@ -109,7 +113,8 @@ class PairEncoding(NamedTuple):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, input_resolution, patch_size, width, layers, heads, output_dim, n_inter=N_INTER):
+    def __init__(self, input_resolution, patch_size, width, layers, heads, output_dim, n_inter=N_INTER,
+                 activation="quick_gelu"):
         super().__init__()
         assert 0 <= n_inter <= layers, f"n_inter={n_inter} must be within 0..{layers} (the vision layers)"
         self.input_resolution, self.n_inter = input_resolution, n_inter
@@ -119,7 +124,7 @@ class VisionTransformer(nn.Module):
         self.class_embedding = nn.Parameter(scale * torch.randn(width))
         self.positional_embedding = nn.Parameter(scale * torch.randn(n_tokens, width))
         self.ln_pre = LayerNorm(width)
-        self.transformer = Transformer(width, layers, heads)
+        self.transformer = Transformer(width, layers, heads, activation)
         self.ln_post = LayerNorm(width)
         self.proj = nn.Parameter(scale * torch.randn(width, output_dim))
         # CLIP4IDC's new parameters, under the authors' names: e1, e2 (eq. 3), p and the mid LayerNorm (eq. 4)
@@ -190,6 +195,7 @@ class CLIPConfig:
     transformer_heads: int = 8
     transformer_layers: int = 12
     n_inter: int = N_INTER  # CLIP4IDC: the last vision blocks that are inter blocks
+    activation: str = "quick_gelu"  # the MLPs': a key of ACTIVATIONS
 
 
 class CLIP(nn.Module):
@@ -197,8 +203,10 @@ class CLIP(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.visual = VisionTransformer(cfg.image_resolution, cfg.vision_patch_size, cfg.vision_width,
-                                        cfg.vision_layers, cfg.vision_width // 64 or 1, cfg.embed_dim, cfg.n_inter)
-        self.transformer = Transformer(cfg.transformer_width, cfg.transformer_layers, cfg.transformer_heads)
+                                        cfg.vision_layers, cfg.vision_width // 64 or 1, cfg.embed_dim, cfg.n_inter,
+                                        cfg.activation)
+        self.transformer = Transformer(cfg.transformer_width, cfg.transformer_layers, cfg.transformer_heads,
+                                       cfg.activation)
         self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.transformer_width)
         self.positional_embedding = nn.Parameter(torch.empty(cfg.context_length, cfg.transformer_width))
         self.ln_final = LayerNorm(cfg.transformer_width)
@@ -271,7 +279,7 @@ def authors_fp16_(clip):
     return clip
 
 
-def config_of(sd, n_inter=N_INTER):
+def config_of(sd, n_inter=N_INTER, activation="quick_gelu"):
     """The CLIPConfig of a state dict, read off its shapes (as openai/CLIP's `build_model`)."""
     vision_width, patch = sd["visual.conv1.weight"].shape[0], sd["visual.conv1.weight"].shape[-1]
     vision_layers = len({k.split(".")[3] for k in sd if k.startswith("visual.transformer.resblocks.")})
@@ -280,12 +288,12 @@ def config_of(sd, n_inter=N_INTER):
     layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
     return CLIPConfig(sd["text_projection"].shape[1], patch * grid, vision_layers, vision_width, patch,
                       sd["positional_embedding"].shape[0], sd["token_embedding.weight"].shape[0], width,
-                      max(1, width // 64), layers, n_inter)
+                      max(1, width // 64), layers, n_inter, activation)
 
 
-def build_model(sd, n_inter=N_INTER):
+def build_model(sd, n_inter=N_INTER, activation="quick_gelu"):
     """A CLIP of `sd`'s sizes; the pair parameters `sd` lacks added to it fresh, so a strict load checks the rest."""
-    model = CLIP(config_of(sd, n_inter))
+    model = CLIP(config_of(sd, n_inter, activation))
     sd.update({k: v for k, v in model.state_dict().items() if k in PAIR_KEYS and k not in sd})
     return model
 

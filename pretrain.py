@@ -405,6 +405,7 @@ def export(args):
     """--out's weights as the shipped file holds them: fp16 tensors, OpenAI's keys, no pair parameters."""
     ckpt = torch.load(args.out, map_location="cpu", weights_only=False)
     meta = {k: ckpt[k] for k in ("args", "history") if k in ckpt}
+    meta["activation"] = ckpt["config"].get("activation", "quick_gelu")
     model = {k: v.half() for k, v in ckpt["model"].items() if not k.startswith(PAIR_KEYS)}
     save_atomic({"model": model, "pretrain": meta}, args.export)
     size = os.path.getsize(args.export) / 2 ** 20

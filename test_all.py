@@ -1592,7 +1592,7 @@ def test_wrong_shapes_and_missing_files(tmp_path):
     torch.save(sd, tmp_path / "odd.pt")
     with pytest.raises(SystemExit, match="does not fit the CLIP ViT architecture"):
         load_clip(tmp_path / "odd.pt")
-    with pytest.raises(SystemExit, match="no file at"):
+    with pytest.raises(SystemExit, match="nothing at"):
         load_clip(tmp_path / "missing.pt")
 
 
@@ -3991,7 +3991,8 @@ def test_every_shown_command_parses_at_head(doc, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(clip_load, "CACHE", tmp_path / "clip_cache")  # no ViT-B-32.pt found: presets as a newcomer's
     # the weights' sizes without reading the (empty) files: ViT-B/32's, the shipped ones their own; no set rendered
     real = clip_load.clip_config
-    monkeypatch.setattr(clip_load, "clip_config", lambda c: real(c) if c in clip_load.SHIPPED else M.CLIPConfig())
+    monkeypatch.setattr(clip_load, "clip_config",
+                        lambda c, act=None: real(c, act) if c in clip_load.SHIPPED else M.CLIPConfig())
     monkeypatch.setattr(data, "resolve_root", lambda name, root=None, *a, **k: Path(root or data.ROOTS[name]))
     wrong, n = [], 0
     for script, argv, python in shown_commands((Path(__file__).resolve().parent / doc).read_text()):
