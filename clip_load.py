@@ -91,8 +91,7 @@ def weights_arg(text):
 
 def activation_flag(p):
     p.add_argument("--activation", choices=list(ACTIVATIONS), default=None, help="CLIP's MLP activation (default: "
-                   "by the weights' origin: OpenAI's, the authors', ours QuickGELU; a Hugging Face folder's config; "
-                   "a bare state dict QuickGELU, said: open_clip's LAION ViTs are gelu)")
+                   "the weights' origin's; a bare state dict: quick_gelu, said)")
 
 
 def download(url, path, expected):
@@ -119,8 +118,8 @@ def download(url, path, expected):
 
 
 def read_state_dict(path):
-    """A checkpoint -> (CLIP state dict in OpenAI's names, the file's other entries: the authors' `decoder.*` in
-    extra["decoder"], the activation its origin tells in extra["activation"])."""
+    """A checkpoint -> (CLIP state dict in OpenAI's names, the file's other entries, the authors' `decoder.*` and
+    the origin's activation among them)."""
     path, origin = Path(path), None
     if path.is_dir():  # Hugging Face's folder
         if not (file := next((path / n for n in HF_FILES if (path / n).is_file()), None)):
@@ -174,16 +173,17 @@ def read_safetensors(path):
 
 def decide_activation(extra, given, path):
     """--activation (`given`), else the origin's; a bare state dict's origin cannot be told: QuickGELU, said."""
-    if given and extra["activation"] and given != extra["activation"]:
-        raise SystemExit(f"--activation {given}: {path} is {extra['activation']} by its origin: leave the flag out")
-    if not (given or extra["activation"]):
-        print(f"*** {path}: a state dict of unknown origin, read with QuickGELU as OpenAI's CLIPs; open_clip's "
-              f"LAION-trained ViTs use GELU: give --activation gelu for those ***", flush=True)
-    return given or extra["activation"] or "quick_gelu"
+    known = extra["activation"]
+    if given and known and given != known:
+        raise SystemExit(f"--activation {given}: {path} is {known} by its origin: leave the flag out")
+    if not (given or known):
+        print(f"*** {path}: of unknown origin, read with QuickGELU as OpenAI's CLIPs; for open_clip's LAION ViTs "
+              "give --activation gelu ***", flush=True)
+    return given or known or "quick_gelu"
 
 
 # Hugging Face's CLIPModel layout -> OpenAI's names, replaced in order (q, k, v joined after)
-HF_FILES = ("model.safetensors", "pytorch_model.bin")
+HF_FILES = ("pytorch_model.bin", "model.safetensors")  # the first there: the second needs the safetensors package
 HF_NAMES = (
     ("text_model.embeddings.token_embedding.", "token_embedding."),
     ("text_model.embeddings.position_embedding.weight", "positional_embedding"),
@@ -214,20 +214,16 @@ def from_hf(sd, path):
 
 
 def hf_activation(config_file, sd):
-    """config.json's hidden_act (None without the file); heads must be width / 64, as OpenAI's."""
+    """config.json's hidden_act (None without the file); its heads must be model.CLIP's, width / 64."""
     if not config_file.is_file():
         return None
     cfg = json.loads(config_file.read_text())
-    towers = [(cfg.get(f"{t}_config") or {}, f"{t}_config", sd[w].shape[0]) for t, w in
-              (("vision", "visual.ln_pre.weight"), ("text", "ln_final.weight"))]
-    acts = {c.get("hidden_act", "quick_gelu") for c, _, _ in towers}
-    for c, name, width in towers:
-        if c.get("num_attention_heads", width // 64) != max(1, width // 64):
-            raise SystemExit(f"{config_file}: {name} has {c['num_attention_heads']} heads of {width} wide tokens; "
-                             f"model.CLIP splits them into width / 64 (OpenAI's)")
-    if len(acts) > 1 or not acts <= ACTIVATIONS.keys():
-        raise SystemExit(f"{config_file}: hidden_act {sorted(acts)}: expected one of {list(ACTIVATIONS)}, the same "
-                         "in both towers")
+    towers = {t: (cfg.get(f"{t}_config") or {}, sd[w].shape[0] // 64) for t, w in
+              (("vision", "visual.ln_pre.weight"), ("text", "ln_final.weight"))}
+    if bad := [t for t, (c, heads) in towers.items() if c.get("num_attention_heads", heads) != heads]:
+        raise SystemExit(f"{config_file}: the {bad[0]} tower's heads are not its width / 64, as model.CLIP splits it")
+    if len(acts := {c.get("hidden_act", "quick_gelu") for c, _ in towers.values()}) > 1 or acts - ACTIVATIONS.keys():
+        raise SystemExit(f"{config_file}: hidden_act {sorted(acts)}: expected one of {list(ACTIVATIONS)} in both")
     return acts.pop()
 
 

@@ -178,10 +178,9 @@ _said = set()
 
 
 def _pairs(root, split, skip_missing, images):
-    """Your own pairs: pairs.json, entries {"before", "after", "captions", "split"}, paths relative to root; a bad
-    entry is an error, or dropped under skip_missing."""
+    """Your own pairs: pairs.json's entries, paths relative to root; a bad one an error, or dropped (skip_missing)."""
     file, see = root / PAIRS, "README 'Your own image pairs'"
-    want = f'a list [{{"before": "1a.png", "after": "1b.png", "captions": ["..."], "split": "train"}}, ...] ({see})'
+    want = f'a list [{{"before": "a.png", "after": "b.png", "captions": ["..."], "split": "train"}}, ...] ({see})'
     entries = _read_json(file, want, lambda obj: isinstance(obj, list) and all(
         isinstance(d, dict) and isinstance(d.get("before"), str) and isinstance(d.get("after"), str) and
         _captions_ok(d.get("captions")) for d in obj))
@@ -191,7 +190,7 @@ def _pairs(root, split, skip_missing, images):
         if d.get("split") not in ("train", "val", "test"):
             problem = "unknown split", f"its split {d.get('split')!r} is not train, val or test"
         elif not any(c.strip() for c in d["captions"]):
-            problem = "no caption", "its caption list is empty: give it one"
+            problem = "no caption", "its caption list is empty"
         elif pair in first:
             problem = "repeated pair", f"it repeats entry {first[pair]}'s pair: join their captions in one entry"
         elif missing := [p for p in pair if images and not (root / p).is_file()]:

@@ -1573,6 +1573,125 @@ def test_authors_checkpoint_keys_load(tmp_path):
         assert torch.equal(ours.state_dict()[k], src.state_dict()[k]), k
 
 
+# Hugging Face's layout, and the activation by origin: transformers' CLIPModel (test-only) is the reference
+
+def hf_clip(act, seed=0):
+    """transformers' CLIPModel, small and random: 2 heads a tower, 16-pixel patches on a 3 x 3 grid, CLIP's words."""
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install transformers)")
+    tower = dict(hidden_size=128, intermediate_size=512, num_attention_heads=2, hidden_act=act)
+    cfg = transformers.CLIPConfig(text_config=dict(tower, num_hidden_layers=1, vocab_size=49408),
+                                  vision_config=dict(tower, num_hidden_layers=2, image_size=48, patch_size=16),
+                                  projection_dim=32)
+    torch.manual_seed(seed)
+    return transformers.CLIPModel(cfg).eval()
+
+
+def hf_folder(model, folder, fmt):
+    """save_pretrained's folder; "bin": pytorch_model.bin as older transformers wrote it (5 writes safetensors only)."""
+    if fmt == "safetensors":
+        model.save_pretrained(folder)
+    else:
+        model.config.save_pretrained(folder)
+        torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    return folder
+
+
+def hf_features(out):
+    return out if torch.is_tensor(out) else out.pooler_output  # transformers 5: an output object
+
+
+@pytest.mark.parametrize("act", ["quick_gelu", "gelu"])
+def test_hugging_face_layout_gives_hfs_features(tmp_path, act):
+    """A CLIPModel folder (safetensors, or pytorch_model.bin) or its weights file alone loads through
+    clip_load.HF_NAMES: image and text features equal to HF's own; the activation its config's hidden_act."""
+    hf = hf_clip(act)
+    images, text = torch.randn(3, 3, 48, 48), tokenize(["the red cube moved", "no change", "a ball is gone"])
+    with torch.no_grad():
+        want_img, want_txt = hf_features(hf.get_image_features(pixel_values=images)), hf_features(
+            hf.get_text_features(input_ids=text, attention_mask=(text != 0).long()))
+    for fmt in ("safetensors", "bin"):
+        folder = hf_folder(hf, tmp_path / fmt, fmt)
+        for path in (folder, folder / ("pytorch_model.bin" if fmt == "bin" else "model.safetensors")):
+            ours = load_clip(path, n_inter=1)
+            assert ours.cfg.activation == act and ours.cfg.vision_patch_size == 16 and ours.cfg.image_resolution == 48
+            with torch.no_grad():
+                assert_close(ours.encode_image(images), want_img)
+                assert_close(ours.encode_text(text), want_txt)
+    # the same weights in OpenAI's names, a bare state dict: the same features once told the activation
+    sd = {k: v for k, v in ours.state_dict().items() if k not in M.PAIR_KEYS}
+    torch.save(sd, tmp_path / "openai_names.pt")
+    again = load_clip(tmp_path / "openai_names.pt", n_inter=1, activation=act)
+    with torch.no_grad():
+        assert_close(again.encode_image(images), want_img)
+        assert_close(again.encode_text(text), want_txt)
+
+
+def test_our_tokenizer_is_hugging_faces(tmp_path):
+    """CLIPTokenizer built from the BPE file we ship gives our ids (the HF layout keeps our tokenizer)."""
+    transformers = pytest.importorskip("transformers", reason="transformers not installed (pip install transformers)")
+    encoder, ranks = clip_load.vocab()
+    (tmp_path / "vocab.json").write_text(json.dumps(encoder))
+    merges = "\n".join(" ".join(m) for m in sorted(ranks, key=ranks.get))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n" + merges)
+    tok = transformers.CLIPTokenizer(str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    for text in shared_captions()[:200] + ["The man's T-shirt (left) isn't red.", "café  naïve 123!!"]:
+        assert tok(text)["input_ids"] == [clip_load.SOT] + clip_load.encode(text) + [clip_load.EOT], text
+
+
+def test_safetensors_without_the_package_is_one_line(tmp_path, monkeypatch):
+    folder = hf_folder(hf_clip("quick_gelu"), tmp_path / "hf", "safetensors")
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # import safetensors fails
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(SystemExit, match=r"model.safetensors is a safetensors file: .*pip install safetensors"):
+        load_clip(folder)
+    torch.save(hf_clip("quick_gelu").state_dict(), folder / "pytorch_model.bin")  # beside it: read, no package needed
+    assert load_clip(folder, n_inter=1).cfg.vision_patch_size == 16
+    (folder / "pytorch_model.bin").unlink()
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(SystemExit, match="holds none of pytorch_model.bin, model.safetensors"):
+        load_clip(folder)
+
+
+def test_hugging_face_configs_we_cannot_run_are_refused(tmp_path):
+    folder = hf_folder(hf_clip("quick_gelu"), tmp_path / "hf", "bin")
+    cfg = json.loads((folder / "config.json").read_text())
+    for tower, change, what in (("text_config", {"hidden_act": "gelu"}, "in both"),
+                                ("vision_config", {"hidden_act": "relu"}, "hidden_act"),
+                                ("vision_config", {"num_attention_heads": 4}, "heads are not its width / 64")):
+        (folder / "config.json").write_text(json.dumps({**cfg, tower: {**cfg[tower], **change}}))
+        with pytest.raises(SystemExit, match=what):
+            load_clip(folder, n_inter=1)
+
+
+def test_the_activation_follows_the_weights_origin(tmp_path, capsys, monkeypatch):
+    """OpenAI's archive, ours and the shipped files are QuickGELU; a bare state dict's origin cannot be told: QuickGELU
+    with the first line saying so and naming --activation gelu; a flag against a known origin is an error."""
+    torch.manual_seed(0)
+    save_archive(M.CLIP(TINY), tmp_path / "archive.pt")
+    torch.save(M.CLIP(TINY).state_dict(), tmp_path / "bare.pt")
+    for known in (tmp_path / "archive.pt", "mini12-synth"):
+        assert clip_load.clip_config(known).activation == "quick_gelu"
+        with pytest.raises(SystemExit, match="by its origin"):
+            clip_load.clip_config(known, "gelu")
+    assert capsys.readouterr().out == ""
+    args = adapt.settings([*CPU, "--clip", str(tmp_path / "bare.pt"), "--n-inter", "2", "--data-root",
+                           str(tmp_path / "nothing")])
+    assert args.activation == "quick_gelu"
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "unknown origin, read with QuickGELU" in first and "--activation gelu" in first
+    gelu = adapt.settings([*CPU, "--clip", str(tmp_path / "bare.pt"), "--n-inter", "2", "--activation", "gelu",
+                           "--data-root", str(tmp_path / "nothing")])
+    assert gelu.activation == "gelu" and "unknown origin" not in capsys.readouterr().out
+    images = torch.randn(2, 3, 32, 32)
+    quick, exact = (load_clip(tmp_path / "bare.pt", n_inter=2, activation=a) for a in ("quick_gelu", "gelu"))
+    assert isinstance(exact.visual.transformer.resblocks[0].mlp.gelu, torch.nn.GELU)
+    with torch.no_grad():
+        assert (quick.encode_image(images) - exact.encode_image(images)).abs().max() > 1e-3
+    # what this project writes records it: read back without a word
+    torch.save({"model": exact.state_dict(), "config": asdict(exact.cfg), "stage": "adapt"}, tmp_path / "ours.pt")
+    assert load_clip(tmp_path / "ours.pt").cfg.activation == "gelu" and capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("make, what", [
     (lambda p: p.write_bytes(b"not a checkpoint at all"), "could not read"),
     (lambda p: p.write_bytes(Path(p.parent / "good.pt").read_bytes()[:5000]), "could not read"),
@@ -1954,6 +2073,54 @@ def test_levir_cc_layout(tmp_path):
     (root / "LevirCCcaptions.json").write_text(json.dumps({"images": [{"filename": "x.png", "split": "train"}]}))
     with pytest.raises(SystemExit, match="LevirCCcaptions.json is not in the expected format"):
         data.load_items("levir", root, "train")
+
+
+def own_pairs(root, entries, size=(60, 40)):
+    """A --data pairs folder: pairs.json of `entries`, every image they name drawn (random)."""
+    rng = np.random.default_rng(0)
+    for e in entries:
+        for side in ("before", "after"):
+            if not (root / e[side]).exists():
+                (root / e[side]).parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(root / e[side])
+    (root / data.PAIRS).write_text(json.dumps(entries))
+    return root
+
+
+def readme_pairs():
+    """README's example pairs.json, as shown."""
+    text = (Path(__file__).resolve().parent / "README.md").read_text()
+    return json.loads(re.search(r"## Your own image pairs.*?```json\n(.*?)```", text, re.S).group(1))
+
+
+def test_your_own_pairs_and_each_bad_entry(tmp_path, capsys):
+    root = own_pairs(tmp_path / "mine", readme_pairs())  # README's three entries, one per split
+    for k, split in enumerate(("train", "val", "test")):
+        (it,) = data.load_items("pairs", root, split)
+        assert (it.id, it.captions) == (str(k), readme_pairs()[k]["captions"])
+        assert it.before == str(root / readme_pairs()[k]["before"]) and Path(it.after).is_file()
+    good = readme_pairs()
+    bad = {"unknown split": ({"split": "dev"}, "entry 3: its split 'dev' is not train, val or test"),
+           "no caption": ({"captions": ["", " "]}, "entry 3: its caption list is empty"),
+           "repeated pair": ({"before": good[0]["before"], "after": good[0]["after"]}, "entry 3: it repeats entry 0's"),
+           "missing image": ({"after": "gone.png"}, f"entry 3: no image at {root / 'gone.png'}: fix its path")}
+    for kind, (change, message) in bad.items():
+        entries = good + [{**good[1], "before": "extra_a.png", "after": "extra_b.png", **change}]
+        own_pairs(root, entries)
+        if kind == "missing image":
+            (root / "gone.png").unlink()
+        with pytest.raises(SystemExit, match=re.escape(message) + r".*\(or --skip-missing drops such entries\)"):
+            data.load_items("pairs", root, "val")
+        assert [it.id for it in data.load_items("pairs", root, "val", skip_missing=True)] == ["1"]
+        assert f"dropped 1 of 4 entries of {root / data.PAIRS} (1 {kind})" in capsys.readouterr().out
+    (root / data.PAIRS).write_text(json.dumps([e for e in good if e["split"] != "test"]))
+    with pytest.raises(SystemExit, match='has no test pair: give some entries "split": "test"'):
+        data.load_items("pairs", root, "test")
+    (root / data.PAIRS).write_text(json.dumps({"before": "a.png"}))
+    with pytest.raises(SystemExit, match="pairs.json is not in the expected format: a list"):
+        data.load_items("pairs", root, "train")
+    with pytest.raises(SystemExit, match=r"no pairs dataset at .*see README 'Your own image pairs'"):
+        data.load_items("pairs", tmp_path / "absent", "train")
 
 
 def test_empty_captions_are_not_trained_on(synth_set, tmp_path, capsys):
@@ -4119,6 +4286,42 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     capsys.readouterr()
     evaluate_py.main([*CPU, "--ckpt", str(cap), "--before", first[0]["before"], "--after", first[0]["after"]])
     assert capsys.readouterr().out.strip() == first[0]["caption"]
+
+
+@pytest.mark.slow
+def test_vit_b16_by_name_and_your_own_pairs_through_both_stages(tmp_path, monkeypatch, capsys):
+    """`--clip ViT-B/16` (a random one with 16-pixel patches on a 5 x 5 grid, as the release is cached) on a pairs.json
+    through README's commands: the paper presets' sizes follow the file, the activation is recorded, both stages and
+    the gallery run, and nothing is read back."""
+    cfg = M.CLIPConfig(**{**MH.__dict__, "image_resolution": 80, "vision_patch_size": 16})
+    torch.manual_seed(0)
+    archive = tmp_path / "clip_cache" / "ViT-B-16.pt"
+    archive.parent.mkdir()
+    save_archive(M.CLIP(cfg), archive)
+    monkeypatch.setattr(clip_load, "CACHE", archive.parent)
+    url = f"https://example.invalid/{clip_load.sha256(archive)}/ViT-B-16.pt"  # its SHA256 as the release's
+    monkeypatch.setitem(clip_load.MODELS, "ViT-B/16", url)
+    words = ["red", "blue", "green", "gray"]
+    entries = [{"before": f"img/{k}a.png", "after": f"img/{k}b.png", "split": ["val", "test"][k % 2] if k >= 16 else
+                "train", "captions": [f"the {words[k % 4]} cube moved", f"a {words[k % 4]} cube has moved"]}
+               for k in range(24)]
+    root = own_pairs(tmp_path / "mine", entries, size=(90, 70))
+    out, cap, gallery = tmp_path / "adapted.pt", tmp_path / "captioner.pt", tmp_path / "gallery.png"
+    adapt.main(["--data", "pairs", "--data-root", str(root), "--clip", "ViT-B/16", "--out", str(out)] + FAST)
+    log = capsys.readouterr().out
+    assert "preset 'paper'" in log and " image_size=80 " in log and " patch_size=16 " in log and "16 pairs" in log
+    adapted = torch.load(out, weights_only=False)
+    assert adapted["config"]["activation"] == "quick_gelu" and adapted["args"]["activation"] == "quick_gelu"
+    assert adapted["model"]["visual.joint_positional_embedding"].shape[0] == 2 * (5 * 5 + 1)
+    caption.main([*CPU, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "captions.json"),
+                  "--epochs", "1", "--batch-size", "4", "--workers", "0"])
+    log = capsys.readouterr().out
+    assert "preset paper" in log and "memory 52 tokens" in log and "read-back skipped" in log
+    saved = torch.load(cap, weights_only=False)
+    assert saved["config"]["activation"] == "quick_gelu" and saved["captioner_config"]["memory_len"] == 52
+    results = evaluate_py.main([*CPU, "--ckpt", str(cap), "--results", str(tmp_path / "again.json"), "--workers", "0",
+                                "--gallery", str(gallery)])
+    assert len(results["predictions"]) == 4 and results["read_back"] is None and Image.open(gallery).size[0] > 0
 
 
 @pytest.mark.slow
