@@ -314,6 +314,9 @@ def load_data(args, ctx, model):
     samples = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
                                   cache=cache, seed=args.seed, draw=args.draw_captions, features=intra)
     loader = data.make_loader(samples, args.batch_size, True, args.workers, ctx.device, drop_last=True, seed=args.seed)
+    if not len(loader):
+        raise SystemExit(f"--batch-size {args.batch_size}: more than the {len(samples)} training samples, so no step "
+                         "would run: give a smaller one")
     each = "one caption each, drawn per epoch" if args.draw_captions else f"{len(samples)} captions"
     once = " | the frozen intra blocks' tokens computed once (fixed_intra)" if intra is not None else ""
     log(f"   {args.data} at {args.data_root}: train {len(splits['train'])} pairs / {each}, val {len(splits['val'])} "

@@ -4307,6 +4307,8 @@ def test_vit_b16_by_name_and_your_own_pairs_through_both_stages(tmp_path, monkey
                for k in range(24)]
     root = own_pairs(tmp_path / "mine", entries, size=(90, 70))
     out, cap, gallery = tmp_path / "adapted.pt", tmp_path / "captioner.pt", tmp_path / "gallery.png"
+    with pytest.raises(SystemExit, match="--batch-size 64: more than the 32 training samples, so no step would run"):
+        adapt.main(["--data", "pairs", "--data-root", str(root), "--clip", "ViT-B/16"] + FAST + ["--batch-size", "64"])
     adapt.main(["--data", "pairs", "--data-root", str(root), "--clip", "ViT-B/16", "--out", str(out)] + FAST)
     log = capsys.readouterr().out
     assert "preset 'paper'" in log and " image_size=80 " in log and " patch_size=16 " in log and "16 pairs" in log
