@@ -153,7 +153,7 @@ def read_state_dict(path):
         extra = {"decoder": {k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}}
         sd, origin = {k[len("clip."):]: v for k, v in sd.items() if k.startswith("clip.")}, "quick_gelu"
     if any(k.startswith("vision_model.") for k in sd):
-        sd = from_hf(sd, path)
+        sd, extra["hf"] = from_hf(sd, path), True
         origin = hf_activation(path.parent / "config.json", sd)
     sd = {k: v for k, v in sd.items() if k not in NON_PARAMETERS}
     if "visual.conv1.weight" not in sd or "visual.proj" not in sd or "token_embedding.weight" not in sd:
@@ -176,6 +176,8 @@ def decide_activation(extra, given, path):
     known = extra["activation"]
     if given and known and given != known:
         raise SystemExit(f"--activation {given}: {path} is {known} by its origin: leave the flag out")
+    if extra.get("hf") and known and not given:
+        print(f"   {path}: Hugging Face's layout (clip_load.HF_NAMES), {known} as its config.json says", flush=True)
     if not (given or known):
         print(f"*** {path}: of unknown origin, read with QuickGELU as OpenAI's CLIPs; for open_clip's LAION ViTs "
               "give --activation gelu ***", flush=True)

@@ -199,7 +199,7 @@ def _pairs(root, split, skip_missing, images):
             problem = None
         first.setdefault(pair, k)
         if problem and not skip_missing:
-            raise SystemExit(f"{file} entry {k}: {problem[1]} (or --skip-missing drops such entries)")
+            raise SystemExit(f"{file} entry {k} (from 0): {problem[1]} (or --skip-missing drops such entries)")
         dropped.update([problem[0]] if problem else [])
         if not problem and d["split"] == split:
             items.append(Item(str(k), str(root / pair[0]), str(root / pair[1]), d["captions"]))

@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
+from PIL import Image, ImageDraw, ImageFont
 
 import clip_load
 import synth
@@ -48,6 +48,12 @@ def overlay(image, heat, alpha=0.55):
     return Image.blend(image.convert("RGB"), Image.fromarray(colormap(np.asarray(up) / 255.0)), alpha)
 
 
+try:  # Pillow 10.1's default font at size 10 loses its spaces; its bitmap font, any letter not Latin-1
+    FONT = ImageFont.load_default(11)
+except TypeError:  # an older Pillow's: the bitmap font, takes no size
+    FONT = ImageFont.load_default()
+
+
 def _fit(image, height):
     return image.convert("RGB").resize((max(1, round(image.width * height / image.height)), height), Image.BICUBIC)
 
@@ -65,7 +71,7 @@ def explain(path, before, after, caption, maps, height=192):
                          "(attention, mean over heads; bright = more)"], max(40, w // 7))
     top = 14 * len(lines) + 10
     sheet = Image.new("RGB", (w, top + 2 * height + 12), "white")
-    ImageDraw.Draw(sheet).multiline_text((4, 4), "\n".join(lines), fill="black", spacing=4)
+    ImageDraw.Draw(sheet).multiline_text((4, 4), "\n".join(lines), fill="black", font=FONT, spacing=4)
     for row, pics in enumerate((ims, heats)):
         x = 4
         for im in pics:
@@ -89,7 +95,7 @@ def gallery(path, rows, height=128, text_w=440):
             row.paste(im, (x, 4))
             x += im.width + 4
         text = "\n".join(_text_block(r["lines"], text_w // 7))
-        ImageDraw.Draw(row).multiline_text((x + 6, 6), text, fill="black", spacing=3)
+        ImageDraw.Draw(row).multiline_text((x + 6, 6), text, fill="black", font=FONT, spacing=3)
         out.append(row)
     sheet = Image.new("RGB", (max(r.width for r in out), sum(r.height for r in out)), "white")
     y = 0
@@ -113,7 +119,7 @@ def curves(path, history, metric, size=(640, 240)):
     for panel, (name, best_is) in enumerate((("loss", min), (metric, max))):
         pts = [(e["epoch"], e[name]) for e in history if e.get(name) is not None]
         left, top, right, bottom = panel * w + 60, 28, panel * w + w - 20, h - 36
-        draw.text((panel * w + 60, 6), f"{name} by epoch", fill="black")
+        draw.text((panel * w + 60, 6), f"{name} by epoch", fill="black", font=FONT)
         draw.line([(left, top), (left, bottom), (right, bottom)], fill="black")
         if not pts:
             continue
@@ -125,10 +131,10 @@ def curves(path, history, metric, size=(640, 240)):
         for v in (lo, (lo + hi) / 2, hi):  # y ticks
             y = at(first, v)[1]
             draw.line([(left - 4, y), (left, y)], fill="black")
-            draw.text((panel * w + 4, y - 6), f"{v:.3g}", fill="black")
+            draw.text((panel * w + 4, y - 6), f"{v:.3g}", fill="black", font=FONT)
         for x in sorted({first, last, *epochs[::max(1, len(epochs) // 6)]}):  # x ticks
-            draw.text((at(x, lo)[0] - 4, bottom + 4), str(x), fill="black")
-        draw.text(((left + right) / 2 - 14, h - 16), "epoch", fill="black")
+            draw.text((at(x, lo)[0] - 4, bottom + 4), str(x), fill="black", font=FONT)
+        draw.text(((left + right) / 2 - 14, h - 16), "epoch", fill="black", font=FONT)
         xy = [at(x, v) for x, v in pts]
         if len(xy) > 1:
             draw.line(xy, fill=(31, 119, 180), width=2)
@@ -137,7 +143,7 @@ def curves(path, history, metric, size=(640, 240)):
             mark = (214, 39, 40) if (x, v) == best else (31, 119, 180)
             draw.ellipse([p[0] - 3, p[1] - 3, p[0] + 3, p[1] + 3], fill=mark)
             if len(pts) <= 12 or (x, v) == best:
-                draw.text((p[0] + 4, p[1] - 14), f"{v:.3g}", fill=mark)
+                draw.text((p[0] + 4, p[1] - 14), f"{v:.3g}", fill=mark, font=FONT)
     sheet.save(path)
     return sheet
 

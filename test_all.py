@@ -1601,7 +1601,7 @@ def hf_features(out):
 
 
 @pytest.mark.parametrize("act", ["quick_gelu", "gelu"])
-def test_hugging_face_layout_gives_hfs_features(tmp_path, act):
+def test_hugging_face_layout_gives_hfs_features(tmp_path, capsys, act):
     """A CLIPModel folder (safetensors, or pytorch_model.bin) or its weights file alone loads through
     clip_load.HF_NAMES: image and text features equal to HF's own; the activation its config's hidden_act."""
     hf = hf_clip(act)
@@ -1614,6 +1614,8 @@ def test_hugging_face_layout_gives_hfs_features(tmp_path, act):
         for path in (folder, folder / ("pytorch_model.bin" if fmt == "bin" else "model.safetensors")):
             ours = load_clip(path, n_inter=1)
             assert ours.cfg.activation == act and ours.cfg.vision_patch_size == 16 and ours.cfg.image_resolution == 48
+            said = capsys.readouterr().out
+            assert f"Hugging Face's layout (clip_load.HF_NAMES), {act} as its config.json says" in said
             with torch.no_grad():
                 assert_close(ours.encode_image(images), want_img)
                 assert_close(ours.encode_text(text), want_txt)
@@ -2100,10 +2102,11 @@ def test_your_own_pairs_and_each_bad_entry(tmp_path, capsys):
         assert (it.id, it.captions) == (str(k), readme_pairs()[k]["captions"])
         assert it.before == str(root / readme_pairs()[k]["before"]) and Path(it.after).is_file()
     good = readme_pairs()
-    bad = {"unknown split": ({"split": "dev"}, "entry 3: its split 'dev' is not train, val or test"),
-           "no caption": ({"captions": ["", " "]}, "entry 3: its caption list is empty"),
-           "repeated pair": ({"before": good[0]["before"], "after": good[0]["after"]}, "entry 3: it repeats entry 0's"),
-           "missing image": ({"after": "gone.png"}, f"entry 3: no image at {root / 'gone.png'}: fix its path")}
+    bad = {"unknown split": ({"split": "dev"}, "entry 3 (from 0): its split 'dev' is not train, val or test"),
+           "no caption": ({"captions": ["", " "]}, "entry 3 (from 0): its caption list is empty"),
+           "repeated pair": ({"before": good[0]["before"], "after": good[0]["after"]},
+                             "entry 3 (from 0): it repeats entry 0's"),
+           "missing image": ({"after": "gone.png"}, f"entry 3 (from 0): no image at {root / 'gone.png'}: fix its path")}
     for kind, (change, message) in bad.items():
         entries = good + [{**good[1], "before": "extra_a.png", "after": "extra_b.png", **change}]
         own_pairs(root, entries)

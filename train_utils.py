@@ -246,7 +246,7 @@ def authors_schedule(optimizer, total_steps, warmup_frac=0.1, kind="cosine"):
         x = step / total_steps
         if x < warmup_frac:
             return x / warmup_frac
-        return 0.5 * (1.0 + math.cos(math.pi * x)) if kind == "cosine" else max((x - 1.0) / (warmup_frac - 1.0), 0)
+        return 0.5 * (1.0 + math.cos(math.pi * x)) if kind == "cosine" else max(0.0, (x - 1.0) / (warmup_frac - 1.0))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
