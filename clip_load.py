@@ -220,7 +220,7 @@ def hf_activation(config_file, sd):
     if not config_file.is_file():
         return None
     cfg = json.loads(config_file.read_text())
-    towers = {t: (cfg.get(f"{t}_config") or {}, sd[w].shape[0] // 64) for t, w in
+    towers = {t: (cfg.get(f"{t}_config") or cfg.get(f"{t}_config_dict") or {}, sd[w].shape[0] // 64) for t, w in
               (("vision", "visual.ln_pre.weight"), ("text", "ln_final.weight"))}
     if bad := [t for t, (c, heads) in towers.items() if c.get("num_attention_heads", heads) != heads]:
         raise SystemExit(f"{config_file}: the {bad[0]} tower's heads are not its width / 64, as model.CLIP splits it")

@@ -1694,6 +1694,16 @@ def test_the_activation_follows_the_weights_origin(tmp_path, capsys, monkeypatch
     assert load_clip(tmp_path / "ours.pt").cfg.activation == "gelu" and capsys.readouterr().out == ""
 
 
+def test_a_24_block_clip_runs_21_plus_3_by_default(tmp_path, capsys):
+    """ViT-L/14's depth: the inter blocks stay the paper's last 3 (the authors' code would fix 9 intra: 9 + 15)."""
+    cfg = M.CLIPConfig(**{**TINY.__dict__, "vision_layers": 24, "vision_width": 64, "vision_patch_size": 14,
+                          "image_resolution": 28})
+    torch.save(M.CLIP(cfg).state_dict(), tmp_path / "deep.pt")
+    args = adapt.settings([*CPU, "--clip", str(tmp_path / "deep.pt"), "--data-root", str(tmp_path)])
+    assert (args.vision_layers, args.n_inter, args.patch_size, args.image_size) == (24, 3, 14, 28)
+    assert adapt.new_model(args).visual.n_inter == 3
+
+
 @pytest.mark.parametrize("make, what", [
     (lambda p: p.write_bytes(b"not a checkpoint at all"), "could not read"),
     (lambda p: p.write_bytes(Path(p.parent / "good.pt").read_bytes()[:5000]), "could not read"),
