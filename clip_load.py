@@ -179,8 +179,9 @@ def decide_activation(extra, given, path):
     if extra.get("hf") and known and not given:
         print(f"   {path}: Hugging Face's layout (clip_load.HF_NAMES), {known} as its config.json says", flush=True)
     if not (given or known):
-        print(f"*** {path}: of unknown origin, read with QuickGELU as OpenAI's CLIPs; for open_clip's LAION ViTs "
-              "give --activation gelu ***", flush=True)
+        print(f"*** {path}: of unknown origin, read with QuickGELU and width / 64 heads, as OpenAI's CLIPs; "
+              "open_clip's LAION ViTs use GELU (give --activation gelu), its ViT-H and larger other heads (not "
+              "supported) ***", flush=True)
     return given or known or "quick_gelu"
 
 

@@ -1680,7 +1680,7 @@ def test_the_activation_follows_the_weights_origin(tmp_path, capsys, monkeypatch
                            str(tmp_path / "nothing")])
     assert args.activation == "quick_gelu"
     first = capsys.readouterr().out.splitlines()[0]
-    assert "unknown origin, read with QuickGELU" in first and "--activation gelu" in first
+    assert "unknown origin, read with QuickGELU and width / 64 heads" in first and "--activation gelu" in first
     gelu = adapt.settings([*CPU, "--clip", str(tmp_path / "bare.pt"), "--n-inter", "2", "--activation", "gelu",
                            "--data-root", str(tmp_path / "nothing")])
     assert gelu.activation == "gelu" and "unknown origin" not in capsys.readouterr().out
