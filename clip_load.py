@@ -108,7 +108,7 @@ def download(url, path, expected):
         print()
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise SystemExit(f"could not download {url} ({e}). Offline? Copy ViT-B-32.pt to {path}, or pass --preset "
+        raise SystemExit(f"could not download {url} ({e}). Offline? Copy {path.name} to {path}, or pass --preset "
                          f"mini for the shipped small CLIP; see {WEIGHTS}.") from None
     if (got := sha256(tmp)) != expected:
         tmp.unlink()
@@ -141,7 +141,7 @@ def read_state_dict(path):
     if isinstance(sd, dict) and isinstance(sd.get("model"), dict):  # our adapted.pt / captioner.pt
         extra = {k: v for k, v in sd.items() if k != "model"}
         sd = sd["model"]
-        if "config" in extra or "pretrain" in extra:  # ours: QuickGELU before they said
+        if "n_inter" in extra.get("config", {}) or "pretrain" in extra:  # ours: QuickGELU before they said
             origin = (extra.get("config") or extra["pretrain"]).get("activation", "quick_gelu")
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise SystemExit(f"{what} holds a {type(sd).__name__}, not a state dict of tensors")
@@ -152,15 +152,14 @@ def read_state_dict(path):
                              f"authors' CLIP4IDC checkpoint")
         extra = {"decoder": {k[len("decoder."):]: v for k, v in sd.items() if k.startswith("decoder.")}}
         sd, origin = {k[len("clip."):]: v for k, v in sd.items() if k.startswith("clip.")}, "quick_gelu"
-    if any(k.startswith("vision_model.") for k in sd):
+    if hf := any(k.startswith("vision_model.") for k in sd):
         sd, extra["hf"] = from_hf(sd, path), True
-        origin = hf_activation(path.parent / "config.json", sd)
     sd = {k: v for k, v in sd.items() if k not in NON_PARAMETERS}
-    if "visual.conv1.weight" not in sd or "visual.proj" not in sd or "token_embedding.weight" not in sd:
+    if not {"visual.conv1.weight", "visual.proj", "token_embedding.weight", "ln_final.weight"} <= sd.keys():
         found = ", ".join(list(sd)[:5])
-        raise SystemExit(f"{what} is not a CLIP ViT checkpoint (keys {found}, ...; no visual.conv1.weight, "
-                         f"visual.proj or token_embedding.weight)")
-    return sd, {**extra, "activation": origin}
+        raise SystemExit(f"{what} is not a CLIP ViT checkpoint with both towers (keys {found}, ...; no "
+                         f"visual.conv1.weight, visual.proj, token_embedding.weight or ln_final.weight)")
+    return sd, {**extra, "activation": hf_activation(path.parent / "config.json", sd) if hf else origin}
 
 
 def read_safetensors(path):
@@ -220,8 +219,12 @@ def hf_activation(config_file, sd):
     """config.json's hidden_act (None without the file); its heads must be model.CLIP's, width / 64."""
     if not config_file.is_file():
         return None
-    cfg = json.loads(config_file.read_text())
-    towers = {t: (cfg.get(f"{t}_config") or cfg.get(f"{t}_config_dict") or {}, sd[w].shape[0] // 64) for t, w in
+    try:
+        cfg = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SystemExit(f"{config_file} is not valid JSON ({e}): Hugging Face's config.json, or none") from None
+    # as transformers: an older file's *_config_dict over its *_config
+    towers = {t: (cfg.get(f"{t}_config_dict") or cfg.get(f"{t}_config") or {}, sd[w].shape[0] // 64) for t, w in
               (("vision", "visual.ln_pre.weight"), ("text", "ln_final.weight"))}
     if bad := [t for t, (c, heads) in towers.items() if c.get("num_attention_heads", heads) != heads]:
         raise SystemExit(f"{config_file}: the {bad[0]} tower's heads are not its width / 64, as model.CLIP splits it")

@@ -78,20 +78,20 @@ def _nonempty_captions(items, name, split):
     return [it for it in kept if it.captions]
 
 
-def _read_json(path, what, valid=lambda obj: True):
+def _read_json(path, what, valid=lambda obj: True, see=SEE):
     if not path.is_file():
-        raise SystemExit(f"missing {path}: expected {what} there, {SEE}")
+        raise SystemExit(f"missing {path}: expected {what} there, {see}")
     try:
         obj = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SystemExit(f"{path} is not valid JSON ({e}): expected {what}") from None
-    _expect(valid(obj), path, what)
+    _expect(valid(obj), path, what, see)
     return obj
 
 
-def _expect(ok, path, what):
+def _expect(ok, path, what, see=SEE):
     if not ok:
-        raise SystemExit(f"{path} is not in the expected format: {what} ({SEE})")
+        raise SystemExit(f"{path} is not in the expected format: {what} ({see})")
 
 
 def _captions_ok(caps):
@@ -180,14 +180,14 @@ _said = set()
 def _pairs(root, split, skip_missing, images):
     """Your own pairs: pairs.json's entries, paths relative to root; a bad one an error, or dropped (skip_missing)."""
     file, see = root / PAIRS, "README 'Your own image pairs'"
-    want = f'a list [{{"before": "a.png", "after": "b.png", "captions": ["..."], "split": "train"}}, ...] ({see})'
-    entries = _read_json(file, want, lambda obj: isinstance(obj, list) and all(
-        isinstance(d, dict) and isinstance(d.get("before"), str) and isinstance(d.get("after"), str) and
-        _captions_ok(d.get("captions")) for d in obj))
+    want = 'a list [{"before": "a.png", "after": "b.png", "captions": ["..."], "split": "train"}, ...]'
+    entries = _read_json(file, want, lambda obj: isinstance(obj, list), see)
     items, first, dropped = [], {}, Counter()
     for k, d in enumerate(entries):
-        pair = (d["before"], d["after"])
-        if d.get("split") not in ("train", "val", "test"):
+        pair = (d.get("before"), d.get("after")) if isinstance(d, dict) else None
+        if not (pair and all(isinstance(p, str) for p in pair) and _captions_ok(d.get("captions"))):
+            problem = "malformed entry", 'it needs "before" and "after" paths and a "captions" list of strings'
+        elif d.get("split") not in ("train", "val", "test"):
             problem = "unknown split", f"its split {d.get('split')!r} is not train, val or test"
         elif not any(c.strip() for c in d["captions"]):
             problem = "no caption", "its caption list is empty"
@@ -196,8 +196,7 @@ def _pairs(root, split, skip_missing, images):
         elif missing := [p for p in pair if images and not (root / p).is_file()]:
             problem = "missing image", f"no image at {root / missing[0]}: fix its path (relative to {root})"
         else:
-            problem = None
-        first.setdefault(pair, k)
+            problem, first[pair] = None, k  # what a later entry may repeat: a kept one
         if problem and not skip_missing:
             raise SystemExit(f"{file} entry {k} (from 0): {problem[1]} (or --skip-missing drops such entries)")
         dropped.update([problem[0]] if problem else [])

@@ -77,7 +77,7 @@ def evaluate_captioner(args, info):
     ctx = setup(0, args.device, args.amp)
     name, root = caption.data_source(args.data, args.data_root, info)
     model, vocab = caption.load_captioner(args.ckpt, ctx.device)
-    train_items = data.load_items(name, root, "train", "total", images=False)  # the baseline's captions
+    train_items = data.load_items(name, root, "train", "total", args.skip_missing, images=False)  # the baseline's
     test_items = data.load_items(name, root, "test", "total", args.skip_missing)
     loader = data.make_loader(data.ImageDataset(test_items, model.clip.cfg.image_resolution), args.eval_batch_size,
                               workers=args.workers, device=ctx.device)

@@ -1663,6 +1663,19 @@ def test_hugging_face_configs_we_cannot_run_are_refused(tmp_path):
         (folder / "config.json").write_text(json.dumps({**cfg, tower: {**cfg[tower], **change}}))
         with pytest.raises(SystemExit, match=what):
             load_clip(folder, n_inter=1)
+    # an older file's *_config_dict is what transformers reads, over its *_config
+    dicts = {f"{t}_config_dict": {**cfg[f"{t}_config"], "hidden_act": "gelu"} for t in ("text", "vision")}
+    (folder / "config.json").write_text(json.dumps({**cfg, **dicts}))
+    assert load_clip(folder, n_inter=1).cfg.activation == "gelu"
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="config.json is not valid JSON"):
+        load_clip(folder, n_inter=1)
+    # one tower alone (CLIPVisionModelWithProjection, as IP-Adapter's image_encoder): one line, no traceback
+    transformers = pytest.importorskip("transformers")
+    vision = transformers.CLIPVisionModelWithProjection(hf_clip("quick_gelu").config.vision_config)
+    vision.save_pretrained(tmp_path / "vision", safe_serialization=False)
+    with pytest.raises(SystemExit, match="not a CLIP ViT checkpoint with both towers"):
+        load_clip(tmp_path / "vision")
 
 
 def test_the_activation_follows_the_weights_origin(tmp_path, capsys, monkeypatch):
@@ -2116,7 +2129,8 @@ def test_your_own_pairs_and_each_bad_entry(tmp_path, capsys):
            "no caption": ({"captions": ["", " "]}, "entry 3 (from 0): its caption list is empty"),
            "repeated pair": ({"before": good[0]["before"], "after": good[0]["after"]},
                              "entry 3 (from 0): it repeats entry 0's"),
-           "missing image": ({"after": "gone.png"}, f"entry 3 (from 0): no image at {root / 'gone.png'}: fix its path")}
+           "missing image": ({"after": "gone.png"}, f"entry 3 (from 0): no image at {root / 'gone.png'}: fix its path"),
+           "malformed entry": ({"captions": "the cube moved"}, 'entry 3 (from 0): it needs "before" and "after" paths')}
     for kind, (change, message) in bad.items():
         entries = good + [{**good[1], "before": "extra_a.png", "after": "extra_b.png", **change}]
         own_pairs(root, entries)
@@ -2126,11 +2140,14 @@ def test_your_own_pairs_and_each_bad_entry(tmp_path, capsys):
             data.load_items("pairs", root, "val")
         assert [it.id for it in data.load_items("pairs", root, "val", skip_missing=True)] == ["1"]
         assert f"dropped 1 of 4 entries of {root / data.PAIRS} (1 {kind})" in capsys.readouterr().out
+    # a repeat of a dropped entry is kept
+    own_pairs(root, [{**good[0], "split": "Train"}, *good])
+    assert [it.id for it in data.load_items("pairs", root, "train", skip_missing=True)] == ["1"]
     (root / data.PAIRS).write_text(json.dumps([e for e in good if e["split"] != "test"]))
     with pytest.raises(SystemExit, match='has no test pair: give some entries "split": "test"'):
         data.load_items("pairs", root, "test")
     (root / data.PAIRS).write_text(json.dumps({"before": "a.png"}))
-    with pytest.raises(SystemExit, match="pairs.json is not in the expected format: a list"):
+    with pytest.raises(SystemExit, match=r"pairs.json is not in the expected format: a list .*Your own image pairs"):
         data.load_items("pairs", root, "train")
     with pytest.raises(SystemExit, match=r"no pairs dataset at .*see README 'Your own image pairs'"):
         data.load_items("pairs", tmp_path / "absent", "train")
@@ -4337,6 +4354,10 @@ def test_vit_b16_by_name_and_your_own_pairs_through_both_stages(tmp_path, monkey
     results = evaluate_py.main([*CPU, "--ckpt", str(cap), "--results", str(tmp_path / "again.json"), "--workers", "0",
                                 "--gallery", str(gallery)])
     assert len(results["predictions"]) == 4 and results["read_back"] is None and Image.open(gallery).size[0] > 0
+    (root / data.PAIRS).write_text(json.dumps(entries + [{**entries[0], "split": "Train"}]))  # dropped in each split
+    again = evaluate_py.main([*CPU, "--ckpt", str(cap), "--results", str(tmp_path / "third.json"), "--workers", "0",
+                              "--skip-missing"])
+    assert again["predictions"] == results["predictions"]
 
 
 @pytest.mark.slow
