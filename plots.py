@@ -48,7 +48,7 @@ def overlay(image, heat, alpha=0.55):
     return Image.blend(image.convert("RGB"), Image.fromarray(colormap(np.asarray(up) / 255.0)), alpha)
 
 
-try:  # Pillow 10.1's default font at size 10 loses its spaces; its bitmap font, any letter not Latin-1
+try:  # Pillow 10.1+'s default font at its size 10 drops spaces; its bitmap font has no letter beyond Latin-1
     FONT = ImageFont.load_default(11)
 except TypeError:  # an older Pillow's: the bitmap font, takes no size
     FONT = ImageFont.load_default()
