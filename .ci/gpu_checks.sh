@@ -3,7 +3,7 @@
 # under $OUT (default /tmp/gpu_checks): the cuda group, bench.py adapt / e2e, the quickstart timed, and the
 # rest of the suite on CPUs of its own (taskset) beside the cuda group and the step benchmarks. Wheels the machine
 # lacks go in .gpu/ first (ftfy, wcwidth, nltk, defusedxml, pytest-xdist and execnet for pytest -n, openai-clip;
-# meteor-1.5.jar for METEOR's synonyms):
+# meteor-1.5.jar for METEOR's synonyms; without transformers and its own wheels the Hugging Face tests skip):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .gpu \
 #       ftfy wcwidth nltk defusedxml pytest-xdist execnet
 #   pip wheel --no-deps openai-clip==1.0.1 -w .gpu; cp <pycocoevalcap>/meteor/meteor-1.5.jar .gpu/
