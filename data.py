@@ -174,7 +174,6 @@ def _levir(root, split):
 
 
 PAIRS = "pairs.json"
-_said = set()
 
 
 def _pairs(root, split, skip_missing, images):
@@ -202,10 +201,9 @@ def _pairs(root, split, skip_missing, images):
         dropped.update([problem[0]] if problem else [])
         if not problem and d["split"] == split:
             items.append(Item(str(k), str(root / pair[0]), str(root / pair[1]), d["captions"]))
-    if dropped and (said := f"--skip-missing: dropped {sum(dropped.values())} of {len(entries)} entries of {file} ("
-                            + ", ".join(f"{n} {kind}" for kind, n in dropped.items()) + ")") not in _said:
-        _said.add(said)
-        print(said)
+    if dropped and split == "train":  # said once a run: every run reads the train split
+        print(f"--skip-missing: dropped {sum(dropped.values())} of {len(entries)} entries of {file} ("
+              + ", ".join(f"{n} {kind}" for kind, n in dropped.items()) + ")")
     if not items:
         raise SystemExit(f'{file} has no {split} pair: give some entries "split": "{split}" ({see})')
     return items

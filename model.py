@@ -91,7 +91,7 @@ class ResidualAttentionBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, width, layers, heads, activation="quick_gelu"):
+    def __init__(self, width, layers, heads, activation):
         super().__init__()
         self.width, self.layers = width, layers
         self.resblocks = nn.ModuleList([ResidualAttentionBlock(width, heads, activation) for _ in range(layers)])
@@ -113,8 +113,7 @@ class PairEncoding(NamedTuple):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, input_resolution, patch_size, width, layers, heads, output_dim, n_inter=N_INTER,
-                 activation="quick_gelu"):
+    def __init__(self, input_resolution, patch_size, width, layers, heads, output_dim, n_inter, activation):
         super().__init__()
         assert 0 <= n_inter <= layers, f"n_inter={n_inter} must be within 0..{layers} (the vision layers)"
         self.input_resolution, self.n_inter = input_resolution, n_inter

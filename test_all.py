@@ -30,7 +30,9 @@ heads in both towers:
   read with ast), N + 0 (their module), their retrieval ranks, the stage-2 step and its batches;
 - the paper preset's captioner is the authors': built from their code (../shared/reference/authors_clip4idc) and
   saved as their trainer saves it, it gives our load_captioner the same tokens, logits and greedy captions; their
-  released layout, written out key by key, evaluates through README's command.
+  released layout, written out key by key, evaluates through README's command;
+- Hugging Face's CLIP layout gives transformers' own features (1e-5, QuickGELU and GELU), the activation follows the
+  weights' origin, and both stages run on a ViT-B/16-named file (16-pixel patches) over a pairs.json of one's own.
 On a GPU the cuda group adds: both stages under bf16 autocast (the mini CLIP, and a random ViT-B/32 through the
 paper preset), checkpoints written there holding CPU tensors and captioning alike on the CPU, --before/--after,
 greedy decoding in fp32, --compile, the step captured as a CUDA graph (--cuda-graphs).
@@ -2140,7 +2142,8 @@ def test_your_own_pairs_and_each_bad_entry(tmp_path, capsys):
         with pytest.raises(SystemExit, match=re.escape(message) + r".*\(or --skip-missing drops such entries\)"):
             data.load_items("pairs", root, "val")
         assert [it.id for it in data.load_items("pairs", root, "val", skip_missing=True)] == ["1"]
-        assert f"dropped 1 of 4 entries of {root / data.PAIRS} (1 {kind})" in capsys.readouterr().out
+        assert [it.id for it in data.load_items("pairs", root, "train", skip_missing=True)] == ["0"]
+        assert capsys.readouterr().out == f"--skip-missing: dropped 1 of 4 entries of {root / data.PAIRS} (1 {kind})\n"
     # a repeat of a dropped entry is kept
     own_pairs(root, [{**good[0], "split": "Train"}, *good])
     assert [it.id for it in data.load_items("pairs", root, "train", skip_missing=True)] == ["1"]
