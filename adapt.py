@@ -27,8 +27,7 @@ from train_utils import (GraphedStep, HelpFormatter, Progress, Settings, at_leas
                          save_state, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
-# settings: a preset (literal; None: decided by the weights, data or device), the flags given over it; the flags
-# every stage shares (train_utils.run_flags: seed, warmup, clipping, ...) have defaults of their own, not a preset's
+# settings: a literal preset (None: decided by the weights, data or device), the flags given over it
 
 SIZES = dict(image_size=None, vision_width=None, vision_layers=None, patch_size=None, text_width=None,
              text_layers=None, embed_dim=None)  # None: the CLIP file's own
@@ -108,8 +107,7 @@ def parser():
 
 
 def settings(argv=None):
-    """Every setting, decided once: the preset, the flags given over it, then what the CLIP file, the
-    dataset and the device decide; a flag the run would ignore is an error."""
+    """Every setting, decided once: the preset, the flags given over it, what the CLIP, data and device decide."""
     p = parser()
     flags, given = p.parse_args(argv), given_flags(p, argv)
     preset = flags.preset or ("mini" if flags.clip in clip_load.SHIPPED else "paper" if flags.clip else

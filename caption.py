@@ -32,8 +32,7 @@ from train_utils import (HelpFormatter, Progress, Settings, at_least, authors_de
                          save_state, setup, train_epoch, warmup_cosine, where)
 
 # -----------------------------------------------------------------------------
-# settings: a preset (literal; None: decided by the weights, data or device), the flags given over it; the flags
-# every stage shares (train_utils.run_flags: seed, warmup, clipping, ...) have defaults of their own, not a preset's
+# settings: a literal preset (None: decided by the weights, data or device), the flags given over it
 
 PRESETS = {
     # the authors' (scripts/caption_clevr.sh; patience: main_task_caption.py 743-750); width None: CLIP's words'
@@ -119,8 +118,7 @@ def test_flags(p):
 
 
 def settings(argv=None):
-    """Every setting, decided once: the preset, the flags given over it, then what the encoder file, the
-    dataset and the device decide; a flag the run would ignore is an error."""
+    """Every setting, decided once: the preset, the flags given over it, what the encoder, data and device decide."""
     p = parser()
     flags, given = p.parse_args(argv), given_flags(p, argv)
     bad = lambda flag, why: p.error(f"argument {flag}: {why}")
@@ -183,7 +181,7 @@ def mem_pool_for(grid):
 
 
 def data_source(name, root, info):
-    """The dataset: the flags', else the checkpoint's (info: read_ckpt_info); the authors' weights need real data."""
+    """The dataset: the flags', else the checkpoint's (read_ckpt_info)."""
     made_on = info.get("data") or {}
     name = name or made_on.get("name", "clevr")
     root = root or (made_on.get("root") if made_on.get("name") == name else None)
@@ -209,8 +207,7 @@ def is_bpe(vocab):
 
 
 def encode_captions(items, vocab, max_len):
-    """Every caption, in order -> ids (N, max_len + 1): start, words (at most max_len - 1), end, padding 0 (the
-    authors' dataloader_clevr_caption.py 152-172)."""
+    """Every caption -> ids (N, max_len + 1): start, words, end, padding 0 (dataloader_clevr_caption.py 152-172)."""
     index = {w: i for i, w in enumerate(vocab)}
     start, end = (clip_load.SOT, clip_load.EOT) if is_bpe(vocab) else (BOS, EOS)
     ids = [clip_load.encode(c) if is_bpe(vocab) else [index.get(w, UNK) for w in words(c)]
@@ -254,8 +251,7 @@ class PairCaptioner(nn.Module):
         self.clip, self.captioner = clip, captioner
 
     def memory(self, before=None, after=None, tokens=None, both_ways=False):
-        """The pair encoder's tokens (pooled by the mini captioner), or encode_all's `tokens`; both_ways:
-        (after, before) too, as rows B..2B-1."""
+        """The pair encoder's tokens, pooled by the captioner, or encode_all's `tokens`."""
         if tokens is not None:
             return tokens
         return self.captioner.pool(self.clip.visual.forward_pair(before, after, both_ways).tokens.float())
@@ -320,8 +316,7 @@ def load_captioner(path, device="cpu"):
 
 
 def read_ckpt_info(path):
-    """Our checkpoints' entries but the weights; the authors': {"stage": "caption" or "adapt", "authors": True};
-    {} for OpenAI's or a bare state dict."""
+    """Our checkpoints' entries but the weights; the authors': their stage; {} for any other."""
     path = clip_load.resolve(path)
     try:  # mapped: the weights are not read
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
@@ -334,15 +329,14 @@ def read_ckpt_info(path):
 
 
 def lr_rule(args):
-    """Parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py 640-667): the
-    captioner at --lr, the image tower but its input embeddings at --encoder-lr, the tied words on spot only; the
-    text tower frozen (theirs trains, but gets no gradient)."""
+    """Parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py 640-667); the text
+    tower frozen (theirs gets no gradient)."""
     def lr(name):
         if name.startswith("captioner."):
             return args.lr
         if args.freeze_encoder:
             return None
-        # the captioner's tied words go by their clip.* name (clip comes first in PairCaptioner)
+        # the tied words go by their clip.* name
         if name == "clip.token_embedding.weight" and args.captioner == "authors" and args.data == "spot":
             return args.encoder_lr
         inside = name[len("clip."):]
@@ -386,8 +380,7 @@ def summary(scores):
 
 
 def final_test(model, loader, train_items, items, vocab, ctx, name, root, results_path, beam=1):
-    """The captioner on test -> results (scores, by type, the constant-caption baseline, predictions,
-    the read-back and attention figures), to results_path and the log."""
+    """The captioner on test -> results, to results_path and the log."""
     t0 = time.time()
     preds = predict(model, loader, items, vocab, ctx, beam)
     scores, by_type = score(items, preds, by_type=name == "clevr")
@@ -428,7 +421,7 @@ def report(results, results_path, beam, n, seconds):
 
 
 def load_data(args, vocab=None):
-    """The "total" setting's splits, the vocabulary (a resumed run's, else built), the training captions' ids."""
+    """The "total" splits, the vocabulary (a resumed run's, else built), the training captions' ids."""
     splits = {s: data.load_items(args.data, args.data_root, s, "total", args.skip_missing)
               for s in ("train", "val", "test")}
     if args.reverse:

@@ -118,8 +118,7 @@ def download(url, path, expected):
 
 
 def read_state_dict(path):
-    """A checkpoint -> (CLIP state dict in OpenAI's names, the file's other entries, the authors' `decoder.*` and
-    the origin's activation among them)."""
+    """A checkpoint -> (CLIP state dict in OpenAI's names, the file's other entries and the origin's activation)."""
     path, origin = Path(path), None
     if path.is_dir():  # Hugging Face's folder
         if not (file := next((path / n for n in HF_FILES if (path / n).is_file()), None)):
@@ -275,8 +274,7 @@ AUTHORS_TIED = {"embeddings.word_embeddings.weight": "token_embedding.weight",  
 
 
 def authors_captioner(decoder, clip_sd, path):
-    """Their `decoder.*` entries -> (model.Captioner's state dict, encoder layers, decoder layers); the tied copies
-    checked against CLIP's."""
+    """Their `decoder.*` -> (model.Captioner's state dict, encoder layers, decoder layers); tied copies checked."""
     ours = {}
     for k, v in decoder.items():
         if k in AUTHORS_TIED:

@@ -214,7 +214,7 @@ class BadImage(OSError):
 
 
 def run(main):
-    """A script's main(); an undecodable image met in it said in one line, without the DataLoader's traceback."""
+    """A script's main(); an undecodable image said in one line, not the DataLoader's traceback."""
     try:
         return main()
     except BadImage as e:
@@ -254,7 +254,7 @@ def _check_files(items, name, root, split, skip_missing):
 
 
 def _decode_uint8(path, size):
-    """The decoding rule: squashed to uint8 [3, size, size]; BadImage, not SystemExit (that would hang a Pool)."""
+    """Squashed to uint8 [3, size, size]; BadImage, not SystemExit (that would hang a Pool)."""
     try:
         return resize_uint8(open_image(path), size).numpy()
     except SystemExit as e:
@@ -290,8 +290,7 @@ def use_image_cache(items, size, flag=None, directory=None):
 
 
 class ImageCache:
-    """The items' images decoded once to uint8 [N, 3, S, S] in a memmapped file, named by a hash of the
-    preprocessing, the size and every image's path, size and time."""
+    """The items' images decoded once to uint8 [N, 3, S, S] in a memmapped file named by a hash of what made it."""
 
     def __init__(self, items, size, workers=2, log_every=0, directory=None):
         paths = image_paths(items)
@@ -351,7 +350,7 @@ def _build_cache(folder, paths, size, workers, log_every):
 
 
 def _start_build(folder):
-    """This process's build folder beside `folder` (host, pid); dead builds' leftovers on this host removed."""
+    """This process's build folder beside `folder`; dead builds' leftovers on this host removed."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     host = socket.gethostname()
     for old in folder.parent.glob(f"{folder.name}.tmp-{host}-*"):
@@ -384,8 +383,8 @@ def open_image_cache(items, size, flag=None, directory=None):
 
 
 class _Pairs(torch.utils.data.Dataset):
-    """Items -> dicts of uint8 "before", "after" (or a frozen encoder's "features") and the dataset's fields;
-    `parts(key)` says what a sample is, `__getitems__` builds whole batches."""
+    """Items -> dicts of uint8 "before", "after" (or a frozen encoder's "features") and `parts(key)`'s fields;
+    `__getitems__` builds whole batches."""
 
     def __init__(self, items, size=224, cache=None, features=None):
         self.items, self.size, self.cache, self.features = items, size, cache, features
@@ -423,8 +422,8 @@ def set_epoch(loader, epoch):
 
 
 class CaptionDataset(_Pairs):
-    """Training samples {"before", "after" (or "features"), "ids", "index"}: one per caption, or (draw) one
-    per pair, its caption drawn per epoch; swap_prob: the chance of the non-semantic before image."""
+    """Training samples: one per caption, or (draw) one per pair, its caption drawn per epoch; swap_prob: the chance
+    of the non-semantic before image."""
 
     def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None, seed=0, ids=None,
                  draw=False, features=None):
@@ -498,7 +497,7 @@ class DistractorBatches(torch.utils.data.Sampler):
 
 
 def distractor_partners(items):
-    """(change, distractor) indices of each change pair whose distractor is in `items` (000042, 000042_n)."""
+    """(change, distractor) indices of each change pair whose distractor (000042_n) is in `items`."""
     index = {it.id: i for i, it in enumerate(items)}
     partner = lambda i: i[:-2] + "_n_r" if i.endswith("_r") else i + "_n"
     return [(i, index[partner(it.id)]) for i, it in enumerate(items)

@@ -72,8 +72,7 @@ def caption_images(args):
 
 
 def evaluate_captioner(args, info):
-    """caption.final_test (and --gallery); the authors' weights under bf16 also decoded in fp32, the differences
-    counted."""
+    """caption.final_test (and --gallery); the authors' weights under bf16 also decoded in fp32."""
     ctx = setup(0, args.device, args.amp)
     name, root = caption.data_source(args.data, args.data_root, info)
     model, vocab = caption.load_captioner(args.ckpt, ctx.device)

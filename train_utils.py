@@ -143,12 +143,12 @@ def pick_device(device=None):
 
 
 def concrete_amp(amp, device):
-    """--amp auto as it runs: bf16 on CUDA, off on a CPU (so --resume on the other kind of device is refused)."""
+    """--amp auto as it runs: bf16 on CUDA, off on a CPU."""
     return ("bf16" if device.startswith("cuda") else "off") if amp == "auto" else amp
 
 
 def check_sizes(parser, image_size, patch_size, widths):
-    """A model from flags: whole patches, widths ({flag: width}) that split into width // 64 heads."""
+    """Whole patches, widths ({flag: width}) that split into width // 64 heads."""
     if image_size % patch_size:
         parser.error(f"argument --image-size: {image_size} is not a multiple of --patch-size {patch_size}")
     for flag, w in widths.items():
@@ -240,8 +240,7 @@ def warmup_cosine(optimizer, total_steps, warmup_frac=0.1):
 
 
 def authors_schedule(optimizer, total_steps, warmup_frac=0.1, kind="cosine"):
-    """The authors' schedules (optimization.py 26-42) of x = step / total_steps: x / warmup, then
-    0.5 (1 + cos(pi x)) (stage 1) or (1 - x) / (1 - warmup) (stage 2)."""
+    """The authors' schedules of x = step / total_steps (optimization.py 26-42): stage 1's cosine, stage 2's linear."""
     def factor(step):
         x = step / total_steps
         if x < warmup_frac:
@@ -267,7 +266,7 @@ def param_groups(named_params, rule, weight_decay, decays=None):
 
 
 def policy_table(named_params, rule):
-    """The rule as a table: a line per group (the name up to its block number) and rate, its size."""
+    """The rule as a table: a line per group of names and rate, its size."""
     rows = {}
     for name, p in named_params:
         parts = name.split(".")
@@ -321,8 +320,8 @@ def make_optimizer(groups, device, rule, betas, capturable=False):
 
 
 class GraphedStep:
-    """A stage's `update(batch) -> loss` captured once as a CUDA graph and replayed, then the schedule's step;
-    the first batch warms up on a side stream, undone. Other shapes (and a CPU) run eagerly."""
+    """A stage's `update(batch) -> loss` captured once as a CUDA graph and replayed, then the schedule's step; other
+    shapes (and a CPU) run eagerly."""
 
     def __init__(self, ctx, update, optimizer, scheduler, params):
         self.ctx, self.body, self.params, self.optimizer, self.scheduler = ctx, update, params, optimizer, scheduler
@@ -374,7 +373,7 @@ def shapes(batch):
 
 @dataclass
 class Progress:
-    """A progress line's `epoch` (0-based) of `epochs`, of `total_steps`, every `log_every` steps."""
+    """What the progress line says: `epoch` (0-based) of `epochs`, every `log_every` steps."""
     epoch: int
     epochs: int
     total_steps: int
@@ -383,7 +382,7 @@ class Progress:
 
 
 def train_epoch(ctx, loader, step, optimizer, run, progress):
-    """`step(batch) -> loss` on each batch -> the mean loss; a progress line every log_every steps, NaN stops."""
+    """`step(batch) -> loss` on each batch -> the mean loss; a NaN stops."""
     t0, seen, count, checked = time.time(), 0, 0, run["step"]
     total = torch.zeros((), device=ctx.device)
     for batch in loader:
@@ -444,7 +443,7 @@ def to_cpu(obj):
 
 
 def save_atomic(obj, path):
-    """torch.save to a temporary file renamed into place: a kill while writing leaves the previous file whole."""
+    """torch.save to a temporary file renamed into place."""
     path = str(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
@@ -474,7 +473,7 @@ def load_resume(out, device="cpu"):
 
 
 def save_state(out, model, optimizer, scheduler, run, args, **extra):
-    """The resumable state: run's keys, the model's, optimizer's, schedule's and random streams' state."""
+    """The resumable state: run's keys, the model's, optimizer's, schedule's and random streams'."""
     save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "rng": rng_state(), **run, "args": vars(args), **extra}, last_path(out))
 
