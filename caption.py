@@ -233,7 +233,7 @@ def caption_loss(logits, targets):
 def batch_loss(model, batch, device, frozen=False, paired=False):
     """caption_loss of a batch; paired (change pairs, then their distractors): the authors' loss1 + loss2
     (main_task_caption.py 307-341)."""
-    ids = batch["ids"][:, :int((batch["ids"] != PAD).sum(1).max())].to(device)
+    ids = batch["ids"][:, :int((batch["ids"] != PAD).any(0).nonzero().max()) + 1].to(device)  # BPE's "!" is 0 too
     logits = model(ids[:, :-1], **model_inputs(batch, device, frozen))
     if paired:
         h = len(ids) // 2

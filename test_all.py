@@ -3710,6 +3710,22 @@ def test_caption_loss_is_the_mean_over_words_not_padding():
     assert torch.allclose(caption.caption_loss(logits, targets), torch.stack(terms).mean(), atol=1e-6)
 
 
+def test_batch_loss_keeps_the_end_of_a_caption_with_an_exclamation_mark():
+    """caption.batch_loss cuts the batch's padding after its last token, not after its count of tokens: CLIP's BPE
+    pads with 0, which is also "!" (as in "!("), so the longest caption, one with such a "!", keeps its end (the loss
+    equals the uncut batch's, the decoder being causal)."""
+    pair = paper_captioner()
+    ids = caption.encode_captions([data.Item("0", "b", "a", ["the cube !( is red !; now", "a cube"])],
+                                  clip_load.bpe_tokens(), 16)
+    assert (ids[0, 1:ids[0].tolist().index(clip_load.EOT)] == 0).sum() == 2  # two "!" inside the caption
+    grid = PAPER_CLIP.image_resolution // PAPER_CLIP.vision_patch_size
+    batch = {"ids": ids, "features": torch.randn(2, 2 * (grid ** 2 + 1), PAPER_CLIP.embed_dim)}
+    with torch.no_grad():
+        got = caption.batch_loss(pair, batch, "cpu", frozen=True)
+        logits = pair(ids[:, :-1], tokens=batch["features"])
+    assert got.item() == pytest.approx(caption.caption_loss(logits, ids[:, 1:]).item(), rel=1e-6)
+
+
 def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     """caption.py's training settings come from its preset unless a flag says otherwise (weight decay and warmup,
     the same in both presets, from their flags' defaults: the authors' 0.01 and 0.1); its rule: the captioner at
