@@ -110,8 +110,10 @@ def settings(argv=None):
     """Every setting, decided once: the preset, the flags given over it, what the CLIP, data and device decide."""
     p = parser()
     flags, given = p.parse_args(argv), given_flags(p, argv)
-    preset = flags.preset or ("mini" if flags.clip in clip_load.SHIPPED else "paper" if flags.clip else
-                              "paper" if data.is_real(flags.data, flags.data_root) else "mini")
+    if flags.clip:  # a shipped small CLIP means the miniature, any other weights the paper
+        preset = flags.preset or ("mini" if flags.clip in clip_load.SHIPPED else "paper")
+    else:  # a real dataset means the paper (with ViT-B/32), the synthetic set the miniature
+        preset = flags.preset or ("paper" if data.is_real(flags.data, flags.data_root) else "mini")
     bad = lambda flag, why: p.error(f"argument {flag}: {why}")
     s = over_preset(flags, given, PRESETS, preset, bad)
     if "swap_prob" in given and flags.data != "clevr":
@@ -305,6 +307,7 @@ def banner(ctx, args):
 
 
 def load_data(args, ctx, model):
+    # CLEVR-Change's "semantic" setting: the change pairs alone (stage 2's "total" adds the distractor pairs)
     split = lambda s: data.load_items(args.data, args.data_root, s, setting="semantic", skip_missing=args.skip_missing)
     splits = {s: split(s) for s in ("train", "val", "test")}
     cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache)

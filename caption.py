@@ -422,7 +422,7 @@ def report(results, results_path, beam, n, seconds):
 
 def load_data(args, vocab=None):
     """The "total" splits, the vocabulary (a resumed run's, else built), the training captions' ids."""
-    splits = {s: data.load_items(args.data, args.data_root, s, "total", args.skip_missing)
+    splits = {s: data.load_items(args.data, args.data_root, s, "total", args.skip_missing)  # distractors too
               for s in ("train", "val", "test")}
     if args.reverse:
         splits["train"] = splits["train"] + synth.reversed_pairs(splits["train"], args.data_root)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 # building blocks (OpenAI's names: ln_1, attn.in_proj_weight, mlp.c_fc, ...)
 
 USE_SDPA = True  # False: the plain softmax below (tests, FLOP counts)
-N_INTER = 3  # the paper's 9 + 3: the inter blocks of a CLIP file that records none (ViT-L/14: 21 + 3)
+N_INTER = 3  # inter blocks where the weights do not say (OpenAI's): the paper's 9 + 3, ViT-L/14's 21 + 3
 
 
 class LayerNorm(nn.LayerNorm):
