@@ -49,13 +49,12 @@ def at_least(low, kind=int, most=None, below=None):
         try:
             x = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
-                                             f"got {text!r}") from None
-        if not x >= low:  # and nan
-            raise argparse.ArgumentTypeError(f"must be at least {low}, got {text}")
-        if (most is not None and not x <= most) or (below is not None and not x < below):
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {most}], got {text}" if most is not None else
-                                             f"must be in [{low}, {below}), got {text}")
+            x = None
+        if x is None or not (x >= low and (most is None or x <= most) and (below is None or x < below)):  # and nan
+            within = (f"in [{low}, {most}]" if most is not None else f"in [{low}, {below})" if below is not None else
+                      f">= {low}")
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} {within}, "
+                                             f"got {text!r}")
         return x
     number.__name__ = f"{kind.__name__} >= {low}"
     return number
