@@ -23,7 +23,7 @@ import data
 import metrics
 import plots
 import synth
-from model import (INPUT_EMBEDDINGS, Captioner, CaptionerConfig, MiniCaptioner, MiniCaptionerConfig,
+from model import (INPUT_EMBEDDINGS, MAX_LEN, Captioner, CaptionerConfig, MiniCaptioner, MiniCaptionerConfig,
                    authors_fp16_, beam_search, generate)
 from train_utils import (HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule, check_resume,
                          concrete_amp, end_epoch, flag_error, fmt_time, freeze, given_flags, image_cache_flag,
@@ -53,7 +53,6 @@ PRESETS = {
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)  # the mini's words; CLIP's BPE pads with 0 too (its "!")
-MAX_LEN = 32  # a caption's most tokens, the end included (the authors' --max_words)
 CHANGE_TYPES = ("color", "material", "move", "add", "drop", "distractor")
 FORMAT = 3  # captioner.pt's layout
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 # building blocks (OpenAI's names: ln_1, attn.in_proj_weight, mlp.c_fc, ...)
 
 USE_SDPA = True  # False: the plain softmax below (tests, FLOP counts)
+MAX_LEN = 32  # a caption's most tokens, the end included (the authors' --max_words)
 N_INTER = 3  # inter blocks where the weights do not say (OpenAI's): the paper's 9 + 3, ViT-L/14's 21 + 3
 
 
@@ -411,7 +412,7 @@ class CaptionerConfig:
     heads: int = 8
     enc_layers: int = 3
     dec_layers: int = 3
-    max_len: int = 32  # generated tokens
+    max_len: int = MAX_LEN
     dropout: float = 0.1
 
 
@@ -491,7 +492,7 @@ class MiniCaptionerConfig:
     heads: int = 4
     enc_layers: int = 0
     dec_layers: int = 2
-    max_len: int = 32
+    max_len: int = MAX_LEN
     dropout: float = 0.1
     mem_diff: bool = True
     mem_pool: int = 2
