@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import clip_load
 import data
 import plots
-from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, authors_fp16_, share_joint_positions_
+from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, authors_fp16_, heads_for, share_joint_positions_
 from train_utils import (GraphedStep, HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule,
                          check_resume, check_sizes, concrete_amp, end_epoch, freeze, given_flags, image_cache_flag,
                          interrupted, load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset,
@@ -157,7 +157,7 @@ def new_model(args):
     clip = clip_load.load_clip(args.clip, n_inter=args.n_inter, activation=args.activation) if args.clip else CLIP(
         CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size,
                    args.context_length, transformer_width=args.text_width, transformer_layers=args.text_layers,
-                   transformer_heads=max(1, args.text_width // 64), n_inter=args.n_inter, activation=args.activation))
+                   transformer_heads=heads_for(args.text_width), n_inter=args.n_inter, activation=args.activation))
     if args.shared_p and args.n_inter:
         share_joint_positions_(clip.visual, args.shared_p)
     return clip

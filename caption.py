@@ -24,7 +24,7 @@ import metrics
 import plots
 import synth
 from model import (INPUT_EMBEDDINGS, MAX_LEN, Captioner, CaptionerConfig, MiniCaptioner, MiniCaptionerConfig,
-                   authors_fp16_, beam_search, generate)
+                   authors_fp16_, beam_search, generate, heads_for)
 from train_utils import (HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule, check_resume,
                          concrete_amp, end_epoch, flag_error, fmt_time, freeze, given_flags, image_cache_flag,
                          interrupted, load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset,
@@ -155,7 +155,7 @@ def settings(argv=None):
         s["mem_pool"] = mem_pool_for(grid)
     if not authors and grid % s["mem_pool"]:
         bad("--mem-pool", f"{s['mem_pool']} does not divide {flags.ckpt}'s {grid}x{grid} patch grid")
-    s["heads"] = s["heads"] or max(1, s["width"] // 64)
+    s["heads"] = s["heads"] or heads_for(s["width"])
     if s["width"] % s["heads"]:
         bad("--heads", f"{s['heads']} heads do not divide the width {s['width']}")
 
@@ -300,7 +300,7 @@ def load_captioner(path, device="cpu"):
         state, enc, dec = clip_load.authors_captioner(extra["decoder"], sd, path)
         width = clip.cfg.transformer_width
         captioner = Captioner(CaptionerConfig(clip.cfg.vocab_size, 2 * clip.visual.positional_embedding.shape[0],
-                                              width, max(1, width // 64), enc, dec, MAX_LEN), clip)
+                                              width, heads_for(width), enc, dec, MAX_LEN), clip)
         vocab = clip_load.bpe_tokens()
     else:
         state, cfg, vocab = extra["captioner"], extra["captioner_config"], extra["vocab"]

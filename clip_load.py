@@ -23,7 +23,7 @@ import regex as re
 import torch
 from PIL import Image
 
-from model import ACTIVATIONS, N_INTER, build_model, config_of
+from model import ACTIVATIONS, N_INTER, build_model, config_of, heads_for
 
 # -----------------------------------------------------------------------------
 # weights
@@ -223,7 +223,7 @@ def hf_activation(config_file, sd):
     except (ValueError, UnicodeDecodeError) as e:
         raise SystemExit(f"{config_file} is not valid JSON ({e}): Hugging Face's config.json, or none") from None
     # as transformers: an older file's *_config_dict over its *_config
-    towers = {t: (cfg.get(f"{t}_config_dict") or cfg.get(f"{t}_config") or {}, max(1, sd[w].shape[0] // 64)) for t, w in
+    towers = {t: (cfg.get(f"{t}_config_dict") or cfg.get(f"{t}_config") or {}, heads_for(sd[w].shape[0])) for t, w in
               (("vision", "visual.ln_pre.weight"), ("text", "ln_final.weight"))}
     if bad := [t for t, (c, heads) in towers.items() if c.get("num_attention_heads", heads) != heads]:
         raise SystemExit(f"{config_file}: the {bad[0]} tower's heads are not its width / 64, as model.CLIP splits it")

@@ -37,6 +37,11 @@ class QuickGELU(nn.Module):
         return x * torch.sigmoid(1.702 * x)
 
 
+def heads_for(width):
+    """OpenAI's CLIPs' (and so the authors' captioner's) heads: 64 wide."""
+    return max(1, width // 64)
+
+
 ACTIVATIONS = {"quick_gelu": QuickGELU, "gelu": nn.GELU}  # OpenAI's CLIPs; open_clip's LAION-trained ViTs
 
 
@@ -203,7 +208,7 @@ class CLIP(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.visual = VisionTransformer(cfg.image_resolution, cfg.vision_patch_size, cfg.vision_width,
-                                        cfg.vision_layers, cfg.vision_width // 64 or 1, cfg.embed_dim, cfg.n_inter,
+                                        cfg.vision_layers, heads_for(cfg.vision_width), cfg.embed_dim, cfg.n_inter,
                                         cfg.activation)
         self.transformer = Transformer(cfg.transformer_width, cfg.transformer_layers, cfg.transformer_heads,
                                        cfg.activation)
@@ -288,7 +293,7 @@ def config_of(sd, n_inter=N_INTER, activation="quick_gelu"):
     layers = len({k.split(".")[2] for k in sd if k.startswith("transformer.resblocks.")})
     return CLIPConfig(sd["text_projection"].shape[1], patch * grid, vision_layers, vision_width, patch,
                       sd["positional_embedding"].shape[0], sd["token_embedding.weight"].shape[0], width,
-                      max(1, width // 64), layers, n_inter, activation)
+                      heads_for(width), layers, n_inter, activation)
 
 
 def build_model(sd, n_inter=N_INTER, activation="quick_gelu"):

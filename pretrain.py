@@ -34,7 +34,7 @@ import adapt
 import clip_load
 import data
 import synth
-from model import CLIP, PAIR_KEYS, CLIPConfig
+from model import CLIP, PAIR_KEYS, CLIPConfig, heads_for
 from train_utils import (HelpFormatter, Progress, Settings, at_least, check_resume, check_sizes, concrete_amp,
                          end_epoch, fmt_time, freeze, given_flags, last_path, load_resume, log, make_optimizer, new_run,
                          param_groups, pick_device, resume_run, run_flags, save_atomic, save_state, setup, train_epoch,
@@ -454,7 +454,7 @@ def main(argv=None):
     # a CLIP from nothing, as adapt.py's scratch preset builds one
     model = CLIP(CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size,
                             args.context_length, transformer_width=args.text_width,
-                            transformer_layers=args.text_layers, transformer_heads=max(1, args.text_width // 64),
+                            transformer_layers=args.text_layers, transformer_heads=heads_for(args.text_width),
                             n_inter=args.vision_layers // 3))
     if args.mimetic_init:
         mimetic_init_(model.visual)

@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from model import heads_for
+
 # -----------------------------------------------------------------------------
 # device, numerics, arguments
 
@@ -151,7 +153,7 @@ def check_sizes(parser, image_size, patch_size, widths):
     if image_size % patch_size:
         parser.error(f"argument --image-size: {image_size} is not a multiple of --patch-size {patch_size}")
     for flag, w in widths.items():
-        if w % (w // 64 or 1):
+        if w % heads_for(w):
             parser.error(f"argument {flag}: {w} does not split into width // 64 heads: give a multiple of 64")
 
 
