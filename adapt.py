@@ -34,22 +34,25 @@ SIZES = dict(image_size=None, vision_width=None, vision_layers=None, patch_size=
 PRESETS = {
     # the authors' (main_task_retrieval.py, scripts/retrieve_clevr.sh); epochs None: 12, on spot 20 (retrieve_spot.sh)
     "paper": dict(clip="ViT-B/32", n_inter=3, **SIZES, batch_size=128, epochs=None, lr_new=1e-4, lr_clip=1e-7,
-                  weight_decay=0.2, optimizer="bertadam", betas=(0.9, 0.98), select="text->pair R@1",
-                  tie_is_gain=True, workers=8, draw_captions=False, swap_prob=None, shared_p=0.0, freeze_blocks=0,
-                  cuda_graphs=None),
+                  weight_decay=0.2, optimizer="bertadam", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0,
+                  select="text->pair R@1", tie_is_gain=True, workers=8, draw_captions=False, swap_prob=None,
+                  shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
     # the shipped small CLIP (12x12 patches of 8 px), 4 + 2 blocks, CLIP at the authors' 1e-7
     "mini": dict(clip="mini12-synth", n_inter=2, **SIZES, batch_size=32, epochs=1, lr_new=1e-3, lr_clip=1e-7,
-                 weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), select="R@mean", tie_is_gain=True,
-                 workers=0, draw_captions=True, swap_prob=None, shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
+                 weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0,
+                 select="R@mean", tie_is_gain=True, workers=0, draw_captions=True, swap_prob=None, shared_p=0.0,
+                 freeze_blocks=0, cuda_graphs=None),
     # not the paper's: mini whose inter blocks learn to compare (the intra frozen, p alike in both images)
     "compare": dict(clip="mini12-synth", n_inter=2, **SIZES, batch_size=32, epochs=12, lr_new=1e-3, lr_clip=3e-4,
-                    weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), select="R@mean", tie_is_gain=True,
-                    workers=0, draw_captions=True, swap_prob=None, shared_p=10.0, freeze_blocks=4, cuda_graphs=None),
+                    weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0,
+                    select="R@mean", tie_is_gain=True, workers=0, draw_captions=True, swap_prob=None, shared_p=10.0,
+                    freeze_blocks=4, cuda_graphs=None),
     # the from-scratch ablation: ViT-B/32's 9 + 3 blocks at 1/12 of its width, one rate
     "scratch": dict(clip=None, n_inter=3, image_size=96, vision_width=64, vision_layers=12, patch_size=16,
                     text_width=128, text_layers=3, embed_dim=128, batch_size=32, epochs=3, lr_new=3e-4, lr_clip=3e-4,
-                    weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), select="R@mean", tie_is_gain=True,
-                    workers=0, draw_captions=False, swap_prob=None, shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
+                    weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0,
+                    select="R@mean", tie_is_gain=True, workers=0, draw_captions=False, swap_prob=None, shared_p=0.0,
+                    freeze_blocks=0, cuda_graphs=None),
 }
 
 
@@ -95,7 +98,7 @@ def parser():
     p.add_argument("--weight-decay", type=at_least(0.0, float), help=f"weight decay {pre('weight_decay')}")
     optimizer_flag(p, "cosine", pre("optimizer"))
     # run
-    run_flags(p)
+    run_flags(p, pre=pre)
     p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 (model.authors_fp16_) and "
                    "two-GPU gradient (two_gpu_gradient_)")
     p.add_argument("--out", default="adapted.pt", help="best-on-val checkpoint; resumable state in *.last.pt")
@@ -363,7 +366,7 @@ def main(argv=None):
     log("   what trains:\n" + policy_table(model.named_parameters(), rule))
     theirs = args.optimizer == "bertadam"
     groups = param_groups(model.named_parameters(), rule, args.weight_decay, authors_decays(model) if theirs else None)
-    optimizer = make_optimizer(groups, ctx.device, args.optimizer, args.betas, capturable=args.cuda_graphs)
+    optimizer = make_optimizer(groups, ctx.device, args.optimizer, args.betas, args.eps, args.cuda_graphs)
     total_steps = args.epochs * len(loader)
     scheduler = (authors_schedule if theirs else warmup_cosine)(optimizer, total_steps, args.warmup)
     # the temperature clamped after each step, as the authors' (main_task_retrieval.py 287-291)

@@ -144,7 +144,7 @@ def throughput(fn, device, steps=10, warmup=3):
 def paper_adapt_args():
     """adapt.py's paper preset (its settings but the CLIP file's, which a random ViT-B/32 stands for here)."""
     from adapt import PRESETS
-    return SimpleNamespace(**PRESETS["paper"], warmup=0.1, grad_clip=1.0)
+    return SimpleNamespace(**PRESETS["paper"])
 
 
 def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=False, cfg=None):

@@ -38,18 +38,18 @@ PRESETS = {
     # the authors' (scripts/caption_clevr.sh; patience: main_task_caption.py 743-750); width None: CLIP's words'
     "paper": dict(captioner="authors", width=None, heads=None, enc_layers=3, dec_layers=3, mem_diff=None,
                   mem_pool=None, batch_size=16, lr=1e-4, encoder_lr=1e-7, freeze_encoder=False, epochs=50,
-                  reverse=False, optimizer="bertadam", betas=(0.9, 0.999), weight_decay=0.01, dropout=0.1,
-                  patience=11, tie_is_gain=True, pair_distractors=True),
+                  reverse=False, optimizer="bertadam", betas=(0.9, 0.999), eps=1e-6, warmup=0.1, grad_clip=1.0,
+                  weight_decay=0.01, dropout=0.1, patience=11, tie_is_gain=True, pair_distractors=True),
     # for a CPU, adapt.py's small encoders frozen; None: decided by the grid (mem_pool) or the data (reverse)
     "mini": dict(captioner="mini", width=128, heads=4, enc_layers=0, dec_layers=2, mem_diff=True, mem_pool=None,
                  batch_size=32, lr=1e-3, encoder_lr=0.0, freeze_encoder=True, epochs=15, reverse=None,
-                 optimizer="adamw", betas=(0.9, 0.98), weight_decay=0.01, dropout=0.1, patience=10, tie_is_gain=False,
-                 pair_distractors=False),
+                 optimizer="adamw", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0, weight_decay=0.01,
+                 dropout=0.1, patience=10, tie_is_gain=False, pair_distractors=False),
     # after adapt.py --preset compare: mini without after minus before (the inter blocks compare)
     "compare": dict(captioner="mini", width=128, heads=4, enc_layers=0, dec_layers=2, mem_diff=False, mem_pool=None,
                     batch_size=64, lr=1e-3, encoder_lr=0.0, freeze_encoder=True, epochs=30, reverse=None,
-                    optimizer="adamw", betas=(0.9, 0.98), weight_decay=0.01, dropout=0.1, patience=10,
-                    tie_is_gain=False, pair_distractors=False),
+                    optimizer="adamw", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0, weight_decay=0.01,
+                    dropout=0.1, patience=10, tie_is_gain=False, pair_distractors=False),
 }
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = range(4)  # the mini's words; CLIP's BPE pads with 0 too (its "!")
@@ -99,7 +99,7 @@ def parser():
     p.add_argument("--pair-distractors", action=argparse.BooleanOptionalAction, default=None, help="CLEVR: each "
                    f"change pair with its distractor, two losses summed (the authors') {pre('pair_distractors')}")
     p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 (model.authors_fp16_)")
-    run_flags(p, log_every=50)
+    run_flags(p, log_every=50, pre=pre)
     p.add_argument("--patience", type=at_least(1), default=None, help="stop after this many epochs without val "
                    f"CIDEr-D gain {pre('patience')}")
     return p
@@ -534,7 +534,7 @@ def main(argv=None):
     decays = authors_decays(model, bert="captioner") if theirs else None
     groups = param_groups(model.named_parameters(), rule, args.weight_decay, decays)
     params = [p for g in groups for p in g["params"]]
-    optimizer = make_optimizer(groups, ctx.device, args.optimizer, args.betas)
+    optimizer = make_optimizer(groups, ctx.device, args.optimizer, args.betas, args.eps)
     describe(model, rule, params, args)
     train_loader, val_loader, test_loader = loaders(model, splits, caption_ids, args, ctx)
     total_steps = args.epochs * len(train_loader)

@@ -3727,13 +3727,14 @@ def test_batch_loss_keeps_the_end_of_a_caption_with_an_exclamation_mark():
 
 
 def test_caption_rule_and_presets_in_plain_sight(tmp_path):
-    """caption.py's training settings come from its preset unless a flag says otherwise (weight decay and warmup,
-    the same in both presets, from their flags' defaults: the authors' 0.01 and 0.1); its rule: the captioner at
+    """caption.py's training settings come from its preset unless a flag says otherwise (the paper's weight decay,
+    warmup, clipping and eps: the authors' 0.01, 0.1, 1.0 and 1e-6); its rule: the captioner at
     --lr, the text tower never, the pair encoder frozen or at --encoder-lr but its input embeddings (e1, e2, p,
     ln_mid too at 12 + 0: the authors' module uses them), the tied word embeddings frozen but on Spot-the-Diff."""
-    assert len({tuple(p) for p in caption.PRESETS.values()}) == 1  # complete: every preset sets every key
+    for stage in (adapt, caption):  # complete: every preset sets every key
+        assert len({tuple(p) for p in stage.PRESETS.values()}) == 1
     args = preset_settings(caption, "paper")
-    assert (args.weight_decay, args.warmup) == (0.01, 0.1)
+    assert (args.weight_decay, args.warmup, args.grad_clip, args.eps) == (0.01, 0.1, 1.0, 1e-6)
     assert all(getattr(args, k) == v for k, v in caption.PRESETS["paper"].items())
     args = caption.settings(["--ckpt", "mini-synth", "--warmup", "0.3", "--weight-decay", "0.5", "--data-root",
                              "absent"])

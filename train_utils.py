@@ -70,13 +70,16 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return action.help + ("" if hidden else " (default: %(default)s)")
 
 
-def run_flags(p, log_every=20, warmup=0.1):
+def run_flags(p, log_every=20, warmup=0.1, pre=None):
+    """pre: the stage's preset_values, its presets deciding --warmup and --grad-clip."""
+    of_presets = lambda k: f" {pre(k)}" if pre else ""
     p.add_argument("--resume", action="store_true", help="continue the run whose --out this is")
     p.add_argument("--seed", type=int, default=0, help="random seed (initialization, data order, draws)")
     device_flags(p)
-    p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=warmup,
-                   help="fraction of the steps of linear warmup, then the schedule's decay")
-    p.add_argument("--grad-clip", type=at_least(0.0, float), default=1.0, help="max gradient norm (0: off)")
+    p.add_argument("--warmup", type=at_least(0.0, float, below=1.0), default=None if pre else warmup,
+                   help="fraction of the steps of linear warmup, then the schedule's decay" + of_presets("warmup"))
+    p.add_argument("--grad-clip", type=at_least(0.0, float), default=None if pre else 1.0,
+                   help="max gradient norm (0: off)" + of_presets("grad_clip"))
     p.add_argument("--log-every", type=at_least(1), default=log_every, help="steps between progress lines")
 
 
@@ -312,12 +315,12 @@ class BertAdam(torch.optim.Optimizer):
                 p.add_(update * -lr if torch.is_tensor(lr) else -(lr * update))
 
 
-def make_optimizer(groups, device, rule, betas, capturable=False):
-    """BertAdam, or AdamW (fused on CUDA; capturable: in a CUDA graph); eps 1e-6, the authors'."""
+def make_optimizer(groups, device, rule, betas, eps=1e-6, capturable=False):
+    """BertAdam, or AdamW (fused on CUDA; capturable: in a CUDA graph); eps 1e-6: the authors'."""
     if rule == "bertadam":
-        return BertAdam(groups, lr=groups[0]["lr"], betas=betas, eps=1e-6)
+        return BertAdam(groups, lr=groups[0]["lr"], betas=betas, eps=eps)
     fused = capturable or torch.device(device).type == "cuda"
-    return torch.optim.AdamW(groups, betas=betas, eps=1e-6, fused=fused, capturable=capturable)
+    return torch.optim.AdamW(groups, betas=betas, eps=eps, fused=fused, capturable=capturable)
 
 
 class GraphedStep:
