@@ -78,13 +78,17 @@ def evaluate_captioner(args, info):
     model, vocab = caption.load_captioner(args.ckpt, ctx.device)
     train_items = data.load_items(name, root, "train", "total", args.skip_missing, images=False)  # the baseline's
     test_items = data.load_items(name, root, "test", "total", args.skip_missing)
-    loader = data.make_loader(data.ImageDataset(test_items, model.clip.cfg.image_resolution), args.eval_batch_size,
-                              workers=args.workers, device=ctx.device)
+    size = model.clip.cfg.image_resolution
+    loader = data.make_loader(data.ImageDataset(test_items, size), args.eval_batch_size, workers=args.workers,
+                              device=ctx.device)
+    if info.get("args", {}).get("freeze_encoder"):  # caption.py's test: the frozen encoder's fp16 tokens
+        tokens = caption.encode_all(model, loader, ctx)
+        loader = data.make_loader(data.ImageDataset(test_items, size, features=tokens), args.eval_batch_size)
     results = caption.final_test(model, loader, train_items, test_items, vocab, ctx, name, root, args.results,
                                  args.beam)
     if args.gallery:
         preds = {p["id"]: p["caption"] for p in results["predictions"]}
-        plots.draw_gallery(args.gallery, test_items, preds, model, model.clip.cfg.image_resolution, ctx.device)
+        plots.draw_gallery(args.gallery, test_items, preds, model, size, ctx.device)
     if info.get("authors") and isinstance(ctx.amp, torch.autocast):  # last: setup turns TF32 off for the process
         fp32 = caption.predict(model, loader, test_items, vocab, setup(0, ctx.device, "off"), args.beam)
         differ = sum(p["caption"] != fp32[p["id"]] for p in results["predictions"])

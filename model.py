@@ -20,7 +20,7 @@ import torch.nn.functional as F
 # building blocks (OpenAI's names: ln_1, attn.in_proj_weight, mlp.c_fc, ...)
 
 USE_SDPA = True  # False: the plain softmax below (tests, FLOP counts)
-MAX_LEN = 32  # a caption's most tokens, the end included (the authors' --max_words)
+MAX_LEN = 32  # the captioner's positions: start + 31 words in, the words + end out (the authors' --max_words)
 N_INTER = 3  # inter blocks where the weights do not say (OpenAI's): the paper's 9 + 3, ViT-L/14's 21 + 3
 
 

@@ -3352,6 +3352,19 @@ def test_two_image_cli(trained, capsys, tmp_path):
                           "--after", str(REAL / "CLEVR_new_000000_del.png")])
 
 
+def test_evaluate_tests_a_frozen_encoders_captioner_as_caption_py(trained, tmp_path, monkeypatch):
+    """evaluate.py on a captioner trained on a frozen encoder (the mini preset) reads the test pairs through the
+    encoder's fp16 tokens, as caption.py's test did (from the images at full precision, 1 of the quickstart's 600
+    captions differed): the same captions and scores."""
+    tmp, results = trained
+    encoded, real = [], caption.encode_all
+    monkeypatch.setattr(caption, "encode_all", lambda *a, **k: encoded.append(len(a[1].dataset)) or real(*a, **k))
+    again = evaluate_py.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--results", str(tmp_path / "r.json"),
+                              "--workers", "0"])
+    assert encoded == [len(results["predictions"])]
+    assert again["predictions"] == results["predictions"] and again["scores"] == results["scores"]
+
+
 @pytest.mark.slow
 def test_resume_equals_uninterrupted(trained, tmp_path, monkeypatch):
     tmp, _ = trained
