@@ -67,7 +67,7 @@ def parser():
     p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None, help="CLEVR: chance of the "
                    "before image's non-semantic version (default: the authors' 0.5; 0 on the synthetic set)")
     p.add_argument("--draw-captions", action=argparse.BooleanOptionalAction, default=None, help="one caption drawn "
-                   f"per pair and epoch, not every caption once (the authors') {pre('draw_captions')}")
+                   f"per pair and epoch, not every caption once (the authors': once) {pre('draw_captions')}")
     p.add_argument("--workers", type=at_least(0), default=None, help=f"DataLoader worker processes {pre('workers')}")
     image_cache_flag(p)
     # model
