@@ -316,7 +316,7 @@ class BertAdam(torch.optim.Optimizer):
 
 
 def make_optimizer(groups, device, rule, betas, eps=1e-6, capturable=False):
-    """BertAdam, or AdamW (fused on CUDA; capturable: in a CUDA graph); eps 1e-6: the authors'."""
+    """BertAdam, or AdamW (fused on CUDA; capturable: in a CUDA graph); the presets' eps 1e-6 is the authors'."""
     if rule == "bertadam":
         return BertAdam(groups, lr=groups[0]["lr"], betas=betas, eps=eps)
     fused = capturable or torch.device(device).type == "cuda"
