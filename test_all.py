@@ -4261,10 +4261,13 @@ def test_every_shown_command_parses_at_head(doc, tmp_path, monkeypatch, capsys):
 # authors' frozen set, two learning rates), presets, ablations, bf16, killed runs
 
 @pytest.mark.slow
-def test_a_setting_given_is_decided_once_printed_saved_and_used(adapt_synth, tmp_path, capsys):
+def test_a_setting_given_is_decided_once_printed_saved_and_used(adapt_synth, tmp_path, monkeypatch, capsys):
     """Each stage: a flag given over its preset is in the settings line printed at the start, in the checkpoint's
     settings, and in what it names (adapt.py --lr-new: the optimizer's rate of e1, e2, p, ln_mid; caption.py
-    --dec-layers: the captioner's layers; pretrain.py --batch-size: its steps). Settings cannot change once made."""
+    --dec-layers: the captioner's layers; pretrain.py --batch-size: its steps); a preset's eps, which no flag
+    gives, reaches the optimizer. Settings cannot change once made."""
+    monkeypatch.setitem(adapt.PRESETS["scratch"], "eps", 3e-7)  # not make_optimizer's default
+    monkeypatch.setitem(caption.PRESETS["mini"], "eps", 2e-7)
     out = tmp_path / "adapted.pt"
     adapt.main(TINY_ADAPT + ["--data-root", str(adapt_synth), "--out", str(out), "--lr-new", "0.0042", "--epochs", "1",
                              "--workers", "0"])
@@ -4273,6 +4276,7 @@ def test_a_setting_given_is_decided_once_printed_saved_and_used(adapt_synth, tmp
     assert torch.load(out, weights_only=False)["args"]["lr_new"] == 0.0042 == state["args"]["lr_new"]
     groups = [g for g in state["optimizer"]["param_groups"] if g["initial_lr"] == 0.0042]
     assert sum(len(g["params"]) for g in groups) == len(M.PAIR_KEYS)  # e1, e2, p, ln_mid's two
+    assert {g["eps"] for g in state["optimizer"]["param_groups"]} == {3e-7}
     tiny_clevr(tmp_path / "clevr")
     tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
     run(tmp_path, "--dec-layers", "3", epochs=1)
@@ -4280,6 +4284,8 @@ def test_a_setting_given_is_decided_once_printed_saved_and_used(adapt_synth, tmp
     saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
     assert saved["args"]["dec_layers"] == 3 == saved["captioner_config"]["dec_layers"]
     assert len({k.split(".")[1] for k in saved["captioner"] if k.startswith("decoder.")}) == 3
+    state = torch.load(train_utils.last_path(tmp_path / "captioner.pt"), weights_only=False)
+    assert saved["args"]["eps"] == 2e-7 and {g["eps"] for g in state["optimizer"]["param_groups"]} == {2e-7}
     pre = tmp_path / "pretrained.pt"
     pretrain.main(TINY_PRETRAIN + ["--root", str(tmp_path / "scenes"), "--out", str(pre), "--samples", "64",
                                    "--batch-size", "32", "--eval-every", "100"])
