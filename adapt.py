@@ -254,8 +254,8 @@ def encode_split(model, items, args, ctx, cache=None):
 
 def retrieval_metrics(sim, owner):
     """sim (P, T), owner[t] caption t's pair, ranked as the authors' metrics.py: text -> pair among
-    the pairs, pair -> text among the caption sets (a set's best caption); ties pessimistic (theirs: arbitrary); MdR
-    np.median's (pair -> text), torch's (text -> pair)."""
+    the pairs, pair -> text among the caption sets (a set's best caption); ties pessimistic (theirs: arbitrary); MdR/MnR
+    the median/mean rank, MdR np.median's (pair -> text), torch's (text -> pair)."""
     P, T = sim.shape
     own = sim[owner, torch.arange(T)]  # (T,)
     t2p = (sim >= own[None, :]).sum(0)  # (T,)

@@ -133,6 +133,8 @@ def settings(argv=None):
     authors = s["captioner"] == "authors"
     if authors and (mini_only := sorted(given & {"width", "mem_diff", "mem_pool"})):
         bad("--" + mini_only[0].replace("_", "-"), "the authors' captioner has no such setting")
+    if authors and s["enc_layers"] < s["dec_layers"]:
+        bad("--enc-layers", f"the authors' decoder layer i reads encoder layer i: give at least {s['dec_layers']}")
     if s["freeze_encoder"] and "encoder_lr" in given:
         bad("--encoder-lr", "the encoder is frozen: give --no-freeze-encoder too")
     if not s["freeze_encoder"] and s["encoder_lr"] <= 0:

@@ -446,6 +446,9 @@ class BertLayer(nn.Module):
 class Captioner(nn.Module):
     def __init__(self, cfg: CaptionerConfig, clip):
         super().__init__()
+        if cfg.enc_layers < cfg.dec_layers:
+            raise ValueError(f"decoder layer i reads encoder layer i: {cfg.enc_layers} encoder layers for "
+                             f"{cfg.dec_layers} decoder layers")
         self.cfg = cfg
         self.encoder = nn.ModuleList([BertLayer(cfg.width, cfg.heads, cfg.dropout) for _ in range(cfg.enc_layers)])
         self.decoder = nn.ModuleList([BertLayer(cfg.width, cfg.heads, cfg.dropout, cross=True)
@@ -461,19 +464,19 @@ class Captioner(nn.Module):
         self.token_embedding, self.positional_embedding = clip.token_embedding, clip.positional_embedding
 
     def encode(self, memory):
-        """Pair-encoder tokens (B, 2(n+1), width) -> each encoder layer's output (none: the memory)."""
+        """Pair-encoder tokens (B, 2(n+1), width) -> each encoder layer's output."""
         x, outs = memory.to(self.head.dense.weight.dtype), []
         for block in self.encoder:
             x = block(x)
             outs.append(x)
-        return outs or [x]
+        return outs
 
     def decode(self, tokens, mems, kv_caches=None, start=0):
         """Token ids (B, T) from position `start`, encode's list -> logits (B, T, vocab); layer i reads mems[i]."""
         x = self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]]
         x = self.drop(self.ln_emb(x))
         for i, block in enumerate(self.decoder):
-            x = block(x, mems[min(i, len(mems) - 1)], None if kv_caches is None else kv_caches[i])
+            x = block(x, mems[i], None if kv_caches is None else kv_caches[i])
         return self.head(x) @ self.token_embedding.weight.t() + self.head_bias
 
     def forward(self, memory, tokens):

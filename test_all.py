@@ -562,6 +562,12 @@ def new_captioner(kind, memory_dim=None, **sizes):
     return M.Captioner(M.CaptionerConfig(**sizes), words)
 
 
+def test_the_authors_captioner_refuses_fewer_encoder_than_decoder_layers():
+    """Their decoder layer i reads their encoder layer i (module_decoder.py 365-367): 2 + 3 cannot be built."""
+    with pytest.raises(ValueError, match="decoder layer i reads encoder layer i"):
+        new_captioner("authors", vocab_size=20, memory_len=4, width=32, heads=4, enc_layers=2, dec_layers=3)
+
+
 @pytest.mark.parametrize("kind", ["mini", "authors"])
 def test_kv_cache_equals_no_kv_cache(kind):
     torch.manual_seed(0)
@@ -4098,6 +4104,7 @@ BAD_FLAGS = {
                    "--ckpt mini-synth --mem-pool 4 => --mem-pool", "--ckpt mini-synth --preset paper => --preset",
                    "--ckpt mini-synth --encoder-lr 1e-5 => --encoder-lr",
                    "--ckpt mini-synth --preset paper --mem-diff => --mem-diff",
+                   "--ckpt mini-synth --preset paper --enc-layers 2 => --enc-layers",
                    "--ckpt mini-synth --data spot --pair-distractors => --pair-distractors"],
     "evaluate.py": ["--device cuda", "--device gpu", "--beam 0", "--ckpt nowhere.pt", "--workers -1",
                     "--eval-batch-size 0", "--before a.png => --after", "--explain why.png => --explain",
