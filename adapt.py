@@ -64,8 +64,8 @@ def parser():
                    "'Your own image pairs')")
     p.add_argument("--data-root", help="dataset directory (default data/<name>; clevr: a synthetic set when absent)")
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
-    p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None, help="CLEVR: chance of the "
-                   "before image's non-semantic version (default: the authors' 0.5; 0 on the synthetic set)")
+    p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None, help="CLEVR: chance "
+                   "of the before image's distractor, camera moved (default: the authors' 0.5; 0 on the synthetic set)")
     p.add_argument("--draw-captions", action=argparse.BooleanOptionalAction, default=None, help="one caption drawn "
                    f"per pair and epoch, not every caption once (the authors': once) {pre('draw_captions')}")
     p.add_argument("--workers", type=at_least(0), default=None, help=f"DataLoader worker processes {pre('workers')}")

@@ -232,8 +232,8 @@ def caption_loss(logits, targets):
 
 
 def batch_loss(model, batch, device, frozen=False, paired=False):
-    """caption_loss of a batch; paired (change pairs, then their distractors): the authors' loss1 + loss2
-    (main_task_caption.py 307-341)."""
+    """caption_loss of a batch; paired (change pairs, then their distractors): both halves' losses summed, the
+    authors' loss1 + loss2 (main_task_caption.py 307-341)."""
     ids = batch["ids"][:, :int((batch["ids"] != PAD).any(0).nonzero().max()) + 1].to(device)  # BPE's "!" is 0 too
     logits = model(ids[:, :-1], **model_inputs(batch, device, frozen))
     if paired:
@@ -279,7 +279,7 @@ def model_inputs(batch, device, frozen):
 
 @torch.no_grad()
 def encode_all(model, loader, ctx, both_ways=False):
-    """Every item's PairCaptioner.memory in fp16; both_ways: then every item as (after, before)."""
+    """Every item's PairCaptioner.memory in fp16 (half a split's memory); both_ways: then each as (after, before)."""
     out, back = [], []
     for batch in loader:
         with ctx.amp:

@@ -376,7 +376,8 @@ def tokenize(texts, context_length=77, truncate=False):
 
 
 def trim(ids, static=False):
-    """Token ids (B, L) cut after the batch's last end token (the text tower is causal); static: one shape."""
+    """Token ids (B, L) cut after the batch's last end token (the text tower is causal); static: uncut, one shape
+    (a captured step's)."""
     return ids if static else ids[:, :int(ids.argmax(-1).max()) + 1]
 
 

@@ -37,7 +37,7 @@ class Item(NamedTuple):
     after: str  # path
     captions: list
     change_type: str | None = None  # clevr: color/material/move/add/drop/distractor
-    alt_before: str | None = None  # clevr: the non-semantic image, for the adaptation swap
+    alt_before: str | None = None  # clevr: the distractor (camera moved), for the swap
 
 
 def resolve_root(name, root=None, synth_pairs=3000, synth_size=synth.IMAGE_SIZE, seed=0, workers=None):
@@ -423,7 +423,7 @@ def set_epoch(loader, epoch):
 
 class CaptionDataset(_Pairs):
     """Training samples: one per caption, or (draw) one per pair, its caption drawn per epoch; swap_prob: the chance
-    of the non-semantic before image."""
+    of the before image's distractor."""
 
     def __init__(self, items, size=224, context_length=32, swap_prob=0.0, cache=None, seed=0, ids=None,
                  draw=False, features=None):

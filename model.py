@@ -171,8 +171,8 @@ class VisionTransformer(nn.Module):
         return x
 
     def inter(self, x):
-        """eq. (3)-(5) on the images' tokens side by side (B, 2(n+1), width) -> PairEncoding; at N + 0
-        too, as the authors' (module_clip.py 341-361)."""
+        """eq. (3)-(5) on the images' tokens side by side (B, 2(n+1), width) -> PairEncoding; with no
+        inter blocks (N + 0) too, as the authors' (module_clip.py 341-361)."""
         n1 = x.shape[1] // 2
         e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
         x = self.ln_mid(x + e.to(x.dtype) + self.joint_positional_embedding.to(x.dtype))  # eq. (4)
