@@ -207,8 +207,9 @@ def two_gpu_gradient_(model):
 
 
 def contrastive_loss(v, g, logit_scale):
-    """eq. (6)-(8): InfoNCE, pair -> text and text -> pair averaged, in fp32; the temperature clamped at 0.01
-    (theirs after each step only; the same from ViT-B/32's ln 100). pretrain.py adds hard negatives as g's rows B.."""
+    """eq. (6)-(8): InfoNCE, pair -> text and text -> pair averaged, in fp32 (a pair's other captions in the batch
+    negatives, as theirs); the temperature clamped at 0.01 (theirs after each step only; the same from ViT-B/32's
+    ln 100). pretrain.py adds hard negatives as g's rows B.."""
     with torch.autocast(v.device.type, enabled=False):
         v, g = F.normalize(v.float(), dim=-1), F.normalize(g.float(), dim=-1)
         scale = logit_scale.float().clamp(max=math.log(100)).exp()
