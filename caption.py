@@ -279,7 +279,7 @@ def model_inputs(batch, device, frozen):
 
 @torch.no_grad()
 def encode_all(model, loader, ctx, both_ways=False):
-    """Every item's PairCaptioner.memory in fp16 (half a split's memory); both_ways: then each as (after, before)."""
+    """Every item's PairCaptioner.memory in fp16 (half fp32's memory); both_ways: then each as (after, before)."""
     out, back = [], []
     for batch in loader:
         with ctx.amp:
