@@ -1,11 +1,12 @@
 """Stage 1 of CLIP4IDC: adapt CLIP to image *pairs* by contrastive pair <-> text retrieval (paper Sec. 3.2).
 
-    python adapt.py --data clevr                 # writes adapted.pt
-    python adapt.py --data clevr --n-inter 0     # every block intra, none inter (Table 7: 12 + 0; the mini: 6 + 0)
+    python adapt.py --data clevr                          # writes adapted.pt
+    python adapt.py --data clevr --n-inter 0              # every block intra, none inter (Table 7: 12 + 0; mini: 6 + 0)
+    python adapt.py --data clevr --lr-new 0 --lr-clip 0   # nothing trains: CLIP not adapted (Table 5), the same p
 
 The pair encoder (model.py) turns (before, after) into a vector v, CLIP's text tower the caption into g; a
-symmetric InfoNCE loss (eq. 6-8) pulls each pair to its own caption. Presets: paper (the authors'), mini (the shipped
-small CLIP, minutes on a CPU), compare (not the paper's), scratch (a small CLIP from nothing).
+symmetric InfoNCE loss (eq. 6-8) pulls each pair to its own caption. One method, presets of values: paper (the
+authors'), mini (the shipped small CLIP, minutes on a CPU), scratch (a small CLIP from nothing).
 """
 import argparse
 import math
@@ -20,11 +21,11 @@ import clip_load
 import data
 import plots
 from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, authors_fp16_, heads_for, share_joint_positions_
-from train_utils import (GraphedStep, HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule,
-                         check_resume, check_sizes, concrete_amp, end_epoch, freeze, given_flags, image_cache_flag,
-                         interrupted, load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset,
-                         param_groups, pick_device, policy_table, preset_values, resume_run, run_flags, save_atomic,
-                         save_state, setup, train_epoch, warmup_cosine, where)
+from train_utils import (BertAdam, GraphedStep, HelpFormatter, Progress, Settings, at_least, authors_decays,
+                         authors_schedule, check_resume, check_sizes, concrete_amp, end_epoch, freeze, given_flags,
+                         image_cache_flag, interrupted, load_resume, log, new_run, over_preset, param_groups,
+                         pick_device, policy_table, preset_values, resume_run, run_flags, save_atomic, save_state,
+                         setup, train_epoch, where)
 
 # -----------------------------------------------------------------------------
 # settings: a literal preset (None: decided by the weights, data or device), the flags given over it
@@ -34,26 +35,19 @@ SIZES = dict(image_size=None, vision_width=None, vision_layers=None, patch_size=
 PRESETS = {
     # the authors' (main_task_retrieval.py, scripts/retrieve_clevr.sh); epochs None: 12, on spot 20 (retrieve_spot.sh)
     "paper": dict(clip="ViT-B/32", n_inter=3, **SIZES, batch_size=128, epochs=None, lr_new=1e-4, lr_clip=1e-7,
-                  weight_decay=0.2, optimizer="bertadam", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0,
-                  select="text->pair R@1", tie_is_gain=True, workers=8, draw_captions=False, swap_prob=None,
+                  weight_decay=0.2, betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0, workers=8, swap_prob=None,
                   shared_p=0.0, freeze_blocks=0, cuda_graphs=None),
-    # the shipped small CLIP (12x12 patches of 8 px), 4 + 2 blocks, CLIP at the authors' 1e-7
-    "mini": dict(clip="mini12-synth", n_inter=2, **SIZES, batch_size=32, epochs=1, lr_new=1e-3, lr_clip=1e-7,
-                 weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0,
-                 select="R@mean", tie_is_gain=True, workers=0, draw_captions=True, swap_prob=None, shared_p=0.0,
-                 freeze_blocks=0, cuda_graphs=None),
-    # not the paper's: mini whose inter blocks learn to compare (the intra frozen, p alike in both images)
-    "compare": dict(clip="mini12-synth", n_inter=2, **SIZES, batch_size=32, epochs=12, lr_new=1e-3, lr_clip=3e-4,
-                    weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0,
-                    select="R@mean", tie_is_gain=True, workers=0, draw_captions=True, swap_prob=None, shared_p=10.0,
-                    freeze_blocks=4, cuda_graphs=None),
-    # the from-scratch ablation: ViT-B/32's 9 + 3 blocks at 1/12 of its width, one rate
-    "scratch": dict(clip=None, n_inter=3, image_size=96, vision_width=64, vision_layers=12, patch_size=16,
-                    text_width=128, text_layers=3, embed_dim=128, batch_size=32, epochs=3, lr_new=3e-4, lr_clip=3e-4,
-                    weight_decay=0.05, optimizer="adamw", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0,
-                    select="R@mean", tie_is_gain=True, workers=0, draw_captions=False, swap_prob=None, shared_p=0.0,
-                    freeze_blocks=0, cuda_graphs=None),
 }
+# the paper in miniature: the shipped small CLIP (12x12 patches of 8 px), 4 + 2 blocks; its 4 intra blocks fixed
+# (their tokens computed once), p alike in both images, so that the inter blocks learn to compare
+PRESETS["mini"] = {**PRESETS["paper"], "clip": "mini64-synth", "n_inter": 2, "batch_size": 32, "epochs": 2,
+                   "lr_new": 1e-3, "lr_clip": 3e-4, "weight_decay": 0.05, "workers": 0, "shared_p": 10.0,
+                   "freeze_blocks": 4}
+# the from-scratch ablation: ViT-B/32's 9 + 3 blocks at 1/12 of its width, one rate
+PRESETS["scratch"] = {**PRESETS["mini"], "clip": None, "n_inter": 3, "image_size": 96, "vision_width": 64,
+                      "vision_layers": 12, "patch_size": 16, "text_width": 128, "text_layers": 3, "embed_dim": 128,
+                      "epochs": 3, "lr_new": 3e-4, "lr_clip": 3e-4, "shared_p": 0.0, "freeze_blocks": 0}
+SELECT = "text->pair R@1"  # the authors', a tie the later epoch (main_task_retrieval.py 447, 558); ours on val
 
 
 def parser():
@@ -66,8 +60,6 @@ def parser():
     p.add_argument("--skip-missing", action="store_true", help="drop pairs whose images are missing")
     p.add_argument("--swap-prob", type=at_least(0.0, float, most=1.0), default=None, help="CLEVR: chance "
                    "of the before image's distractor, camera moved (default: the authors' 0.5; 0 on the synthetic set)")
-    p.add_argument("--draw-captions", action=argparse.BooleanOptionalAction, default=None, help="one caption drawn "
-                   f"per pair and epoch, not every caption once (the authors': once) {pre('draw_captions')}")
     p.add_argument("--workers", type=at_least(0), default=None, help=f"DataLoader worker processes {pre('workers')}")
     image_cache_flag(p)
     # model
@@ -89,14 +81,14 @@ def parser():
     # optimization
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"training epochs {pre('epochs')} (paper: 12, on "
                    "spot 20)")
-    p.add_argument("--batch-size", type=at_least(1), default=None, help="samples per step: pairs, or captions "
-                   f"without --draw-captions {pre('batch_size')}")
+    p.add_argument("--batch-size", type=at_least(1), default=None, help="captions (each with its pair) per step "
+                   f"{pre('batch_size')}")
     p.add_argument("--lr-new", type=at_least(0.0, float), default=None, help=f"lr of e1, e2, p, ln_mid {pre('lr_new')}")
-    p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help=f"lr of CLIP's weights {pre('lr_clip')}")
+    p.add_argument("--lr-clip", type=at_least(0.0, float), default=None, help=f"lr of CLIP's weights {pre('lr_clip')}"
+                   " (0 with --lr-new 0: nothing trains, the encoder not adapted)")
     p.add_argument("--freeze-blocks", type=at_least(0), default=None, help="not the paper's: CLIP's first N image "
                    f"blocks frozen {pre('freeze_blocks')}")
     p.add_argument("--weight-decay", type=at_least(0.0, float), help=f"weight decay {pre('weight_decay')}")
-    optimizer_flag(p, "cosine", pre("optimizer"))
     # run
     run_flags(p, pre=pre)
     p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 (model.authors_fp16_) and "
@@ -122,8 +114,6 @@ def settings(argv=None):
     s = over_preset(flags, given, PRESETS, preset, bad)
     if "swap_prob" in given and flags.data != "clevr":
         bad("--swap-prob", f"only CLEVR-Change has images to swap in, not {flags.data}")
-    if "shared_p" in given and s["n_inter"] == 0:
-        bad("--shared-p", "p is shared in inter blocks: --n-inter is 0")
     check_resume(p, s["resume"], s["out"])
     if s["clip"]:
         if preset == "scratch":
@@ -148,7 +138,7 @@ def settings(argv=None):
     s.update(data_root=str(root), device=pick_device(s["device"]))
     s["amp"] = concrete_amp(s["amp"], s["device"])
     if s["cuda_graphs"] is None:
-        s["cuda_graphs"] = preset == "paper" and s["device"] != "cpu" and not (s["compile"] or s["authors_numerics"])
+        s["cuda_graphs"] = s["device"] != "cpu" and not (s["compile"] or s["authors_numerics"])
     return Settings(**s)
 
 
@@ -162,7 +152,7 @@ def new_model(args):
         CLIPConfig(args.embed_dim, args.image_size, args.vision_layers, args.vision_width, args.patch_size,
                    args.context_length, transformer_width=args.text_width, transformer_layers=args.text_layers,
                    transformer_heads=heads_for(args.text_width), n_inter=args.n_inter, activation=args.activation))
-    if args.shared_p and args.n_inter:
+    if args.shared_p:
         share_joint_positions_(clip.visual, args.shared_p)
     return clip
 
@@ -182,10 +172,10 @@ class PairText(torch.nn.Module):
 
 @torch.no_grad()
 def fixed_intra(model, items, args, ctx, cache):
-    """Where nothing before the inter blocks trains (the compare preset), the training pairs' intra-block
-    tokens (pairs, 2, n+1, width), computed once; else None."""
+    """Where nothing before the inter blocks trains (the mini preset), the training pairs' intra-block tokens
+    (pairs, 2, n+1, width), computed once; else None."""
     n_intra = model.cfg.vision_layers - model.cfg.n_inter
-    if not (args.clip and args.freeze_blocks >= n_intra and args.swap_prob == 0 and model.cfg.n_inter):
+    if not (args.clip and (args.freeze_blocks >= n_intra or args.lr_clip == 0) and args.swap_prob == 0):
         return None
     loader = data.make_loader(data.ImageDataset(items, args.image_size, cache=cache), args.eval_batch_size,
                               workers=args.workers, device=ctx.device)
@@ -318,14 +308,14 @@ def load_data(args, ctx, model):
     cache = data.open_image_cache([it for v in splits.values() for it in v], args.image_size, args.image_cache)
     intra = fixed_intra(model, splits["train"], args, ctx, cache)
     samples = data.CaptionDataset(splits["train"], args.image_size, args.context_length, swap_prob=args.swap_prob,
-                                  cache=cache, seed=args.seed, draw=args.draw_captions, features=intra)
+                                  cache=cache, seed=args.seed, features=intra)  # every caption once an epoch
     loader = data.make_loader(samples, args.batch_size, True, args.workers, ctx.device, drop_last=True, seed=args.seed)
     if not len(loader):
         raise SystemExit(f"--batch-size {args.batch_size}: more than the {len(samples)} training samples, so no step "
                          "would run: give a smaller one")
-    each = "one caption each, drawn per epoch" if args.draw_captions else f"{len(samples)} captions"
-    once = " | the frozen intra blocks' tokens computed once (fixed_intra)" if intra is not None else ""
-    log(f"   {args.data} at {args.data_root}: train {len(splits['train'])} pairs / {each}, val {len(splits['val'])} "
+    once = " | the fixed intra blocks' tokens computed once (fixed_intra)" if intra is not None else ""
+    log(f"   {args.data} at {args.data_root}: train {len(splits['train'])} pairs / {len(samples)} captions, val "
+        f"{len(splits['val'])} "
         f"pairs, test {len(splits['test'])} pairs{once}")
     return splits, cache, loader
 
@@ -366,11 +356,14 @@ def main(argv=None):
     rule = lr_rule(args)
     freeze(model.named_parameters(), rule)
     log("   what trains:\n" + policy_table(model.named_parameters(), rule))
-    theirs = args.optimizer == "bertadam"
-    groups = param_groups(model.named_parameters(), rule, args.weight_decay, authors_decays(model) if theirs else None)
-    optimizer = make_optimizer(groups, ctx.device, args.optimizer, args.betas, args.eps, args.cuda_graphs)
+    groups = param_groups(model.named_parameters(), rule, args.weight_decay, authors_decays(model))
+    if not groups:  # every rate 0: the encoder not adapted, evaluated as it starts
+        save_atomic(checkpoint(model, args, {"val": evaluate(model, splits["val"], args, ctx, cache), "epoch": 0}),
+                    args.out)
+        return test_best(model, splits["test"], args, ctx, cache, [], time.time())
+    optimizer = BertAdam(groups, lr=args.lr_new, betas=args.betas, eps=args.eps)
     total_steps = args.epochs * len(loader)
-    scheduler = (authors_schedule if theirs else warmup_cosine)(optimizer, total_steps, args.warmup)
+    scheduler = authors_schedule(optimizer, total_steps, args.warmup)  # warmup, then cosine
     # the temperature clamped after each step, as the authors' (main_task_retrieval.py 287-291)
     optimizer.register_step_post_hook(lambda *_: model.logit_scale.data.clamp_(max=math.log(100)))
     if args.authors_numerics:
@@ -416,13 +409,13 @@ def main(argv=None):
             val = evaluate(model, splits["val"], args, ctx, cache)
             if val is None:
                 raise SystemExit(diverged(epoch + 1))
-            better = end_epoch(run, loss, val, val[args.select], args.tie_is_gain)
+            better = end_epoch(run, loss, val, val[SELECT])
             if better:
                 save_atomic(checkpoint(model, args, {"val": val, "epoch": epoch + 1}), args.out)
             log(f"epoch {epoch + 1}/{args.epochs} done in {time.time() - t0:.0f}s | loss {loss:.4f} | "
                 f"val {fmt(val)}{' | best so far: saved' if better else ''}")
             save_state(args.out, model, optimizer, scheduler, run, args)
-            plots.curves(os.path.splitext(args.out)[0] + ".curves.png", run["history"], args.select)
+            plots.curves(os.path.splitext(args.out)[0] + ".curves.png", run["history"], SELECT)
     except KeyboardInterrupt:
         interrupted(args.out)
     test_best(model, splits["test"], args, ctx, cache, run["history"], t_start)

@@ -12,25 +12,22 @@ from types import SimpleNamespace
 
 import torch
 
-from model import CLIP, CLIPConfig, Captioner, CaptionerConfig, MiniCaptioner, MiniCaptionerConfig, generate
+from model import CLIP, CLIPConfig, Captioner, CaptionerConfig, generate
 from train_utils import (BertAdam, GraphedStep, HelpFormatter, at_least, authors_decays, authors_schedule,
-                         device_arg, freeze, make_optimizer, matmul_gflops, param_groups, setup, where)
+                         device_arg, freeze, matmul_gflops, param_groups, setup, where)
 
 # -----------------------------------------------------------------------------
 # decode: what the key/value cache buys (model.Captioner.generate)
 
 SIZES = {  # the captioners caption.py's presets build, and the pair-encoder memory they read
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, memory_len=100, vocab_size=49408),  # ViT-B/32
-    "mini": dict(width=128, heads=4, enc_layers=0, dec_layers=2, memory_dim=128, memory_len=74,  # 12x12, pooled
-                 vocab_size=100),
+    "mini": dict(width=64, heads=1, enc_layers=3, dec_layers=3, memory_len=290, vocab_size=49408),  # mini64-synth
 }
 
 
 def new_captioner(name, vocab=None, max_len=32):
-    """The preset's captioner; the authors' ties CLIP's word and position embeddings, random ones here."""
+    """The preset's captioner; it ties CLIP's word and position embeddings, random ones here."""
     sizes = {**SIZES[name], "max_len": max_len, "dropout": 0.0, "vocab_size": vocab or SIZES[name]["vocab_size"]}
-    if name == "mini":
-        return MiniCaptioner(MiniCaptionerConfig(**sizes))
     words = SimpleNamespace(token_embedding=torch.nn.Embedding(sizes["vocab_size"], sizes["width"]),
                             positional_embedding=torch.nn.Parameter(torch.randn(77, sizes["width"])))
     return Captioner(CaptionerConfig(**sizes), words)
@@ -62,7 +59,7 @@ def bench_decode(args):
     for name in args.sizes:
         model = new_captioner(name, args.vocab, args.max_len).to(device).eval()
         cfg = model.cfg
-        memory = torch.randn(args.batch, cfg.memory_len, getattr(cfg, "memory_dim", cfg.width), device=device)
+        memory = torch.randn(args.batch, cfg.memory_len, cfg.width, device=device)
         label = f"{name}: {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide, {cfg.vocab_size} words"
         with amp:  # eos = -1: never stops early, every caption takes max_len steps
             results = {c: timed(lambda: generate(model, memory, bos=1, eos=-1, use_kv_cache=c), device, args.repeats)
@@ -159,7 +156,7 @@ def our_adapt_step(device, amp, compile=False, batch=128, text_len=32, graphs=Fa
     net = torch.compile(PairText(model)) if compile else PairText(model)
     freeze(model.named_parameters(), lr_rule(args))
     groups = param_groups(model.named_parameters(), lr_rule(args), args.weight_decay, authors_decays(model))
-    optimizer = make_optimizer(groups, device, args.optimizer, args.betas, capturable=graphs)
+    optimizer = BertAdam(groups, lr=args.lr_new, betas=args.betas, eps=args.eps)
     scheduler = authors_schedule(optimizer, 1000, args.warmup)
     params = [p for g in groups for p in g["params"]]
     ctx = SimpleNamespace(amp=amp, device=device)
@@ -405,7 +402,7 @@ def get_args(argv=None):
     d.add_argument("--batch", type=at_least(1), default=64, help="captions decoded together")
     d.add_argument("--max-len", type=at_least(1), default=32, help="tokens per caption (paper: at most 32)")
     d.add_argument("--vocab", type=at_least(1), default=None,
-                   help="vocabulary size (default: the preset's, paper 49,408 BPE tokens, mini 100 words)")
+                   help="vocabulary size (default: CLIP's 49,408 BPE tokens)")
     d.add_argument("--sizes", nargs="+", default=["mini", "paper"], choices=list(SIZES), help="captioner sizes")
     common(d, what="timed runs per setting (the median is reported)")
     q = add("adapt", "one ViT-B/32 adaptation training step (eager, compiled, one CUDA graph): pairs/s, MFU, memory")

@@ -1,11 +1,12 @@
-"""Stage 2 of CLIP4IDC: train a Transformer captioner on the adapted pair encoder (paper Sec. 3.3).
+"""Stage 2 of CLIP4IDC: train the authors' Transformer captioner on the adapted pair encoder (paper Sec. 3.3).
 
     python caption.py --ckpt adapted.pt      # train, select on val CIDEr-D, test once -> captioner.pt, captions.json
     python caption.py --ckpt ViT-B/32        # the same on CLIP not adapted (paper Table 5)
 
-The captioner reads the pair encoder's tokens and learns by word-level cross entropy, the encoder at a tiny rate or
-frozen, on change pairs and distractor pairs ("no change"). Presets: paper (the authors' captioner, model.Captioner),
-mini and compare (model.MiniCaptioner).
+The captioner (model.Captioner) reads every token of the pair encoder and writes CLIP's BPE words, learning by
+word-level cross entropy on change pairs, each beside its distractor ("no change"). The encoder trains at a tiny rate
+or (rate 0) stays fixed, its tokens then computed once. Presets: paper (the authors' values), mini (the same method
+with smaller numbers, for adapt.py's small CLIP on a CPU).
 """
 import argparse
 import json
@@ -23,38 +24,28 @@ import data
 import metrics
 import plots
 import synth
-from model import (INPUT_EMBEDDINGS, MAX_LEN, Captioner, CaptionerConfig, MiniCaptioner, MiniCaptionerConfig,
-                   authors_fp16_, beam_search, generate, heads_for)
-from train_utils import (HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule, check_resume,
-                         concrete_amp, end_epoch, flag_error, fmt_time, freeze, given_flags, image_cache_flag,
-                         interrupted, load_resume, log, make_optimizer, new_run, optimizer_flag, over_preset,
-                         param_groups, pick_device, policy_table, preset_values, resume_run, run_flags, save_atomic,
-                         save_state, setup, train_epoch, warmup_cosine, where)
+from model import INPUT_EMBEDDINGS, MAX_LEN, Captioner, CaptionerConfig, authors_fp16_, beam_search, generate, heads_for
+from train_utils import (BertAdam, HelpFormatter, Progress, Settings, at_least, authors_decays, authors_schedule,
+                         check_resume, concrete_amp, end_epoch, flag_error, fmt_time, freeze, given_flags,
+                         image_cache_flag, interrupted, load_resume, log, new_run, over_preset, param_groups,
+                         pick_device, policy_table, preset_values, resume_run, run_flags, save_atomic, save_state,
+                         setup, train_epoch, where)
 
 # -----------------------------------------------------------------------------
-# settings: a literal preset (None: decided by the weights, data or device), the flags given over it
+# settings: a literal preset (None: decided by the weights or data), the flags given over it
 
 PRESETS = {
-    # the authors' (scripts/caption_clevr.sh; patience: main_task_caption.py 743-750); width None: CLIP's words'
-    "paper": dict(captioner="authors", width=None, heads=None, enc_layers=3, dec_layers=3, mem_diff=None,
-                  mem_pool=None, batch_size=16, lr=1e-4, encoder_lr=1e-7, freeze_encoder=False, epochs=50,
-                  reverse=False, optimizer="bertadam", betas=(0.9, 0.999), eps=1e-6, warmup=0.1, grad_clip=1.0,
-                  weight_decay=0.01, dropout=0.1, patience=11, tie_is_gain=True, pair_distractors=True),
-    # for a CPU, adapt.py's small encoders frozen; None: decided by the grid (mem_pool) or the data (reverse)
-    "mini": dict(captioner="mini", width=128, heads=4, enc_layers=0, dec_layers=2, mem_diff=True, mem_pool=None,
-                 batch_size=32, lr=1e-3, encoder_lr=0.0, freeze_encoder=True, epochs=15, reverse=None,
-                 optimizer="adamw", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0, weight_decay=0.01,
-                 dropout=0.1, patience=10, tie_is_gain=False, pair_distractors=False),
-    # after adapt.py --preset compare: mini without after minus before (the inter blocks compare)
-    "compare": dict(captioner="mini", width=128, heads=4, enc_layers=0, dec_layers=2, mem_diff=False, mem_pool=None,
-                    batch_size=64, lr=1e-3, encoder_lr=0.0, freeze_encoder=True, epochs=30, reverse=None,
-                    optimizer="adamw", betas=(0.9, 0.98), eps=1e-6, warmup=0.1, grad_clip=1.0, weight_decay=0.01,
-                    dropout=0.1, patience=10, tie_is_gain=False, pair_distractors=False),
+    # the authors' (scripts/caption_clevr.sh; patience: main_task_caption.py 743-750); heads None: width / 64;
+    # words_lr None: CLIP's words train at encoder_lr on Spot-the-Diff, else stay fixed (main_task_caption.py 640-667)
+    "paper": dict(heads=None, enc_layers=3, dec_layers=3, batch_size=16, epochs=50, lr=1e-4, encoder_lr=1e-7,
+                  words_lr=None, betas=(0.9, 0.999), eps=1e-6, warmup=0.1, grad_clip=1.0, weight_decay=0.01,
+                  dropout=0.1, patience=11),
 }
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-PAD, BOS, EOS, UNK = range(4)  # the mini's words; CLIP's BPE pads with 0 too (its "!")
+# for a CPU: the small CLIP fixed; its words train (its pretraining saw no change verbs)
+PRESETS["mini"] = {**PRESETS["paper"], "epochs": 5, "lr": 1e-3, "encoder_lr": 0.0, "words_lr": 1e-3, "patience": 5}
+PAD = 0  # CLIP's BPE pads with 0 (its "!")
 CHANGE_TYPES = ("color", "material", "move", "add", "drop", "distractor")
-FORMAT = 3  # captioner.pt's layout
+FORMAT = 4  # captioner.pt's layout
 
 
 def parser():
@@ -67,37 +58,26 @@ def parser():
     p.add_argument("--preset", choices=list(PRESETS), default=None, help="default: --ckpt's adaptation preset "
                    "(scratch: mini); a CLIP: mini if shipped, else paper")
     test_flags(p)
-    p.add_argument("--reverse", action=argparse.BooleanOptionalAction, default=None, help="also train on each pair "
-                   "backwards (synthetic sets only) [paper: off; mini, compare: on a synthetic set]")
     image_cache_flag(p)
     # model
     p.add_argument("--n-inter", type=at_least(0), default=None, help="inter blocks (default: the checkpoint's, else 3)")
-    p.add_argument("--width", type=at_least(1), default=None, help="the mini captioner's width (the authors': CLIP's "
-                   f"words') {pre('width')}")
-    p.add_argument("--heads", type=at_least(1), default=None, help="captioner heads [paper: width / 64; mini, "
-                   "compare: 4]")
-    p.add_argument("--enc-layers", type=at_least(0), default=None, help=f"captioner encoder layers {pre('enc_layers')}")
+    p.add_argument("--heads", type=at_least(1), default=None, help="captioner heads (default: width / 64) "
+                   f"{pre('heads')}")
+    p.add_argument("--enc-layers", type=at_least(1), default=None, help=f"captioner encoder layers {pre('enc_layers')}")
     p.add_argument("--dec-layers", type=at_least(1), default=None, help=f"captioner decoder layers {pre('dec_layers')}")
-    p.add_argument("--mem-diff", action=argparse.BooleanOptionalAction, default=None, help="the mini captioner: "
-                   f"each memory token also gets after minus before {pre('mem_diff')}")
-    p.add_argument("--mem-pool", type=at_least(1), default=None, help="the mini captioner: patch tokens averaged over "
-                   "k x k cells [mini, compare: 2 on an even grid of 12x12 or more, else 1]")
     p.add_argument("--dropout", type=at_least(0.0, float, below=1.0), default=None,
                    help=f"captioner dropout {pre('dropout')}")
-    # optimization
+    # optimization: BertAdam, warmup then linear decay (the authors')
     p.add_argument("--epochs", type=at_least(1), default=None, help=f"most epochs {pre('epochs')}")
-    p.add_argument("--batch-size", type=at_least(1), default=None, help="pairs per step (--pair-distractors: change "
-                   f"pairs, and their distractors) {pre('batch_size')}")
+    p.add_argument("--batch-size", type=at_least(1), default=None, help="pairs per step (CLEVR: change pairs, and "
+                   f"their distractors) {pre('batch_size')}")
     p.add_argument("--lr", type=at_least(0.0, float), default=None, help=f"captioner learning rate {pre('lr')}")
-    p.add_argument("--encoder-lr", type=at_least(0.0, float), default=None,
-                   help=f"pair encoder's learning rate {pre('encoder_lr')}")
-    p.add_argument("--freeze-encoder", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"the pair encoder fixed, its tokens computed once {pre('freeze_encoder')}")
+    p.add_argument("--encoder-lr", type=at_least(0.0, float), default=None, help="pair encoder's learning rate (0: "
+                   f"fixed, its tokens computed once) {pre('encoder_lr')}")
+    p.add_argument("--words-lr", type=at_least(0.0, float), default=None, help="learning rate of CLIP's words, the "
+                   f"captioner's input and output (default: --encoder-lr on spot, else 0) {pre('words_lr')}")
     p.add_argument("--weight-decay", type=at_least(0.0, float), default=None,
                    help=f"weight decay {pre('weight_decay')}")
-    optimizer_flag(p, "linear", pre("optimizer"))
-    p.add_argument("--pair-distractors", action=argparse.BooleanOptionalAction, default=None, help="CLEVR: each "
-                   f"change pair with its distractor, two losses summed (the authors') {pre('pair_distractors')}")
     p.add_argument("--authors-numerics", action="store_true", help="the authors' fp16 (model.authors_fp16_)")
     run_flags(p, log_every=50, pre=pre)
     p.add_argument("--patience", type=at_least(1), default=None, help="stop after this many epochs without val "
@@ -130,15 +110,8 @@ def settings(argv=None):
     preset = flags.preset or ({"scratch": "mini"}.get(adapted_with, adapted_with) if adapted_with else
                               "mini" if flags.ckpt in clip_load.SHIPPED else "paper")
     s = over_preset(flags, given, PRESETS, preset, bad)
-    authors = s["captioner"] == "authors"
-    if authors and (mini_only := sorted(given & {"width", "mem_diff", "mem_pool"})):
-        bad("--" + mini_only[0].replace("_", "-"), "the authors' captioner has no such setting")
-    if authors and s["enc_layers"] < s["dec_layers"]:
+    if s["enc_layers"] < s["dec_layers"]:
         bad("--enc-layers", f"the authors' decoder layer i reads encoder layer i: give at least {s['dec_layers']}")
-    if s["freeze_encoder"] and "encoder_lr" in given:
-        bad("--encoder-lr", "the encoder is frozen: give --no-freeze-encoder too")
-    if not s["freeze_encoder"] and s["encoder_lr"] <= 0:
-        bad("--encoder-lr", f"--no-freeze-encoder needs it > 0 (preset {preset}: {s['encoder_lr']:g})")
     check_resume(p, s["resume"], s["out"])
 
     # the encoder decides
@@ -147,38 +120,22 @@ def settings(argv=None):
     s["n_inter"] = clip.n_inter if flags.n_inter is None else flags.n_inter
     if s["n_inter"] > clip.vision_layers:
         bad("--n-inter", f"{flags.ckpt} has {clip.vision_layers} vision blocks")
-    grid = clip.image_resolution // clip.vision_patch_size
-    if authors:
-        if clip.embed_dim != clip.transformer_width:
-            bad("--preset", f"the authors' captioner needs {flags.ckpt}'s words ({clip.transformer_width}) as wide "
-                            f"as its tokens ({clip.embed_dim}): give --preset mini")
-        s["width"] = clip.transformer_width
-    elif s["mem_pool"] is None:
-        s["mem_pool"] = mem_pool_for(grid)
-    if not authors and grid % s["mem_pool"]:
-        bad("--mem-pool", f"{s['mem_pool']} does not divide {flags.ckpt}'s {grid}x{grid} patch grid")
+    if clip.embed_dim != clip.transformer_width:  # its words are the captioner's, its tokens the memory
+        bad("--ckpt", f"the captioner needs {flags.ckpt}'s words ({clip.transformer_width} wide) as wide as its "
+                      f"tokens ({clip.embed_dim}), as in every OpenAI ViT: adapt a CLIP so shaped")
+    s["width"] = clip.transformer_width
     s["heads"] = s["heads"] or heads_for(s["width"])
     if s["width"] % s["heads"]:
         bad("--heads", f"{s['heads']} heads do not divide the width {s['width']}")
 
     # the data decides
     name, root = data_source(flags.data, flags.data_root, info)
-    if s["reverse"] is None:
-        s["reverse"] = synth.is_synthetic(root)
-    if s["reverse"] and not synth.is_synthetic(root):
-        bad("--reverse", f"it needs the synthetic set's scene records ({root / 'scenes.json'})")
-    if name != "clevr":
-        if "pair_distractors" in given and s["pair_distractors"]:
-            bad("--pair-distractors", f"only CLEVR-Change has distractor pairs, not {name}")
-        s["pair_distractors"] = False
-    s.update(data=name, data_root=str(root), device=pick_device(s["device"]), adapted=info.get("stage") == "adapt")
+    if s["words_lr"] is None:
+        s["words_lr"] = s["encoder_lr"] if name == "spot" else 0.0
+    s.update(data=name, data_root=str(root), device=pick_device(s["device"]), adapted=info.get("stage") == "adapt",
+             freeze_encoder=s["encoder_lr"] == 0, pair_distractors=name == "clevr")  # only CLEVR has distractors
     s["amp"] = concrete_amp(s["amp"], s["device"])
     return Settings(**s)
-
-
-def mem_pool_for(grid):
-    """The mini presets' pooling: 2x2 cells on an even grid of 12x12 or more."""
-    return 2 if grid >= 12 and grid % 2 == 0 else 1
 
 
 def data_source(name, root, info):
@@ -192,38 +149,19 @@ def data_source(name, root, info):
 
 
 # -----------------------------------------------------------------------------
-# the words: CLIP's BPE tokens (the authors'), or the training captions' own (mini), PTB-tokenized as scored
+# the words: CLIP's BPE tokens (the authors')
 
 
-def words(sentence):
-    return metrics.tokenize(sentence).split()
-
-
-def build_vocab(captions, kind="mini"):
-    return clip_load.bpe_tokens() if kind == "authors" else SPECIALS + sorted({w for c in captions for w in words(c)})
-
-
-def is_bpe(vocab):
-    return vocab[-1] == "<|endoftext|>"
-
-
-def encode_captions(items, vocab, max_len):
+def encode_captions(items, max_len):
     """Every caption -> ids (N, max_len + 1): start, words, end, padding 0 (dataloader_clevr_caption.py 152-172)."""
-    index = {w: i for i, w in enumerate(vocab)}
-    start, end = (clip_load.SOT, clip_load.EOT) if is_bpe(vocab) else (BOS, EOS)
-    ids = [clip_load.encode(c) if is_bpe(vocab) else [index.get(w, UNK) for w in words(c)]
-           for it in items for c in it.captions]
-    rows = [[start] + r[:max_len - 1] + [end] for r in ids]
+    rows = [[clip_load.SOT] + clip_load.encode(c)[:max_len - 1] + [clip_load.EOT] for it in items for c in it.captions]
     return torch.tensor([r + [PAD] * (max_len + 1 - len(r)) for r in rows])
 
 
-def to_text(ids, vocab):
-    """Generated ids -> the caption; BPE cut at the end token and at "!" (id 0), as the authors (main_task_caption.py
+def to_text(ids):
+    """Generated ids -> the caption, cut at the end token and at "!" (id 0), as the authors (main_task_caption.py
     589-596)."""
-    if is_bpe(vocab):
-        return clip_load.decode(ids).split("<|endoftext|>")[0].split("!")[0].strip()
-    ids = ids[:ids.index(EOS)] if EOS in ids else ids
-    return " ".join(vocab[i] for i in ids if i not in (PAD, BOS))
+    return clip_load.decode(ids).split("<|endoftext|>")[0].split("!")[0].strip()
 
 
 def caption_loss(logits, targets):
@@ -232,8 +170,8 @@ def caption_loss(logits, targets):
 
 
 def batch_loss(model, batch, device, frozen=False, paired=False):
-    """caption_loss of a batch; paired (change pairs, then their distractors): both halves' losses summed, the
-    authors' loss1 + loss2 (main_task_caption.py 307-341)."""
+    """caption_loss of a batch; paired (data.DistractorBatches: its change pairs, then their distractors): both halves'
+    losses summed, the authors' loss1 + loss2 (main_task_caption.py 307-341)."""
     ids = batch["ids"][:, :int((batch["ids"] != PAD).any(0).nonzero().max()) + 1].to(device)  # BPE's "!" is 0 too
     logits = model(ids[:, :-1], **model_inputs(batch, device, frozen))
     if paired:
@@ -251,11 +189,9 @@ class PairCaptioner(nn.Module):
         super().__init__()
         self.clip, self.captioner = clip, captioner
 
-    def memory(self, before=None, after=None, tokens=None, both_ways=False):
-        """The pair encoder's tokens, pooled by the captioner, or encode_all's `tokens`."""
-        if tokens is not None:
-            return tokens
-        return self.captioner.pool(self.clip.visual.forward_pair(before, after, both_ways).tokens.float())
+    def memory(self, before=None, after=None, tokens=None):
+        """The pair encoder's tokens, or encode_all's `tokens`."""
+        return tokens if tokens is not None else self.clip.visual.forward_pair(before, after).tokens.float()
 
     def forward(self, ids, **inputs):
         """Teacher forcing: ids (B, T) given the pair (before=, after= or tokens=) -> logits (B, T, vocab)."""
@@ -264,10 +200,9 @@ class PairCaptioner(nn.Module):
     @torch.no_grad()
     def caption(self, beam=1, **inputs):
         mem = self.memory(**inputs)
-        start, end = (clip_load.SOT, clip_load.EOT) if isinstance(self.captioner, Captioner) else (BOS, EOS)
         if beam > 1:
-            return beam_search(self.captioner, mem, start, end, beam)
-        return generate(self.captioner, mem, start, end)
+            return beam_search(self.captioner, mem, clip_load.SOT, clip_load.EOT, beam)
+        return generate(self.captioner, mem, clip_load.SOT, clip_load.EOT)
 
 
 def model_inputs(batch, device, frozen):
@@ -278,22 +213,21 @@ def model_inputs(batch, device, frozen):
 
 
 @torch.no_grad()
-def encode_all(model, loader, ctx, both_ways=False):
-    """Every item's PairCaptioner.memory in fp16 (half fp32's memory); both_ways: then each as (after, before)."""
-    out, back = [], []
+def encode_all(model, loader, ctx):
+    """Every item's PairCaptioner.memory in fp16 (half fp32's memory)."""
+    out = []
     for batch in loader:
         with ctx.amp:
-            tokens = model.memory(**model_inputs(batch, ctx.device, False), both_ways=both_ways).half().cpu()
-        out.append(tokens[:len(batch["index"])])
-        back.append(tokens[len(batch["index"]):])  # empty unless both_ways
-    return torch.cat(out + back)
+            out.append(model.memory(**model_inputs(batch, ctx.device, False)).half().cpu())
+    return torch.cat(out)
 
 
 def load_captioner(path, device="cpu"):
-    """A captioner file, ours or the authors' released one (their 9 + 3, 8 heads) -> (PairCaptioner, vocab)."""
+    """A captioner file, ours or the authors' released one (their 9 + 3, 8 heads) -> PairCaptioner."""
     sd, extra = clip_load.read_state_dict(path := clip_load.resolve(path))
     if extra.get("stage") == "caption" and extra.get("format") != FORMAT:
-        raise SystemExit(f"{path} is a captioner.pt of an earlier layout: evaluate it after `git checkout 7dea046`")
+        raise SystemExit(f"{path} is a captioner.pt of an earlier layout: evaluate it after `git checkout "
+                         f"{'7670427' if extra.get('format') == 3 else '7dea046'}`")
     if extra.get("stage") != "caption" and not extra.get("decoder"):
         what = "an adapted encoder" if extra.get("stage") or "decoder" in extra else "a CLIP"
         raise SystemExit(f"{path} is not a captioner but {what}: train one with `python caption.py --ckpt {path}`")
@@ -301,19 +235,17 @@ def load_captioner(path, device="cpu"):
     if "decoder" in extra:  # the authors'
         state, enc, dec = clip_load.authors_captioner(extra["decoder"], sd, path)
         width = clip.cfg.transformer_width
-        captioner = Captioner(CaptionerConfig(clip.cfg.vocab_size, 2 * clip.visual.positional_embedding.shape[0],
-                                              width, heads_for(width), enc, dec, MAX_LEN), clip)
-        vocab = clip_load.bpe_tokens()
+        cfg = CaptionerConfig(clip.cfg.vocab_size, 2 * clip.visual.positional_embedding.shape[0], width,
+                              heads_for(width), enc, dec, MAX_LEN)
     else:
-        state, cfg, vocab = extra["captioner"], extra["captioner_config"], extra["vocab"]
-        captioner = (Captioner(CaptionerConfig(**cfg), clip) if extra["captioner_kind"] == "authors" else
-                     MiniCaptioner(MiniCaptionerConfig(**cfg)))
+        state, cfg = extra["captioner"], CaptionerConfig(**extra["captioner_config"])
+    captioner = Captioner(cfg, clip)
     try:
         captioner.load_state_dict(state)
     except RuntimeError as e:
         why = " ".join(str(e).split())[:400]
-        raise SystemExit(f"{path}: its captioner does not fit model.{type(captioner).__name__}: {why}") from None
-    return PairCaptioner(clip, captioner).to(device).eval(), vocab
+        raise SystemExit(f"{path}: its captioner does not fit model.Captioner: {why}") from None
+    return PairCaptioner(clip, captioner).to(device).eval()
 
 
 def read_ckpt_info(path):
@@ -330,19 +262,18 @@ def read_ckpt_info(path):
 
 
 def lr_rule(args):
-    """Parameter name -> learning rate (None: frozen), the authors' (main_task_caption.py 640-667); the text
-    tower frozen (theirs gets no gradient)."""
+    """What trains, at which rate: parameter name -> learning rate (None: fixed), the authors' (main_task_caption.py
+    640-667): the captioner at lr; CLIP's words (the captioner's input and output) at words_lr; the image tower but
+    its input embeddings at encoder_lr; the text tower fixed (theirs gets no gradient). A rate of 0 fixes."""
     def lr(name):
         if name.startswith("captioner."):
-            return args.lr
-        if args.freeze_encoder:
-            return None
-        # the tied words go by their clip.* name
-        if name == "clip.token_embedding.weight" and args.captioner == "authors" and args.data == "spot":
-            return args.encoder_lr
-        inside = name[len("clip."):]
-        trained = name.startswith("clip.visual.") and not inside.startswith(INPUT_EMBEDDINGS)
-        return args.encoder_lr if trained else None
+            rate = args.lr
+        elif name == "clip.token_embedding.weight":  # the tied words go by their clip.* name
+            rate = args.words_lr
+        else:
+            image_tower = name.startswith("clip.visual.") and not name[len("clip."):].startswith(INPUT_EMBEDDINGS)
+            rate = args.encoder_lr if image_tower else 0
+        return rate or None
     return lr
 
 
@@ -351,7 +282,7 @@ def lr_rule(args):
 
 
 @torch.no_grad()
-def predict(model, loader, items, vocab, ctx, beam=1):
+def predict(model, loader, items, ctx, beam=1):
     """-> {item id: caption}"""
     model, frozen = model.eval(), loader.dataset.features is not None
     out = {}
@@ -359,7 +290,7 @@ def predict(model, loader, items, vocab, ctx, beam=1):
         with ctx.amp:
             ids = model.caption(beam, **model_inputs(batch, ctx.device, frozen))
         for i, row in zip(batch["index"].tolist(), ids.tolist()):
-            out[items[i].id] = to_text(row, vocab)
+            out[items[i].id] = to_text(row)
     return out
 
 
@@ -380,10 +311,10 @@ def summary(scores):
     return " ".join(f"{k} {scores[k]:.1f}" for k in metrics.METRICS if k in scores)
 
 
-def final_test(model, loader, train_items, items, vocab, ctx, name, root, results_path, beam=1):
+def final_test(model, loader, train_items, items, ctx, name, root, results_path, beam=1):
     """The captioner on test -> results, to results_path and the log."""
     t0 = time.time()
-    preds = predict(model, loader, items, vocab, ctx, beam)
+    preds = predict(model, loader, items, ctx, beam)
     scores, by_type = score(items, preds, by_type=name == "clevr")
     seconds = time.time() - t0
     scenes = synth.read_scenes(root) if name == "clevr" else None  # what really changed
@@ -421,31 +352,20 @@ def report(results, results_path, beam, n, seconds):
 # training: the pieces of main(), in the order it uses them
 
 
-def load_data(args, vocab=None):
-    """The "total" splits, the vocabulary (a resumed run's, else built), the training captions' ids."""
-    splits = {s: data.load_items(args.data, args.data_root, s, "total", args.skip_missing)  # distractors too
+def load_data(args):
+    """The "total" splits (distractors too), the training captions' ids."""
+    splits = {s: data.load_items(args.data, args.data_root, s, "total", args.skip_missing)
               for s in ("train", "val", "test")}
-    if args.reverse:
-        splits["train"] = splits["train"] + synth.reversed_pairs(splits["train"], args.data_root)
-    vocab = vocab or build_vocab([c for it in splits["train"] for c in it.captions], args.captioner)
-    caption_ids = encode_captions(splits["train"], vocab, MAX_LEN)
-    log(f"data: {args.data} at {args.data_root} | pairs train {len(splits['train'])}"
-        f"{' (half reversed)' if args.reverse else ''} val {len(splits['val'])} test "
-        f"{len(splits['test'])} | vocabulary {len(vocab)} {'CLIP BPE tokens' if is_bpe(vocab) else 'words'}"
-        f" | {len(caption_ids)} training captions")
-    return splits, vocab, caption_ids
+    caption_ids = encode_captions(splits["train"], MAX_LEN)
+    log(f"data: {args.data} at {args.data_root} | pairs train {len(splits['train'])} val {len(splits['val'])} test "
+        f"{len(splits['test'])} | {len(caption_ids)} training captions in CLIP's BPE words")
+    return splits, caption_ids
 
 
-def new_model(args, vocab, clip):
-    common = dict(vocab_size=len(vocab), width=args.width, heads=args.heads, enc_layers=args.enc_layers,
-                  dec_layers=args.dec_layers, max_len=MAX_LEN, dropout=args.dropout)
-    if args.captioner == "authors":
-        captioner = Captioner(CaptionerConfig(memory_len=2 * clip.visual.positional_embedding.shape[0], **common), clip)
-    else:
-        m = (clip.cfg.image_resolution // clip.cfg.vision_patch_size // args.mem_pool) ** 2
-        captioner = MiniCaptioner(MiniCaptionerConfig(memory_dim=clip.cfg.embed_dim, memory_len=2 * (m + 1),
-                                                      mem_diff=args.mem_diff, mem_pool=args.mem_pool, **common))
-    return PairCaptioner(clip, captioner)
+def new_model(args, clip):
+    cfg = CaptionerConfig(clip.cfg.vocab_size, 2 * clip.visual.positional_embedding.shape[0], args.width, args.heads,
+                          args.enc_layers, args.dec_layers, MAX_LEN, args.dropout)
+    return PairCaptioner(clip, Captioner(cfg, clip))
 
 
 def describe(model, rule, params, args):
@@ -453,7 +373,7 @@ def describe(model, rule, params, args):
     log("what trains:\n" + policy_table(model.named_parameters(), rule))
     log(f"model: pair encoder {clip.vision_layers - clip.n_inter} + {clip.n_inter} "
         f"({'frozen' if args.freeze_encoder else f'lr {args.encoder_lr:g}'}), memory {cfg.memory_len} tokens | "
-        f"{type(model.captioner).__name__} {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
+        f"captioner {cfg.enc_layers}+{cfg.dec_layers} layers, {cfg.width} wide | "
         f"{sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters")
 
 
@@ -470,10 +390,7 @@ def loaders(model, splits, caption_ids, args, ctx):
     if args.freeze_encoder:
         t0 = time.time()
         for s, items in splits.items():
-            n = len(items) // 2 if s == "train" and args.reverse else len(items)  # then reversed
-            assert all(b.id == a.id + "_r" for a, b in zip(items[:n], items[n:])), "reversed pairs out of order"
-            loader = loader_for(data.ImageDataset(items[:n], size, cache), args, ctx)
-            feats[s] = encode_all(model, loader, ctx, both_ways=n < len(items))
+            feats[s] = encode_all(model, loader_for(data.ImageDataset(items, size, cache), args, ctx), ctx)
         log(f"encoded {sum(map(len, feats.values()))} pairs once (frozen encoder) in {time.time() - t0:.0f}s")
     # a caption drawn per pair and epoch, no image swapped: the authors' stage 2
     train_set = data.CaptionDataset(splits["train"], size, cache=cache, seed=args.seed, ids=caption_ids, draw=True,
@@ -485,8 +402,8 @@ def loaders(model, splits, caption_ids, args, ctx):
                     for s in ("val", "test"))
 
 
-def validate(model, loader, items, vocab, scenes, ctx):
-    preds = predict(model, loader, items, vocab, ctx)
+def validate(model, loader, items, scenes, ctx):
+    preds = predict(model, loader, items, ctx)
     val = {"CIDEr-D": cider(items, preds)}
     if scenes:
         judged = synth.report(preds, scenes)
@@ -494,25 +411,24 @@ def validate(model, loader, items, vocab, scenes, ctx):
     return val
 
 
-def checkpoint(model, vocab, args, figures):
+def checkpoint(model, args, figures):
     """What load_captioner rebuilds the captioner from, and what produced it."""
-    return {"model": model.clip.state_dict(), "captioner": model.captioner.state_dict(), "captioner_kind":
-            args.captioner, "config": asdict(model.clip.cfg), "captioner_config": asdict(model.captioner.cfg),
-            "vocab": vocab, "data": {"name": args.data, "root": args.data_root,
-                                     "image_size": model.clip.cfg.image_resolution},
+    return {"model": model.clip.state_dict(), "captioner": model.captioner.state_dict(),
+            "config": asdict(model.clip.cfg), "captioner_config": asdict(model.captioner.cfg),
+            "data": {"name": args.data, "root": args.data_root, "image_size": model.clip.cfg.image_resolution},
             "args": vars(args), "metrics": figures, "stage": "caption", "format": FORMAT}
 
 
-def test_best(model, loader, splits, vocab, history, args, ctx):
+def test_best(model, loader, splits, history, args, ctx):
     """The model chosen on val (--out) tested once; its figures added to --out."""
     chosen = torch.load(args.out, map_location=ctx.device, weights_only=True)
     model.clip.load_state_dict(chosen["model"])
     model.captioner.load_state_dict(chosen["captioner"])
-    results = final_test(model, loader, splits["train"], splits["test"], vocab, ctx, args.data, args.data_root,
+    results = final_test(model, loader, splits["train"], splits["test"], ctx, args.data, args.data_root,
                          args.results)
     figures = {**chosen["metrics"], "test": results["scores"], "test_by_type": results["scores_by_type"],
                "baseline": results["baseline"], "history": history}
-    save_atomic(checkpoint(model, vocab, args, figures), args.out)
+    save_atomic(checkpoint(model, args, figures), args.out)
     return results
 
 
@@ -526,22 +442,19 @@ def main(argv=None):
         log(f"{args.ckpt} is not an adapted encoder: the no-adaptation ablation (paper Table 5)")
     if args.authors_numerics:
         authors_fp16_(clip)
-    splits, vocab, caption_ids = load_data(args, state and state["vocab"])
+    splits, caption_ids = load_data(args)
     scenes = synth.read_scenes(args.data_root) if args.data == "clevr" else None
 
-    model = new_model(args, vocab, clip).to(ctx.device)
+    model = new_model(args, clip).to(ctx.device)
     rule = lr_rule(args)
     freeze(model.named_parameters(), rule)
-    theirs = args.optimizer == "bertadam"
-    decays = authors_decays(model, bert="captioner") if theirs else None
-    groups = param_groups(model.named_parameters(), rule, args.weight_decay, decays)
+    groups = param_groups(model.named_parameters(), rule, args.weight_decay, authors_decays(model, bert="captioner"))
     params = [p for g in groups for p in g["params"]]
-    optimizer = make_optimizer(groups, ctx.device, args.optimizer, args.betas, args.eps)
+    optimizer = BertAdam(groups, lr=args.lr, betas=args.betas, eps=args.eps)
     describe(model, rule, params, args)
     train_loader, val_loader, test_loader = loaders(model, splits, caption_ids, args, ctx)
     total_steps = args.epochs * len(train_loader)
-    scheduler = (authors_schedule(optimizer, total_steps, args.warmup, "linear") if theirs else
-                 warmup_cosine(optimizer, total_steps, args.warmup))
+    scheduler = authors_schedule(optimizer, total_steps, args.warmup, "linear")
     run = resume_run(state, model, optimizer, scheduler, args) if state else new_run()
     stop = args.epochs
     if run["epochs_without_gain"] >= args.patience:  # it stays stopped
@@ -568,13 +481,13 @@ def main(argv=None):
             model.train()
             loss = train_epoch(ctx, train_loader, step, optimizer, run, Progress(epoch, args.epochs, total_steps,
                                                                                 args.log_every))
-            val = validate(model, val_loader, splits["val"], vocab, scenes, ctx)
-            if end_epoch(run, loss, {f"val {k}": v for k, v in val.items()}, val["CIDEr-D"], args.tie_is_gain):
-                save_atomic(checkpoint(model, vocab, args, {"val": val, "epoch": epoch + 1}), args.out)
+            val = validate(model, val_loader, splits["val"], scenes, ctx)
+            if end_epoch(run, loss, {f"val {k}": v for k, v in val.items()}, val["CIDEr-D"]):  # a tie: the later
+                save_atomic(checkpoint(model, args, {"val": val, "epoch": epoch + 1}), args.out)
             right = "".join(f", {k} {val[k]:.0f}%" for k in ("right type", "right object") if k in val)
             log(f"epoch {epoch + 1}/{args.epochs} | loss {loss:.3f} | val {summary(val)}{right} | best CIDEr-D "
                 f"{run['best']:.1f} (epoch {run['best_epoch']}) | {time.time() - t0:.0f}s")
-            save_state(args.out, model, optimizer, scheduler, run, args, vocab=vocab)
+            save_state(args.out, model, optimizer, scheduler, run, args)
             plots.curves(os.path.splitext(args.out)[0] + ".curves.png", run["history"], "val CIDEr-D")
             if run["epochs_without_gain"] >= args.patience:
                 log(f"early stop: no val CIDEr-D gain for {run['epochs_without_gain']} epochs")
@@ -583,7 +496,7 @@ def main(argv=None):
         interrupted(args.out)
     log(f"training done in {fmt_time(time.time() - t_start)} ({where(ctx, speed=True)}): best val CIDEr-D "
         f"{run['best']:.1f} at epoch {run['best_epoch']}")
-    return test_best(model, test_loader, splits, vocab, run["history"], args, ctx)
+    return test_best(model, test_loader, splits, run["history"], args, ctx)
 
 
 if __name__ == "__main__":

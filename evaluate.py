@@ -55,11 +55,11 @@ def get_args(argv=None):
 def caption_images(args):
     """The caption of --before/--after, alone on stdout; --explain: the images and the encoder's maps too."""
     ctx = setup(0, args.device, args.amp)
-    model, vocab = caption.load_captioner(args.ckpt, ctx.device)
+    model = caption.load_captioner(args.ckpt, ctx.device)
     size = model.clip.cfg.image_resolution
     before, after = (clip_load.load_image(p, size)[None].to(ctx.device) for p in (args.before, args.after))
     with ctx.amp:
-        text = caption.to_text(model.caption(args.beam, before=before, after=after)[0].tolist(), vocab)
+        text = caption.to_text(model.caption(args.beam, before=before, after=after)[0].tolist())
     print(text)
     if args.explain:
         if model.clip.cfg.n_inter == 0:
@@ -75,7 +75,7 @@ def evaluate_captioner(args, info):
     """caption.final_test (and --gallery); the authors' weights under bf16 also decoded in fp32."""
     ctx = setup(0, args.device, args.amp)
     name, root = caption.data_source(args.data, args.data_root, info)
-    model, vocab = caption.load_captioner(args.ckpt, ctx.device)
+    model = caption.load_captioner(args.ckpt, ctx.device)
     train_items = data.load_items(name, root, "train", "total", args.skip_missing, images=False)  # the baseline's
     test_items = data.load_items(name, root, "test", "total", args.skip_missing)
     size = model.clip.cfg.image_resolution
@@ -84,13 +84,12 @@ def evaluate_captioner(args, info):
     if info.get("args", {}).get("freeze_encoder"):  # caption.py's test: the frozen encoder's fp16 tokens
         tokens = caption.encode_all(model, loader, ctx)
         loader = data.make_loader(data.ImageDataset(test_items, size, features=tokens), args.eval_batch_size)
-    results = caption.final_test(model, loader, train_items, test_items, vocab, ctx, name, root, args.results,
-                                 args.beam)
+    results = caption.final_test(model, loader, train_items, test_items, ctx, name, root, args.results, args.beam)
     if args.gallery:
         preds = {p["id"]: p["caption"] for p in results["predictions"]}
         plots.draw_gallery(args.gallery, test_items, preds, model, size, ctx.device)
     if info.get("authors") and isinstance(ctx.amp, torch.autocast):  # last: setup turns TF32 off for the process
-        fp32 = caption.predict(model, loader, test_items, vocab, setup(0, ctx.device, "off"), args.beam)
+        fp32 = caption.predict(model, loader, test_items, setup(0, ctx.device, "off"), args.beam)
         differ = sum(p["caption"] != fp32[p["id"]] for p in results["predictions"])
         log(f"bf16 against fp32 (--amp off, the reference for their weights): {differ} of {len(fp32)} captions differ")
     return results

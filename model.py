@@ -1,4 +1,4 @@
-"""The networks of CLIP4IDC: CLIP ViT (image + text towers), the intra/inter pair encoder, the captioners.
+"""The networks of CLIP4IDC: CLIP ViT (image + text towers), the intra/inter pair encoder, the captioner.
 
 Parameter names are the keys of OpenAI's `ViT-B-32.pt` (it loads with `strict=True`), sizes read off its shapes.
 
@@ -156,13 +156,10 @@ class VisionTransformer(nn.Module):
         """Plain CLIP image features: (B, 3, H, W) -> (B, output_dim)."""
         return self.ln_post(self.transformer(self.stem(x))[:, 0]) @ self.proj
 
-    def forward_pair(self, before, after, both_ways=False):
-        """The pair encoder, eq. (2)-(5): (B, 3, H, W) x2 -> PairEncoding; both_ways: (after, before) too, as rows
-        B..2B-1."""
-        B = before.shape[0]
+    def forward_pair(self, before, after):
+        """The pair encoder, eq. (2)-(5): (B, 3, H, W) x2 -> PairEncoding."""
         x = self.intra(self.stem(torch.cat([before, after])))  # eq. (2): each image alone, both in one batch
-        pairs = [torch.cat([x[:B], x[B:]], dim=1)] + ([torch.cat([x[B:], x[:B]], dim=1)] if both_ways else [])
-        return self.inter(torch.cat(pairs))  # eq. (3)-(5) on the joint sequence (B, 2(n+1), width)
+        return self.inter(torch.cat(x.chunk(2), dim=1))  # eq. (3)-(5) on the joint sequence (B, 2(n+1), width)
 
     def intra(self, x):
         """eq. (2): the first N_intra blocks on each image's tokens (B, n+1, width) alone."""
@@ -304,7 +301,7 @@ def build_model(sd, n_inter=N_INTER, activation="quick_gelu"):
 
 
 # -----------------------------------------------------------------------------
-# The captioners (paper Sec. 3.3): the words cross-attend to the pair encoder's tokens (the memory).
+# The captioner (paper Sec. 3.3): the words cross-attend to the pair encoder's tokens (the memory).
 
 
 class Attention(nn.Module):
@@ -353,7 +350,7 @@ def init_weights_(module):
             nn.init.zeros_(m.bias)
 
 
-# decoding, for either captioner below (through its encode and decode)
+# decoding, for the captioner below (through its encode and decode)
 
 
 @torch.no_grad()
@@ -481,102 +478,3 @@ class Captioner(nn.Module):
 
     def forward(self, memory, tokens):
         return self.decode(tokens, self.encode(memory))
-
-    def pool(self, memory):
-        return memory  # the authors' read every token
-
-
-
-# The mini presets' captioner: pre-LN, its own words, each memory token projected, placed, marked with its image and
-# (mem_diff) told what changed at its position, the patch grid pooled.
-
-
-@dataclass
-class MiniCaptionerConfig:
-    vocab_size: int = 100
-    memory_dim: int = 128  # the pair encoder's embed_dim
-    memory_len: int = 74  # its 2(m+1) tokens: m pooled patches per image
-    width: int = 128
-    heads: int = 4
-    enc_layers: int = 0
-    dec_layers: int = 2
-    max_len: int = MAX_LEN
-    dropout: float = 0.1
-    mem_diff: bool = True
-    mem_pool: int = 2
-
-
-class PreLNBlock(nn.Module):
-    """Pre-LN x + dropout(f(LN(x))), BertLayer's sublayers (no dropout on the attention probabilities)."""
-
-    def __init__(self, width, heads, dropout, cross=False):
-        super().__init__()
-        self.ln_1 = LayerNorm(width)
-        self.attn = Attention(width, heads)
-        if cross:
-            self.ln_x = LayerNorm(width)
-            self.cross_attn = Attention(width, heads)
-        self.ln_2 = LayerNorm(width)
-        self.mlp = feed_forward(width)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x, memory=None, kv_cache=None):
-        c_self, c_cross = caches(kv_cache)
-        x = x + self.drop(self.attn(self.ln_1(x), causal=memory is not None, kv_cache=c_self))
-        if memory is not None:
-            x = x + self.drop(self.cross_attn(self.ln_x(x), memory, kv_cache=c_cross))
-        return x + self.drop(self.mlp(self.ln_2(x)))
-
-
-class MiniCaptioner(nn.Module):
-    def __init__(self, cfg: MiniCaptionerConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.mem_proj = nn.Linear(cfg.memory_dim, cfg.width)
-        self.mem_pos = nn.Parameter(torch.zeros(cfg.memory_len, cfg.width))
-        # which image a token comes from: cross-attention is blind to order
-        self.mem_image = nn.Parameter(torch.zeros(2, cfg.width))
-        # after minus before, added to both images' tokens (cross-attention cannot subtract)
-        self.mem_diff = nn.Linear(cfg.memory_dim, cfg.width) if cfg.mem_diff else None
-        self.encoder = nn.ModuleList([PreLNBlock(cfg.width, cfg.heads, cfg.dropout) for _ in range(cfg.enc_layers)])
-        self.ln_enc = LayerNorm(cfg.width)
-        self.token_embedding = nn.Embedding(cfg.vocab_size, cfg.width)
-        self.positional_embedding = nn.Parameter(torch.zeros(cfg.max_len + 1, cfg.width))  # <bos> + max_len
-        self.decoder = nn.ModuleList([PreLNBlock(cfg.width, cfg.heads, cfg.dropout, cross=True)
-                                      for _ in range(cfg.dec_layers)])
-        self.ln_final = LayerNorm(cfg.width)
-        self.drop = nn.Dropout(cfg.dropout)
-        init_weights_(self)
-        for p, std in ((self.mem_pos, 0.01), (self.mem_image, 0.02), (self.positional_embedding, 0.01)):
-            nn.init.normal_(p, std=std)
-
-    def pool(self, memory):
-        """(B, 2(n+1), D) -> (B, 2(m+1), D): each image's patch tokens averaged over mem_pool x mem_pool cells."""
-        k = self.cfg.mem_pool
-        B, T, D = memory.shape
-        g = math.isqrt(T // 2 - 1)
-        x = memory.reshape(2 * B, T // 2, D)  # each image's tokens
-        grid = F.avg_pool2d(x[:, 1:].transpose(1, 2).reshape(2 * B, D, g, g), k)  # (2B, D, g/k, g/k)
-        return torch.cat([x[:, :1], grid.flatten(2).transpose(1, 2)], dim=1).reshape(B, -1, D)
-
-    def encode(self, memory):
-        """Pooled tokens (B, 2(m+1), memory_dim) -> [what every decoder layer reads]."""
-        n1 = memory.shape[1] // 2
-        memory = memory.to(self.mem_proj.weight.dtype)
-        x = self.mem_proj(memory) + self.mem_pos + self.mem_image.repeat_interleave(n1, dim=0)
-        if self.mem_diff is not None:
-            x = x + self.mem_diff(memory[:, n1:] - memory[:, :n1]).repeat(1, 2, 1)
-        x = self.drop(x)
-        for block in self.encoder:
-            x = block(x)
-        return [self.ln_enc(x)]
-
-    def decode(self, tokens, mems, kv_caches=None, start=0):
-        x = self.drop(self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]])
-        for i, block in enumerate(self.decoder):
-            x = block(x, mems[0], None if kv_caches is None else kv_caches[i])
-        return self.ln_final(x) @ self.token_embedding.weight.t()
-
-    def forward(self, memory, tokens):
-        return self.decode(tokens, self.encode(memory))
-

@@ -2,18 +2,17 @@
 
     python pretrain.py                                # render data/clevr_pretrain once, train, evaluate
     python pretrain.py --resume                       # continue a killed run exactly (mid-epoch too)
-    python pretrain.py --eval-only --ckpt mini12-synth     # held-out figures of a checkpoint (the shipped one)
-    python pretrain.py --export clip_mini12_synth.pt  # the run's latest weights as the shipped fp16 file
-    python pretrain.py --world clevr --out clevr.pt   # CLEVR's world: the shipped mini12-clevr
-    python pretrain.py --eval-only --ckpt mini12-clevr --world clevr --clevr-root assets/clevr_renders
+    python pretrain.py --eval-only --ckpt mini64-synth     # held-out figures of a checkpoint (the shipped one)
+    python pretrain.py --export clip_mini64_synth.pt  # the run's latest weights as the shipped fp16 file
+    python pretrain.py --world clevr --out clevr.pt   # the same recipe in CLEVR's world (camera, lamps, colours)
 
 CLIP4IDC adapts a CLIP that already sees objects; the quickstart has none, so this file makes one in miniature:
-model.py's CLIP (OpenAI's names: it loads as ViT-B-32.pt does), trained with CLIP's contrastive loss on single images
-of synthetic scenes (another seed than the quickstart's set) and descriptions naming every object's size, colour,
-material and shape. Each image also meets hard negatives (NegCLIP: its description with one attribute changed or
-swapped); `--object-loss` makes the patch token under each object pick its own phrase (as FILIP); the image tower's
-attention starts mimetically (Trockman and Kolter 2023). The defaults are the shipped assets/clip_mini12_synth.pt's
-recipe (with `--world clevr`, clip_mini12_clevr.pt's).
+model.py's CLIP (OpenAI's names and shape: it loads as ViT-B-32.pt does), trained with CLIP's contrastive loss on
+single images of synthetic scenes (another seed than the quickstart's set) and descriptions naming every object's
+size, colour, material and shape. Each image also meets hard negatives (NegCLIP: its description with one attribute
+changed or swapped); `--object-loss` makes the patch token under each object pick its own phrase (as FILIP); the
+image tower's attention starts mimetically (Trockman and Kolter 2023). The defaults are the shipped
+assets/clip_mini64_synth.pt's recipe.
 """
 import argparse
 import json
@@ -36,16 +35,16 @@ import data
 import synth
 from model import CLIP, PAIR_KEYS, CLIPConfig, heads_for
 from train_utils import (HelpFormatter, Progress, Settings, at_least, check_resume, check_sizes, concrete_amp,
-                         end_epoch, fmt_time, freeze, given_flags, last_path, load_resume, log, make_optimizer, new_run,
-                         param_groups, pick_device, resume_run, run_flags, save_atomic, save_state, setup, train_epoch,
-                         warmup_cosine, where)
+                         end_epoch, fmt_time, freeze, given_flags, last_path, load_resume, log, new_run, param_groups,
+                         pick_device, resume_run, run_flags, save_atomic, save_state, setup, train_epoch, where)
 
 ROOT = "data/clevr_pretrain"
-# the shipped mini12-synth's recipe: 12x12 patches of 8 px (an object spans several); 64-wide words (6.3 MB in fp16)
+# the shipped mini64-synth's recipe: 12x12 patches of 8 px (an object spans several); words and tokens 64 wide, as
+# the authors' captioner needs (the word table 6.3 MB in fp16)
 DEFAULTS = dict(scenes=12000, image_size=96, patch_size=8, vision_width=128, vision_layers=6, text_width=64,
-                text_layers=4, embed_dim=128, context_length=77, batch_size=128, negatives=1, lr=5e-4,
-                weight_decay=0.1, warmup=0.02, samples=300_000, eval_every=150)
-CLEVR = dict(samples=150_000, eval_every=300)  # --world clevr: the shipped mini12-clevr's recipe
+                text_layers=4, embed_dim=64, context_length=77, batch_size=128, negatives=1, lr=5e-4,
+                weight_decay=0.1, warmup=0.02, samples=150_000, eval_every=150)
+CLEVR = dict(eval_every=300)  # --world clevr's own
 MODES = {  # what each mode but training reads: another flag given is an error
     "--export": {"export", "out"},
     "--probe-pairs": {"probe_pairs", "pairs_root", "device", "amp", "seed"},
@@ -78,7 +77,7 @@ def get_args(argv=None):
     p.add_argument("--mimetic-init", action=argparse.BooleanOptionalAction, default=True, help="the image tower's "
                    "attention initialized mimetically (mimetic_init_)")
     p.add_argument("--samples", type=at_least(1), default=argparse.SUPPRESS, help="training images seen in all (the "
-                   f"schedule) (default: {d['samples']:,}; {CLEVR['samples']:,} for --world clevr)")
+                   f"schedule) (default: {d['samples']:,})")
     p.add_argument("--eval-every", type=at_least(1), default=argparse.SUPPRESS, help="steps between held-out "
                    "evaluations, each also writing the resumable state (default: "
                    f"{d['eval_every']}; {CLEVR['eval_every']} for --world clevr)")
@@ -98,7 +97,8 @@ def get_args(argv=None):
     p.add_argument("--workers", type=at_least(1), default=None, help="render/decode processes (default: all cores)")
     args, given = p.parse_args(argv), given_flags(p, argv)
     s = vars(args)
-    s.update({k: (CLEVR if args.world == "clevr" else d)[k] for k in ("samples", "eval_every") if k not in given})
+    world = {**d, **(CLEVR if args.world == "clevr" else {})}
+    s.update({k: world[k] for k in ("samples", "eval_every") if k not in given})
     if args.root == ROOT and args.world != "ours":  # one set per world
         s["root"] = f"{ROOT}_{args.world}"
     check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
@@ -376,7 +376,18 @@ def fmt(m):
 
 
 # -----------------------------------------------------------------------------
-# the run
+# the run: AdamW, warmup then cosine (CLIP's own pretraining, not CLIP4IDC's)
+
+
+def warmup_cosine(optimizer, total_steps, warmup_frac=0.1):
+    """Linear warmup over `warmup_frac` of the steps, then a cosine to 0."""
+    warmup = max(1, int(warmup_frac * total_steps))
+
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def mimetic_init_(visual, a1=0.7, b1=0.7, a2=0.4, b2=0.4):
@@ -463,7 +474,7 @@ def main(argv=None):
     rule = lambda name: None if name.startswith(PAIR_KEYS) else args.lr
     freeze(model.named_parameters(), rule)
     groups = param_groups(model.named_parameters(), rule, args.weight_decay)
-    optimizer = make_optimizer(groups, ctx.device, "adamw", (0.9, 0.98))
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.98), eps=1e-6, fused=ctx.device.type == "cuda")
     total = max(1, args.samples // args.batch_size)
     scheduler = warmup_cosine(optimizer, total, args.warmup)
     ds = Descriptions(train, cache, args.negatives, args.context_length, args.patch_size, args.seed,
@@ -504,7 +515,7 @@ def main(argv=None):
         loss = train_epoch(ctx, Steps(ds, args.batch_size, args.seed, run["step"], stop), step, optimizer, run,
                            Progress(r, rounds, total, args.log_every, unit="images"))
         m = evaluate(model, held_out, probe_train, cache, args, ctx)
-        end_epoch(run, loss, {"step": run["step"], "samples": run["step"] * args.batch_size, **m}, 0.0, True)
+        end_epoch(run, loss, {"step": run["step"], "samples": run["step"] * args.batch_size, **m}, 0.0)
         log(f"step {run['step']}/{total} ({run['step'] * args.batch_size:,} images, "
             f"{fmt_time(time.time() - t_start)}) | loss {loss:.4f} | held-out {fmt(m)}")
         save_atomic({"model": model.state_dict(), "config": asdict(model.cfg), "args": vars(args),

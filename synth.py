@@ -444,34 +444,6 @@ def captions(rng, kind, before, after, k, n=6, style="ours"):
     return out
 
 
-def reverse(scene):
-    """A scene record seen backwards, the after image first: an addition becomes a drop and so on; the changed
-    index keeps its meaning."""
-    kind = {"add": "drop", "drop": "add"}.get(scene["type"], scene["type"])
-    return {"type": kind, "before": scene["after"], "after": scene["before"], "changed": scene["changed"]}
-
-
-def reversed_captions(scene, key, style="ours"):
-    """Captions of `scene` seen backwards (reverse), drawn as the set's own are, from a stream of their own."""
-    back = reverse(scene)
-    return captions(random.Random(f"clevr-synth-reverse-{key}"), back["type"], back["before"], back["after"],
-                    back["changed"], style=style)
-
-
-def reversed_pairs(items, root):
-    """A synthetic set's data.Items as (after, before), captioned from the scene records (an addition is now a drop)."""
-    scenes = read_scenes(root) if is_synthetic(root) else None
-    if scenes is None:
-        raise SystemExit(f"--reverse needs the synthetic set's scene records ({Path(root) / 'scenes.json'}): pass "
-                         f"--no-reverse")
-    style = json.loads((Path(root) / "synth.json").read_text()).get("caption_style", "ours")
-    flip = lambda it, **changed: it._replace(id=it.id + "_r", before=it.after, after=it.before, alt_before=None,
-                                             **changed)
-    return [flip(it) if it.change_type == "distractor" else
-            flip(it, captions=reversed_captions(scenes[it.id], it.id, style),
-                 change_type=reverse(scenes[it.id])["type"]) for it in items]
-
-
 # -----------------------------------------------------------------------------
 # scene descriptions for CLIP pretraining in miniature (pretrain.py): every visible object, and hard negatives
 
@@ -794,7 +766,7 @@ def read_scenes(root):
 
 
 def is_synthetic(root):
-    """A set `make` wrote (synth.json and scenes.json): --reverse and the attention figure need it."""
+    """A set `make` wrote (synth.json and scenes.json): the attention figure needs it."""
     return all((Path(root) / f).is_file() for f in ("synth.json", "scenes.json"))
 
 

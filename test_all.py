@@ -116,7 +116,7 @@ def preset_settings(stage, preset, *argv, **resolved):
 
 TINY_ADAPT = [*CPU, "--preset", "scratch", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
               "--vision-layers", "2", "--n-inter", "1", "--text-width", "128", "--text-layers", "1",
-              "--embed-dim", "16", "--batch-size", "8", "--eval-batch-size", "16", "--log-every", "1"]  # from scratch
+              "--embed-dim", "128", "--batch-size", "8", "--eval-batch-size", "16", "--log-every", "1"]  # from scratch
 # adapt.py on a CLIP archive: one quick epoch
 FAST = [*CPU, "--epochs", "1", "--batch-size", "8", "--eval-batch-size", "16", "--workers", "0", "--log-every", "1"]
 TINY_PRETRAIN = [*CPU, "--scenes", "30", "--image-size", "32", "--patch-size", "16", "--vision-width", "128",
@@ -313,10 +313,11 @@ def tiny_clevr(root):
 
 
 def tiny_encoder(path, root):
-    """An adapt.py-style checkpoint of a tiny random CLIP (2 vision blocks, the last one inter; 2 heads)."""
+    """An adapt.py-style checkpoint of a tiny random CLIP (2 vision blocks, the last one inter; 2 heads), its tokens
+    as wide as its words, as the captioner needs."""
     torch.manual_seed(0)
-    cfg = CLIPConfig(embed_dim=32, image_resolution=32, vision_layers=2, vision_width=128, vision_patch_size=8,
-                     context_length=8, vocab_size=100, transformer_width=128, transformer_heads=2,
+    cfg = CLIPConfig(embed_dim=128, image_resolution=32, vision_layers=2, vision_width=128, vision_patch_size=8,
+                     context_length=77, vocab_size=49408, transformer_width=128, transformer_heads=2,
                      transformer_layers=1, n_inter=1)  # 2 heads in each tower
     torch.save({"model": CLIP(cfg).state_dict(), "config": asdict(cfg), "stage": "adapt",
                 "data": {"name": "clevr", "root": str(root), "image_size": 32}}, path)
@@ -324,8 +325,8 @@ def tiny_encoder(path, root):
 
 def run(tmp, *extra, epochs):
     return caption.main([*CPU, "--ckpt", str(tmp / "adapted.pt"), "--out", str(tmp / "captioner.pt"), "--results",
-                         str(tmp / "captions.json"), "--preset", "mini", "--width", "64", "--heads", "2",
-                         "--enc-layers", "1", "--dec-layers", "1", "--epochs", str(epochs), "--batch-size", "4",
+                         str(tmp / "captions.json"), "--preset", "mini", "--heads", "2",
+                         "--enc-layers", "1", "--dec-layers", "1", "--epochs", str(epochs), "--batch-size", "2",
                          "--lr", "2e-3", "--patience", "100", "--workers", "0", "--log-every", "1000", *extra])
 
 
@@ -334,7 +335,7 @@ def trained(tmp_path_factory, one_thread):
     tmp = tmp_path_factory.mktemp("caption")
     tiny_clevr(tmp / "clevr")
     tiny_encoder(tmp / "adapted.pt", tmp / "clevr")
-    results = run(tmp, "--dropout", "0", epochs=15)
+    results = run(tmp, "--dropout", "0", epochs=40)
     return tmp, results
 
 
@@ -490,12 +491,6 @@ def test_pair_encoder_is_eq_2_to_5_and_order_matters():
     assert_close(v1, ref_v)
     assert (v1 - v2).abs().max() > 1e-3  # e1 != e2 and p: the encoder knows which image came first
     assert (t1[:, :17] - t2[:, 17:]).abs().max() > 1e-3
-    # forward_both_ways (caption.py's --reverse pairs): each pair, then the same pair reversed, intra blocks shared
-    with torch.no_grad():
-        t, v = model.visual.forward_pair(images, images.roll(1, 0), both_ways=True)
-    assert t.shape == (6, 34, 32) and v.shape == (6, 32)
-    assert_close(t, torch.cat([t1, t2]))
-    assert_close(v, torch.cat([v1, v2]))
 
 
 def test_sdpa_and_plain_attention_agree():
@@ -552,11 +547,9 @@ def test_bf16_autocast_runs():
     assert_close(v.float(), model.encode_pair(images, images).vector.detach(), atol=0.1)
 
 
-def new_captioner(kind, memory_dim=None, **sizes):
-    """The mini captioner (pre-LN, mem_pool 1 and no mem_diff unless given) or the authors' (post-LN) on random word and position
-    embeddings of its width, standing for the CLIP's it ties in; memory_dim: the mini's memory width."""
-    if kind == "mini":
-        return M.MiniCaptioner(M.MiniCaptionerConfig(**{"mem_pool": 1, "mem_diff": False, **sizes}, memory_dim=memory_dim))
+def new_captioner(**sizes):
+    """The authors' captioner on random word and position embeddings of its width, standing for the CLIP's it ties
+    in."""
     words = SimpleNamespace(token_embedding=torch.nn.Embedding(sizes["vocab_size"], sizes["width"]),
                             positional_embedding=torch.nn.Parameter(0.01 * torch.randn(77, sizes["width"])))
     return M.Captioner(M.CaptionerConfig(**sizes), words)
@@ -565,13 +558,12 @@ def new_captioner(kind, memory_dim=None, **sizes):
 def test_the_authors_captioner_refuses_fewer_encoder_than_decoder_layers():
     """Their decoder layer i reads their encoder layer i (module_decoder.py 365-367): 2 + 3 cannot be built."""
     with pytest.raises(ValueError, match="decoder layer i reads encoder layer i"):
-        new_captioner("authors", vocab_size=20, memory_len=4, width=32, heads=4, enc_layers=2, dec_layers=3)
+        new_captioner(vocab_size=20, memory_len=4, width=32, heads=4, enc_layers=2, dec_layers=3)
 
 
-@pytest.mark.parametrize("kind", ["mini", "authors"])
-def test_kv_cache_equals_no_kv_cache(kind):
+def test_kv_cache_equals_no_kv_cache():
     torch.manual_seed(0)
-    cap = new_captioner(kind, 64, vocab_size=50, memory_len=10, width=64, heads=4, enc_layers=2, dec_layers=2,
+    cap = new_captioner(vocab_size=50, memory_len=10, width=64, heads=4, enc_layers=2, dec_layers=2,
                         max_len=12).eval()
     memory = torch.randn(16, 10, 64)
     cached, full = M.generate(cap, memory, 1, 2, use_kv_cache=True), M.generate(cap, memory, 1, 2, use_kv_cache=False)
@@ -610,19 +602,17 @@ BOS, EOS = 1, 2
 
 def sharp_captioner(seed=0, vocab=6, max_len=5):
     torch.manual_seed(seed)
-    cap = new_captioner("mini", 8, vocab_size=vocab, memory_len=6, width=32, heads=4, enc_layers=1, dec_layers=2,
+    cap = new_captioner(vocab_size=vocab, memory_len=6, width=32, heads=4, enc_layers=2, dec_layers=2,
                         max_len=max_len, dropout=0.0).eval()
     with torch.no_grad():  # unit-gain matrices; word embeddings small beside the positions (tied to the output,
         for name, p in cap.named_parameters():  # large ones would make every caption repeat its first word)
-            if name == "mem_image":  # its own generator, small: the tokens, not their image, decide the captions
-                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed))
-            elif name in ("positional_embedding", "mem_pos"):
+            if name == "positional_embedding":
                 p.normal_(0, 1)
             elif name == "token_embedding.weight":
                 p.normal_(0, 0.3)
             elif p.ndim == 2:
                 p.normal_(0, 1 / math.sqrt(p.shape[1]))
-    return cap, torch.randn(12, 6, 8)
+    return cap, torch.randn(12, 6, 32)
 
 
 @torch.no_grad()
@@ -703,7 +693,6 @@ def test_beam_search_equals_the_textbook_one_and_exhaustive_search():
     """beam_search() (batched, cached, beams reordered by topk at every step) against a plain beam search per pair
     at beams 2-4: the same caption. With a beam that holds every caption the 6-word vocabulary can write in 3
     steps (6^3), it must find the best of them all by log-probability per token (exhaustive search)."""
-    assert (caption.BOS, caption.EOS) == (BOS, EOS)
     differs = 0  # pairs where the beam finds another caption than greedy decoding: the check has teeth
     for seed in (0, 5, 6):  # models whose greedy captions differ from pair to pair (some seeds give 1-3 captions)
         cap, memory = sharp_captioner(seed)
@@ -711,12 +700,15 @@ def test_beam_search_equals_the_textbook_one_and_exhaustive_search():
             want = [beam_reference(cap, m, k)[0] for m in memory]
             got = M.beam_search(cap, memory, BOS, EOS, beam=k)
             assert torch.equal(got, padded(want, got.shape[1])), (seed, k)
-            assert torch.equal(caption.PairCaptioner(None, cap).caption(k, tokens=memory), got)  # what caption.py calls
+            with pytest.MonkeyPatch.context() as mp:  # what caption.py calls, its start and end ids this vocabulary's
+                mp.setattr(clip_load, "SOT", BOS)
+                mp.setattr(clip_load, "EOT", EOS)
+                assert torch.equal(caption.PairCaptioner(None, cap).caption(k, tokens=memory), got)
             differs += sum(w != greedy_reference(cap, m) for w, m in zip(want, memory))
     assert differs > 5
     cap, memory = sharp_captioner(0, max_len=3)
     best = [exhaustive_best(cap, m) for m in memory]
-    assert {len(c) for c, _ in best} == {1, 3}  # a caption finished at once beats the longer ones, or not
+    assert {1, 3} <= {len(c) for c, _ in best}  # a caption finished at once beats the longer ones, or not
     got = M.beam_search(cap, memory, BOS, EOS, beam=6 ** 3)
     assert torch.equal(got, padded([c for c, _ in best], got.shape[1]))
     per_token = lambda m, c: sum(float(step_logp(cap, m, c[:i])[w]) for i, w in enumerate(c)) / len(c)
@@ -724,110 +716,24 @@ def test_beam_search_equals_the_textbook_one_and_exhaustive_search():
         assert per_token(m, greedy_reference(cap, m)) <= score / len(c) + 1e-6  # greedy is never better
 
 
-def test_captioner_knows_which_image_a_token_came_from():
-    """An added object is one the after image holds and the before image lacks; a removed one, the reverse. With
-    the two images' tokens swapped, the captioner must read another pair, even with its per-position mem_pos at
-    zero (cross-attention alone is blind to the order of its memory): mem_image tells the halves apart."""
-    cap, memory = sharp_captioner(0)
-    with torch.no_grad():
-        cap.mem_pos.zero_()
-        swapped = torch.cat([memory[:, 3:], memory[:, :3]], dim=1)  # (before, after) -> (after, before)
-        words = torch.full((len(memory), 1), BOS)
-        logits, logits_swapped = (cap.decode(words, cap.encode(m)) for m in (memory, swapped))
-        assert (logits - logits_swapped).abs().amax() > 0.1
-        cap.mem_image.copy_(cap.mem_image.mean(0))  # one vector for both images: the order is lost
-        assert torch.allclose(cap.decode(words, cap.encode(memory)), cap.decode(words, cap.encode(swapped)),
-                              atol=1e-5)
-
-
-def test_mem_diff_tells_each_token_what_changed_at_its_position():
-    """--mem-diff: a memory token's encoding depends on the other image's token at its position (with no captioner
-    encoder layer, nothing else mixes them), and not at all where the two images agree there; off, it is the
-    plain captioner, weight for weight."""
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=20, memory_len=2 * 13, width=32, heads=4, enc_layers=0, dec_layers=1)
-    plain, diff = (new_captioner("mini", 24, **cfg, mem_diff=d).eval() for d in (False, True))
-    assert plain.mem_diff is None and diff.mem_diff.weight.shape == (32, 24)
-    diff.load_state_dict(plain.state_dict(), strict=False)  # the same weights, mem_diff's aside
-    half = torch.randn(3, 13, 24)
-    same = torch.cat([half, half], 1)
-    with torch.no_grad():
-        assert_close(diff.encode(same)[0], plain.encode(same)[0])  # no change anywhere: no difference term
-        b = same.clone()
-        b[:, 13 + 5] += 1.0  # the after image differs at position 5 only
-        moved = lambda cap: ((cap.encode(same)[0] - cap.encode(b)[0]).abs().amax(-1)[0] > 1e-4).nonzero().flatten(
-            ).tolist()
-        assert moved(diff) == [5, 13 + 5]  # the before image's token there moves too
-        assert moved(plain) == [13 + 5]
-
-
-def test_mem_pool_averages_each_images_patch_grid():
-    """--mem-pool k: each image's g x g patch tokens are averaged over k x k cells in row-major order (a 4x4 grid
-    pooled 2x2: cell 0 is patches 0, 1, 4, 5), its [CLS] kept, the two images apart."""
-    torch.manual_seed(0)
-    cap = new_captioner("mini", 24, vocab_size=20, memory_len=2 * (4 + 1), width=32, heads=4, enc_layers=0,
-                        dec_layers=2, mem_diff=True, mem_pool=2).eval()
-    memory = torch.randn(3, 2 * (16 + 1), 24)  # 3 pairs, a 4x4 grid and [CLS] an image
-    pooled = cap.pool(memory)
-    assert pooled.shape == (3, 10, 24)
-    for image in (0, 1):
-        cls, grid = memory[:, 17 * image], memory[:, 17 * image + 1:17 * (image + 1)].reshape(3, 4, 4, 24)
-        want = grid.reshape(3, 2, 2, 2, 2, 24).mean((2, 4)).reshape(3, 4, 24)  # (row cell, col cell) row-major
-        assert torch.equal(pooled[:, 5 * image], cls)
-        assert_close(pooled[:, 5 * image + 1:5 * (image + 1)], want)
-    assert_close(pooled[:, 1], memory[:, [1, 2, 5, 6]].mean(1))
-    cap.cfg.mem_pool = 1
-    assert torch.equal(cap.pool(memory), memory)  # k = 1: every token as it is
-
-
 def test_frozen_features_are_the_memory_the_images_give():
-    """caption.encode_all (a frozen encoder's tokens, computed once: pooled, fp16, then the same pairs reversed for
-    --reverse) holds what PairCaptioner.memory gives from the two images, and the captioner reads the same from
-    either (4 heads, a 4x4 grid pooled 2x2, one encoder layer and --mem-diff)."""
+    """caption.encode_all (a fixed encoder's tokens, computed once, in fp16) holds what PairCaptioner.memory gives
+    from the two images within fp16 rounding, and the captioner reads the same from either (2 heads, a 4x4 grid)."""
     torch.manual_seed(0)
-    clip = M.CLIP(TINY).eval()
-    cap = new_captioner("mini", TINY.embed_dim, vocab_size=20, memory_len=2 * (4 + 1), width=64, heads=4,
-                        enc_layers=1, dec_layers=1, mem_diff=True, mem_pool=2)
+    clip = M.CLIP(M.CLIPConfig(**{**TINY.__dict__, "embed_dim": 128})).eval()
+    cap = M.Captioner(M.CaptionerConfig(memory_len=2 * 17, width=128, heads=2, enc_layers=1, dec_layers=1), clip)
     model = caption.PairCaptioner(clip, cap).eval()
     images = torch.randint(0, 256, (2, 3, 3, 32, 32), dtype=torch.uint8)
     batch = {"before": images[0], "after": images[1], "index": torch.arange(3)}
     ctx = SimpleNamespace(amp=contextlib.nullcontext(), device=torch.device("cpu"))
-    feats = caption.encode_all(model, [batch], ctx, both_ways=True).float()
+    feats = caption.encode_all(model, [batch], ctx)
+    assert feats.dtype == torch.float16 and feats.shape == (3, 34, 128)
     before, after = clip_load.normalize(images[0]), clip_load.normalize(images[1])
     ids = torch.randint(4, 20, (3, 6))
     with torch.no_grad():
-        for rows, (a, b) in ((feats[:3], (before, after)), (feats[3:], (after, before))):
-            assert_close(rows, model.captioner.pool(clip.encode_pair(a, b).tokens), atol=1e-2)  # fp16
-            assert_close(model(ids, tokens=rows), model(ids, before=a, after=b), atol=1e-2)
-
-
-def test_the_small_presets_mem_pool_follows_the_patch_grid(capsys):
-    """caption.mem_pool_for: the mini preset pools 2x2 on a grid of 12x12 or more that 2 divides and reads every
-    patch of a smaller or odd one (the 6x6 CLIP, ViT-B/32's 7x7); a k the grid does not divide is a clear
-    --mem-pool error, before any data is made."""
-    for grid, want in {12: 2, 6: 1, 7: 1, 13: 1, 14: 2}.items():
-        assert caption.mem_pool_for(grid) == want, grid
-    assert caption.settings(["--ckpt", "mini12-synth", "--mem-pool", "3", "--data-root", "absent"]).mem_pool == 3
-    with pytest.raises(SystemExit):
-        caption.settings(["--ckpt", "mini12-synth", "--mem-pool", "5"])
-    assert "argument --mem-pool: 5 does not divide mini12-synth's 12x12 patch grid" in capsys.readouterr().err
-
-
-def test_caption_mem_diff_is_saved_and_read_back(tmp_path):
-    """caption.py --mem-diff through main: the saved captioner carries the flag and its difference projection
-    (and --mem-pool), and caption.load_captioner reads them back; without the flag there is none."""
-    tiny_clevr(tmp_path / "clevr")
-    tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
-    run(tmp_path, "--mem-diff", "--mem-pool", "2", epochs=1)
-    saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
-    assert saved["captioner_config"]["mem_diff"] is True and "mem_diff.weight" in saved["captioner"]
-    assert saved["captioner_config"]["mem_pool"] == 2 and saved["captioner"]["mem_pos"].shape[0] == 2 * (4 + 1)
-    model, _ = caption.load_captioner(tmp_path / "captioner.pt")  # its 4x4 grid read pooled 2x2
-    assert model.captioner.mem_diff is not None and model.captioner.cfg.mem_pool == 2
-    assert torch.equal(model.captioner.mem_diff.weight, saved["captioner"]["mem_diff.weight"])
-    run(tmp_path, "--no-mem-diff", epochs=1)  # off (the mini preset has it on)
-    saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
-    assert saved["captioner_config"]["mem_diff"] is False and "mem_diff.weight" not in saved["captioner"]
+        tokens = clip.encode_pair(before, after).tokens
+        torch.testing.assert_close(feats.float(), tokens, rtol=1e-3, atol=1e-3)  # fp16's rounding
+        assert_close(model(ids, tokens=feats.float()), model(ids, before=before, after=after), atol=5e-2)
 
 
 # -------------------------------------------------------------------------------------------------------------
@@ -935,8 +841,8 @@ def test_the_authors_layout_loads_key_for_key(tmp_path, capsys, monkeypatch):
     assert sd["decoder.classifier.cls.predictions.transform.LayerNorm.weight"].shape == (128,)
     assert len([k for k in sd if k.startswith("decoder.")]) == 3 + 7 + 3 * 16 + 3 * 26  # tied, top, 3 + 3 layers
     torch.save({"module." + k: v for k, v in sd.items()}, tmp_path / "pytorch_model.bin.clevr")
-    ours, vocab = caption.load_captioner(tmp_path / "pytorch_model.bin.clevr")
-    assert len(vocab) == 49408 and vocab[clip_load.SOT] == "<|startoftext|>" and vocab[518] == "the</w>"
+    ours = caption.load_captioner(tmp_path / "pytorch_model.bin.clevr")
+    assert ours.captioner.cfg.vocab_size == 49408 and clip_load.bpe_tokens()[518] == "the</w>"
     torch.save({k: v for k, v in sd.items() if k.startswith("clip.")}, tmp_path / "pytorch_model.bin.stage1")
     # a file with decoder.* keys is evaluated (evaluate.py), never trained on; clip.* alone is an encoder to train on
     assert caption.read_ckpt_info(tmp_path / "pytorch_model.bin.clevr") == {"stage": "caption", "authors": True}
@@ -985,7 +891,7 @@ def test_the_authors_captioner_equals_theirs_on_the_same_weights(tmp_path, monke
             p.copy_(torch.randn_like(p) * (0.1 if p.ndim < 2 else p.shape[-1] ** -0.5) + norm)
         theirs.decoder.classifier.cls.predictions.bias[clip_load.EOT] += 3.0
     torch.save(theirs.state_dict(), tmp_path / "pytorch_model.bin.clevr")
-    ours, vocab = caption.load_captioner(tmp_path / "pytorch_model.bin.clevr")
+    ours = caption.load_captioner(tmp_path / "pytorch_model.bin.clevr")
     before, after = pair_images()
     ids = torch.cat([torch.full((5, 1), clip_load.SOT), torch.randint(1, 49406, (5, 9))], 1)
     with torch.no_grad():
@@ -1003,9 +909,9 @@ def test_the_authors_captioner_equals_theirs_on_the_same_weights(tmp_path, monke
         for _ in range(32):  # their greedy_decode (main_task_caption.py 541-556)
             scores = theirs.decoder_caption(tokens, mask, x, torch.ones_like(x), shaped=True, get_logits=True)
             x = torch.cat([x, scores[:, -1].max(1)[1][:, None]], 1)
-    their_text = [caption.to_text(row, vocab) for row in x[:, 1:].tolist()]
+    their_text = [caption.to_text(row) for row in x[:, 1:].tolist()]
     ours_ids = ours.caption(before=before, after=after)
-    assert [caption.to_text(row, vocab) for row in ours_ids.tolist()] == their_text
+    assert [caption.to_text(row) for row in ours_ids.tolist()] == their_text
     ended = [row.index(clip_load.EOT) for row in x[:, 1:].tolist()]
     assert len(set(ended)) > 1  # the captions end at different steps: the check has teeth
     assert all(ours_ids[i, :e + 1].tolist() == x[i, 1:e + 2].tolist() for i, e in enumerate(ended))
@@ -1049,14 +955,14 @@ def test_bertadam_is_the_authors_update(stage, monkeypatch):
         return BertAdam([{"params": ps[:1]}, {"params": ps[1:], "weight_decay": 0.0}], lr=1e-3, warmup=warm,
                         t_total=K, schedule=f"warmup_{kind}", b1=0.9, b2=b2, e=1e-6, weight_decay=wd), None
 
-    def ours(ps, rule="bertadam"):
+    def ours(ps, optimizer=train_utils.BertAdam):
         groups = [{"params": ps[:1], "lr": 1e-3, "weight_decay": wd}, {"params": ps[1:], "lr": 1e-3, "weight_decay": 0.0}]
-        opt = train_utils.make_optimizer(groups, "cpu", rule=rule, betas=(0.9, b2))
+        opt = optimizer(groups, lr=1e-3, betas=(0.9, b2), eps=1e-6)
         return opt, train_utils.authors_schedule(opt, K, warm, kind)
     want = run(torch.float32, theirs)
     for a, b in zip(want, run(torch.float32, ours)):
         assert (a - b).abs().max() <= 1e-6 * a.abs().max() and a.abs().max() > 1e-3
-    adamw = run(torch.float32, lambda ps: ours(ps, "adamw"))
+    adamw = run(torch.float32, lambda ps: ours(ps, torch.optim.AdamW))
     assert all((a - b).abs().max() > 0.1 * a.abs().max() for a, b in zip(want, adamw))  # the check has teeth
     want16, got16 = run(torch.float16, theirs), run(torch.float16, ours)
     assert all(torch.equal(a, b) for a, b in zip(want16, got16))
@@ -1207,7 +1113,7 @@ def test_authors_numerics_holds_their_fp16_and_their_two_gpu_gradient(openai_arc
         torch.testing.assert_close(p.grad, q.grad * (1.0 if n == "logit_scale" else 0.5), rtol=0, atol=0, msg=n)
     out = tmp_path / "adapted.pt"
     adapt.main(["--clip", str(openai_archive), "--data-root", str(adapt_synth), "--out", str(out),
-                "--authors-numerics", "--draw-captions"] + FAST)  # one caption a pair: 3 steps
+                "--authors-numerics"] + FAST)
     state = torch.load(train_utils.last_path(out), weights_only=False)
     half = {k for k, v in state["model"].items() if v.dtype == torch.float16}
     assert "visual.conv1.weight" in half and "visual.transformer.resblocks.0.attn.in_proj_bias" in half
@@ -1216,7 +1122,7 @@ def test_authors_numerics_holds_their_fp16_and_their_two_gpu_gradient(openai_arc
                        "visual.transformer.resblocks.0.ln_1.weight", "visual.bef_embedding", "logit_scale"}
     moments = [s["next_m"].dtype for s in state["optimizer"]["state"].values()]
     assert torch.float16 in moments and torch.float32 in moments
-    assert state["args"]["authors_numerics"] and state["args"]["optimizer"] == "bertadam"
+    assert state["args"]["authors_numerics"] and type(state["optimizer"]["state"]) is dict
     # stage 2 on it: the pair encoder in fp16 (their convert_weights), the captioner in fp32
     cap = tmp_path / "captioner.pt"
     caption.main([*CPU, "--ckpt", str(out), "--preset", "paper", "--authors-numerics", "--out", str(cap), "--results",
@@ -1323,7 +1229,7 @@ def test_stage2_step_is_the_authors(monkeypatch, tmp_path):
     torch.manual_seed(0)
     theirs = their_clip4idc(monkeypatch, dropout=0.0).train()
     torch.save(theirs.state_dict(), tmp_path / "their.bin")
-    ours, _ = caption.load_captioner(tmp_path / "their.bin")
+    ours = caption.load_captioner(tmp_path / "their.bin")
     g = torch.Generator().manual_seed(0)
     before, after, distractor = (torch.randint(0, 256, (3, 3, 56, 56), dtype=torch.uint8, generator=g)
                                  for _ in range(3))
@@ -1379,7 +1285,7 @@ def test_paper_captioner_reads_clips_own_words_frozen_on_clevr():
     captioner and the pair encoder's blocks move."""
     clip = M.CLIP(PAPER_CLIP)
     args = preset_settings(caption, "paper", "--heads", "2", data="clevr", width=128)
-    pair = caption.new_model(args, caption.build_vocab([], "authors"), clip)
+    pair = caption.new_model(args, clip)
     assert pair.captioner.token_embedding is clip.token_embedding
     assert pair.captioner.positional_embedding is clip.positional_embedding
     assert isinstance(pair.captioner, M.Captioner) and pair.captioner.cfg.enc_layers == 3 == pair.captioner.cfg.dec_layers
@@ -1388,7 +1294,7 @@ def test_paper_captioner_reads_clips_own_words_frozen_on_clevr():
     opt = torch.optim.AdamW(train_utils.param_groups(pair.named_parameters(), rule, 0.01), lr=1e-3)
     before_step = copy.deepcopy(pair.state_dict())
     items = [SimpleNamespace(captions=["the small red cube has been moved", "there is no change"])]
-    ids = caption.encode_captions(items, caption.build_vocab([], "authors"), caption.MAX_LEN)[:, :10]
+    ids = caption.encode_captions(items, caption.MAX_LEN)[:, :10]
     assert ids[0, 0] == clip_load.SOT and clip_load.EOT in ids[0].tolist()
     b, a = pair_images(2)
     loss = caption.caption_loss(pair(ids[:, :-1], before=b, after=a), ids[:, 1:])
@@ -1439,15 +1345,14 @@ def test_greedy_stops_at_the_end_token_and_text_is_cut_as_theirs():
     b, a = pair_images(3)
     out = pair.caption(before=b, after=a)
     assert out.tolist() == [[clip_load.EOT]] * 3
-    vocab = caption.build_vocab([], "authors")
     the, cube = clip_load.encode("the cube")
-    assert caption.to_text([the, cube, clip_load.EOT, the, 0], vocab) == "the cube"
-    assert caption.to_text([the, 0, cube, clip_load.EOT], vocab) == "the"  # their cut at the first "!"
-    assert caption.to_text([the, cube] * 16, vocab) == "the cube" * 1 + " the cube" * 15  # no end: all 32
+    assert caption.to_text([the, cube, clip_load.EOT, the, 0]) == "the cube"
+    assert caption.to_text([the, 0, cube, clip_load.EOT]) == "the"  # their cut at the first "!"
+    assert caption.to_text([the, cube] * 16) == "the cube" * 1 + " the cube" * 15  # no end: all 32
     for text in ("The small red metal cube turned blue.", "there is no change", "a big cyan sphere has been added",
                  "the man's car is gone", "two people walk to the left"):
         ids = clip_load.encode(text)
-        back = caption.to_text(ids, vocab)
+        back = caption.to_text(ids)
         assert clip_load.encode(back) == ids and metrics.tokenize(back) == metrics.tokenize(text)
 
 
@@ -1460,7 +1365,10 @@ def test_greedy_stops_at_the_end_token_and_text_is_cut_as_theirs():
      "is not a captioner but an adapted encoder"),  # the authors' stage-1 file
     (lambda d: torch.save({"model": M.CLIP(TINY).state_dict(), "stage": "caption", "captioner": {}}, d / "f"),
      "a captioner.pt of an earlier layout: evaluate it after `git checkout 7dea046`"),  # ours, before
-], ids=["random bytes", "empty", "adapted.pt", "OpenAI archive", "their stage 1", "older captioner.pt"])
+    (lambda d: torch.save({"model": M.CLIP(TINY).state_dict(), "stage": "caption", "format": 3}, d / "f"),
+     "a captioner.pt of an earlier layout: evaluate it after `git checkout 7670427`"),  # the two-captioner one's
+], ids=["random bytes", "empty", "adapted.pt", "OpenAI archive", "their stage 1", "older captioner.pt",
+        "format 3"])
 def test_what_is_not_a_captioner_is_one_line_naming_the_file(tmp_path, make, what):
     make(tmp_path)
     with pytest.raises(SystemExit, match=what) as e:
@@ -1497,45 +1405,6 @@ def test_readme_command_evaluates_the_authors_checkpoint(tmp_path):
     results = json.loads((tmp_path / "captions.json").read_text())
     assert len(results["predictions"]) == 8 and "CIDEr-D" in results["scores"]
     assert all("!" not in p["caption"] and "<|" not in p["caption"] for p in results["predictions"])
-
-
-STORED_LOGITS = {  # at fe39aa0, before the authors' captioner came in: (sum, sum of |.|, 4 logits), after 3 steps
-    ("mini", 0): (10.605, 244.7341, [-0.10311, -0.48886, -0.05349, -0.13456]),
-    ("mini", 1): (-2.8463, 254.7186, [-0.45552, -0.16964, 0.04307, -0.18791]),
-    ("mini", 2): (9.5918, 241.252, [0.03958, -0.66627, -0.19898, -0.16038]),
-    ("compare", 0): (13.5823, 245.412, [-0.34669, -1.06862, 0.03215, -0.55581]),
-    ("compare", 1): (2.8102, 273.7468, [-0.39444, -0.51212, 0.316, 0.17853]),
-    ("compare", 2): (-17.6684, 235.1774, [-0.24325, -0.14519, -0.21988, -0.13414]),
-}
-
-
-@pytest.mark.parametrize("preset, seed", list(STORED_LOGITS))
-def test_mini_and_compare_captioners_are_the_ones_of_before(preset, seed):
-    """The mini and compare presets' captioners, built as caption.py builds them (preset, seed, the shipped CLIP),
-    trained 3 steps with dropout and read: the logits they gave before the authors' captioner came in (stored at
-    fe39aa0). So README's and RESULTS.md's figures made through caption.py still hold at HEAD."""
-    args = caption.settings(["--ckpt", "mini12-synth", "--preset", preset, "--seed", str(seed), *CPU, "--data-root",
-                             "absent"])
-    train_utils.setup(seed, "cpu", "off")
-    clip = load_clip("mini12-synth", "cpu", args.n_inter)
-    captions = ["the small red cube moved", "there is no change", "a big blue sphere was added",
-                "the cylinder turned green"]
-    vocab = caption.build_vocab(captions)
-    cap = caption.new_model(args, vocab, clip).captioner
-    memory = torch.randn(4, cap.cfg.memory_len, cap.cfg.memory_dim, generator=torch.Generator().manual_seed(123))
-    ids = caption.encode_captions([SimpleNamespace(captions=[c]) for c in captions], vocab, caption.MAX_LEN)[:, :8]
-    opt = torch.optim.AdamW(cap.parameters(), lr=1e-3)
-    cap.train()
-    for _ in range(3):
-        loss = caption.caption_loss(cap(memory, ids[:, :-1]), ids[:, 1:])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        logits = cap.eval()(memory, ids[:, :-1]).double()
-    total, absolute, values = STORED_LOGITS[preset, seed]
-    assert abs(logits.sum().item() - total) < 2e-3 and abs(logits.abs().sum().item() - absolute) < 2e-3
-    assert_close(logits[0, 1, :4].float(), torch.tensor(values), atol=2e-5)
 
 
 
@@ -1589,7 +1458,7 @@ def hf_clip(act, seed=0):
     tower = dict(hidden_size=128, intermediate_size=512, num_attention_heads=2, hidden_act=act)
     cfg = transformers.CLIPConfig(text_config=dict(tower, num_hidden_layers=1, vocab_size=49408),
                                   vision_config=dict(tower, num_hidden_layers=2, image_size=48, patch_size=16),
-                                  projection_dim=32)
+                                  projection_dim=128)  # as wide as its words: the captioner reads it
     torch.manual_seed(seed)
     return transformers.CLIPModel(cfg).eval()
 
@@ -1693,7 +1562,7 @@ def test_the_activation_follows_the_weights_origin(tmp_path, capsys, monkeypatch
     torch.manual_seed(0)
     save_archive(M.CLIP(TINY), tmp_path / "archive.pt")
     torch.save(M.CLIP(TINY).state_dict(), tmp_path / "bare.pt")
-    for known in (tmp_path / "archive.pt", "mini12-synth"):
+    for known in (tmp_path / "archive.pt", "mini64-synth"):
         assert clip_load.clip_config(known).activation == "quick_gelu"
         with pytest.raises(SystemExit, match="by its origin"):
             clip_load.clip_config(known, "gelu")
@@ -1780,9 +1649,9 @@ def test_the_mini_banner_says_which_clip_it_adapts(tmp_path, capsys):
     """--preset mini with a shipped name says the shipped file is adapted; with a file of one's own (a pretrain.py
     export) it does not claim the shipped one, and its settings line names that file."""
     snap = tmp_path / "pretrained.pt"
-    torch.save({"model": load_clip("mini12-synth").state_dict()}, snap)
+    torch.save({"model": load_clip("mini64-synth").state_dict()}, snap)
     ctx = train_utils.setup(0, "cpu", "off")
-    for clip in ("mini-synth", "mini12-synth", str(snap)):
+    for clip in ("mini64-synth", str(snap)):
         adapt.banner(ctx, adapt.settings(["--preset", "mini", "--clip", clip, "--data-root", str(tmp_path)]))
         out = capsys.readouterr().out
         shipped = clip in clip_load.SHIPPED
@@ -2440,27 +2309,6 @@ def test_clevr_world_looks_like_clevrs_renders(tmp_path):
         assert len(both) >= 5 and gap < 18, (material, len(both), gap)
 
 
-def test_the_clevr_clip_sees_clevrs_objects(tmp_path):
-    """The shipped mini12-clevr, pretrained on the ray caster's CLEVR world only, and linear probes of the patch
-    token under each object trained on that world's images: on CLEVR's own renders (assets/clevr_renders, 121
-    objects) they read material and colour far above the most frequent class (84 against 55 %, 94 against 17 %).
-    Metal drawn as a bright tinted mirror again (the look before CLEVR's MyMetal) reads 69 %, and fails."""
-    root = synth.make_synth(tmp_path / "w", pairs=150, seed=5, size=synth.IMAGE_SIZE, workers=1, world="clevr")
-    meta = json.loads((root / "synth.json").read_text())
-    train = [(str(root / f"{name}_{i:06d}.png"), objs) for i in range(150)
-             for name, objs in synth.views(i, **synth.scene_options(meta)).items() if objs]
-    clevr = pretrain.clevr_images(ASSETS / "clevr_renders")
-    clip = load_clip("mini12-clevr")
-    size = clip.cfg.image_resolution
-    cache = data.ImageCache([data.Item(str(i), p, p, ["-"]) for i, (p, _) in enumerate(train + clevr)], size, 1,
-                            directory=tmp_path / "cache")
-    ctx = train_utils.setup(0, "cpu")
-    (_, x, y), (_, xt, yt) = (pretrain.encode_images(clip, images, cache, size, ctx) for images in (train, clevr))
-    for attr, margin in (("material", 20), ("color", 50)):
-        most = 100 * max(yt[attr].count(v) for v in set(yt[attr])) / len(yt[attr])
-        assert pretrain.linear_probe(x, y[attr], xt, yt[attr]) > most + margin, attr
-
-
 def test_synth_changes_are_what_the_type_says():
     for kind in synth.CHANGES:
         for s in range(10):
@@ -2526,7 +2374,7 @@ def test_clevr_scene_records_read_their_own_references_back():
         refs = change[f"CLEVR_default_{i}.png"]
         assert refs and all(synth.judge(c, scene) == {"change": True, "type": True, "object": True} for c in refs), i
         assert all(synth.read(c) == ("no change", None) for c in same[f"CLEVR_default_{i}.png"])
-    assert not synth.is_synthetic(DEV)  # no --reverse, no attention figure: CLEVR's records hold no camera
+    assert not synth.is_synthetic(DEV)  # no attention figure: CLEVR's records hold no camera
 
 
 @pytest.mark.skipif(not DEV.is_dir(), reason="needs ../shared/data/real_clevr_change_dev")
@@ -2589,7 +2437,7 @@ def test_clevr_scene_records_and_foreign_ones(tmp_path, capsys):
 def test_an_evaluation_only_set_with_clevr_records(trained, tmp_path, capsys):
     """A trained captioner evaluated on a CLEVR-Change-layout set with no training pairs and CLEVR's scene records:
     the constant-caption baseline is the best of the fixed no-change sentences (there are no training captions),
-    and the captions are read back against the records by change type; no --reverse, no attention figure."""
+    and the captions are read back against the records by change type; no attention figure."""
     tmp, _ = trained
     root = tmp_path / "clevr"
     shutil.copytree(tmp / "clevr", root)
@@ -2617,7 +2465,7 @@ def test_an_evaluation_only_set_with_clevr_records(trained, tmp_path, capsys):
 def test_clevr_caption_style_reads_back(tmp_path):
     """synth.py make --world clevr: captions in CLEVR-Change's phrases and referring expressions ("has been newly
     placed", "on the left side of", "the other X that is the same colour as the Y"), each naming its change type and
-    exactly the changed object; --reverse's captions keep the style."""
+    exactly the changed object."""
     root = synth.make_synth(tmp_path / "clevr", pairs=30, seed=0, size=SIZE, workers=1, world="clevr")
     scenes = synth.read_scenes(root)
     change = json.loads((root / "change_captions.json").read_text())
@@ -2628,66 +2476,6 @@ def test_clevr_caption_style_reads_back(tmp_path):
     assert any(c.endswith(("has been newly placed", "is in a different location")) for c in said)
     assert not any(c.startswith(("someone", "a ", "there is")) for c in said)  # none of our own templates
     assert json.loads((root / "synth.json").read_text())["caption_style"] == "clevr"
-    back = synth.reversed_pairs(data.load_items("clevr", root, "train", "semantic"), root)
-    assert all(synth.judge(c, synth.reverse(scenes[it.id[:-2]]))["type"] for it in back for c in it.captions)
-    assert not any(c.startswith(("someone", "a ", "there is")) for it in back for c in it.captions)
-
-
-def test_reversed_pairs_are_captioned_backwards(synth_set, tmp_path):
-    """caption.py --reverse: each training pair also as (after, before), its captions those of the change seen
-    backwards, read back right against the reversed scene (an add is a drop, a colour goes back) and wrong against
-    the forward one wherever the direction shows in the words (add/drop, the new colour or material)."""
-    items = data.load_items("clevr", synth_set, "train", "total")
-    back = synth.reversed_pairs(items, synth_set)
-    scenes = synth.read_scenes(synth_set)
-    flipped = {"add": "drop", "drop": "add"}
-    assert len(back) == len(items) and {it.change_type for it in items} >= {"distractor", "color"}
-    for it, r in zip(items, back):
-        assert (r.before, r.after, r.id, r.alt_before) == (it.after, it.before, it.id + "_r", None)
-        if it.change_type == "distractor":
-            assert r.captions == it.captions and r.change_type == "distractor"
-            continue
-        scene, reversed_scene = scenes[it.id], synth.reverse(scenes[it.id])
-        assert r.change_type == reversed_scene["type"] == flipped.get(it.change_type, it.change_type)
-        for c in r.captions:
-            assert synth.judge(c, reversed_scene) == {"change": True, "type": True, "object": True}, (c, scene)
-            if it.change_type in ("add", "drop"):
-                assert not synth.judge(c, scene)["type"]
-            last = synth.WORD.get(c.split()[-1], c.split()[-1])  # "... turned {new}": the value it went back to
-            if it.change_type in ("color", "material") and synth.ATTR_OF.get(last) == it.change_type:
-                assert last == scene["before"][scene["changed"]][it.change_type], (c, scene)
-    assert synth.reversed_pairs(items, synth_set) == back  # the same captions every time
-    shutil.copytree(synth_set, tmp_path / "no_records")
-    (tmp_path / "no_records" / "scenes.json").unlink()
-    with pytest.raises(SystemExit, match="scenes.json.*--no-reverse"):
-        synth.reversed_pairs(items, tmp_path / "no_records")
-
-
-@pytest.mark.parametrize("pool", [1, 2])
-def test_reversed_pairs_get_their_own_tokens(adapt_synth, openai_archive, pool):
-    """caption.loaders encodes --reverse's pairs together with the forward ones (the intra blocks' work shared):
-    each reversed pair's stored tokens are the frozen encoder's on (after, before), and in the items' order; with
-    --mem-pool 2 they are stored pooled, as the captioner reads them (the 4x4 grid's 2x2 cells)."""
-    args = caption.settings(["--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "mini",
-                             "--workers", "0", "--eval-batch-size", "5", "--mem-pool", str(pool), *CPU])
-    ctx = train_utils.setup(0, "cpu")
-    clip = clip_load.load_clip(openai_archive)
-    splits, vocab, captions = caption.load_data(args)
-    n = len(splits["train"]) // 2
-    assert args.reverse and n > 5 and splits["train"][n].id == splits["train"][0].id + "_r"
-    model = caption.new_model(args, vocab, clip).eval()
-    train = caption.loaders(model, splits, captions, args, ctx)[0].dataset
-    assert len(train.features) == 2 * n
-    pairs = data.ImageDataset(splits["train"], clip.cfg.image_resolution)  # the images, read one pair at a time
-    for i in (0, n - 1, n, 2 * n - 1):  # a forward pair and a reversed one at each end
-        before, after = (clip_load.normalize(pairs[i][f][None]) for f in ("before", "after"))
-        with torch.no_grad():
-            want = clip.encode_pair(before, after).tokens
-        if pool > 1:  # each image's 16 patch tokens -> 4 cell means, [CLS] kept: 2 (4 + 1) tokens
-            g = want.reshape(2, 17, -1)[:, 1:].reshape(2, 2, 2, 2, 2, -1).mean((2, 4)).reshape(2, 4, -1)
-            want = torch.cat([want.reshape(2, 17, -1)[:, :1], g], 1).reshape(1, 10, -1)
-        assert train.features[i].shape == (2 * (16 // pool ** 2 + 1), want.shape[-1])
-        assert_close(train.features[i].float(), want[0], atol=2e-2)  # stored in fp16
 
 
 def test_judge_catches_wrong_captions():
@@ -3169,11 +2957,10 @@ def test_loss_decreases_on_synthetic_batches(adapt_synth):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("draw", [[], ["--draw-captions"]])
-def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch, draw):
-    """Stopped by Ctrl-C in the second epoch and resumed: the same weights as a run that was never stopped; with
-    --draw-captions (one caption per pair and epoch; off in every preset) too, whose epoch is a pass over the pairs."""
-    base = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2"] + draw
+def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch):
+    """Stopped by Ctrl-C in the second epoch and resumed: the same weights as a run that was never stopped; an epoch
+    is every caption once (the authors')."""
+    base = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2"]
     adapt.main(base + ["--out", str(tmp_path / "a.pt")])
     full = torch.load(tmp_path / "a.last.pt", weights_only=False)
     assert Image.open(tmp_path / "a.curves.png").size == (1280, 240)  # the training curves, after every epoch
@@ -3187,7 +2974,7 @@ def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch, d
     resumed = torch.load(tmp_path / "b.last.pt", weights_only=False)
     assert resumed["epoch"] == full["epoch"] == 2
     items = data.load_items("clevr", adapt_synth, "train", setting="semantic")
-    samples = len(items) if draw else sum(len(it.captions) for it in items)
+    samples = sum(len(it.captions) for it in items)
     assert full["step"] == 2 * (samples // 8)  # --batch-size 8, the last part-batch dropped
     for k, v in full["model"].items():
         assert torch.equal(v, resumed["model"][k]), k
@@ -3198,8 +2985,8 @@ def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch, d
 
 
 @pytest.mark.slow
-def test_compare_recipe_trains_the_inter_blocks_alone(adapt_synth, tmp_path, monkeypatch):
-    """adapt.py --freeze-blocks --shared-p (the recipe that teaches the inter blocks to compare, not the paper's):
+def test_freeze_blocks_and_shared_p_train_the_inter_blocks_alone(adapt_synth, tmp_path, monkeypatch):
+    """adapt.py --freeze-blocks --shared-p (the mini preset's values, that teach the inter blocks to compare):
     p starts alike for a patch's position in both images, of the given norm, none on [CLS]; through an epoch of
     steps the intra blocks stay bit-identical while the inter blocks, the text tower and e1, e2, p, ln_mid move.
     Without the flags every block moves and p starts independently drawn (the authors')."""
@@ -3225,12 +3012,12 @@ def test_compare_recipe_trains_the_inter_blocks_alone(adapt_synth, tmp_path, mon
 
 
 @pytest.mark.slow
-def test_compare_preset_computes_the_fixed_intra_blocks_once(adapt_synth, tmp_path, monkeypatch, capsys):
-    """CPU. adapt.py --preset compare on the shipped mini CLIP (4 frozen intra blocks, 2 heads, a 12x12 grid, 290
-    joint tokens): the training pairs' intra-block tokens computed once (fixed_intra) train the same model as the
-    images through the blocks every step, to float rounding; with a distractor swap, or an intra block training, the
-    images go through."""
-    argv = ["--data-root", str(adapt_synth), "--preset", "compare", *FAST, "--epochs", "2"]
+def test_mini_preset_computes_the_fixed_intra_blocks_once(adapt_synth, tmp_path, monkeypatch, capsys):
+    """CPU. adapt.py --preset mini on the shipped mini CLIP (4 fixed intra blocks, a 12x12 grid, 290 joint tokens):
+    the training pairs' intra-block tokens computed once (fixed_intra) train the same model as the images through
+    the blocks every step, to float rounding; with a distractor swap, or an intra block training, the images go
+    through."""
+    argv = ["--data-root", str(adapt_synth), "--preset", "mini", *FAST, "--epochs", "2"]
     adapt.main(argv + ["--out", str(tmp_path / "a.pt")])
     assert "computed once (fixed_intra)" in capsys.readouterr().out
     cached = torch.load(tmp_path / "a.last.pt", weights_only=False)
@@ -3240,7 +3027,7 @@ def test_compare_preset_computes_the_fixed_intra_blocks_once(adapt_synth, tmp_pa
     plain = torch.load(tmp_path / "b.last.pt", weights_only=False)
     assert calls[0].shape == (len(data.load_items("clevr", adapt_synth, "train", "semantic")), 2, 145, 128)
     assert "computed once" not in capsys.readouterr().out and cached["step"] == plain["step"] >= 4
-    shipped = load_clip("mini12-synth").state_dict()
+    shipped = load_clip("mini64-synth").state_dict()
     trained = max_change(plain["model"], shipped, ["visual.transformer.resblocks.5.mlp.c_fc.weight"])
     assert min(trained.values()) > 2e-4  # the inter blocks learned: an equality of two untrained models proves nothing
     assert max(max_change(cached["model"], plain["model"], plain["model"]).values()) < 2e-5, "cached != plain"
@@ -3252,7 +3039,7 @@ def test_compare_preset_computes_the_fixed_intra_blocks_once(adapt_synth, tmp_pa
 @pytest.mark.slow
 def test_a_diverged_evaluation_stops_the_run(adapt_synth, tmp_path, monkeypatch):
     """Weights gone NaN in epoch 2 (the loss of its steps still finite): NaN similarities would rank every pair
-    first (R@mean 100) and be saved as the best model. The run stops instead, and epoch 1's model stays chosen."""
+    first (R@1 100) and be saved as the best model. The run stops instead, and epoch 1's model stays chosen."""
     real_epoch, real_model, models = train_utils.train_epoch, adapt.new_model, []
     monkeypatch.setattr(adapt, "new_model", lambda args: models.append(real_model(args)) or models[-1])
 
@@ -3300,18 +3087,6 @@ def test_cider_by_change_type_scores_each_type_alone():
     assert worse["distractor"] == by_type["distractor"]
 
 
-@pytest.mark.slow
-def test_reverse_needs_the_scene_records(trained, tmp_path, capsys):
-    """--reverse captions a pair backwards from the renderer's record of the change: on a set without one (real
-    CLEVR-Change, here a tiny one in its format) asking for it is a clear error, and the mini preset's default
-    leaves it off (the fixture's run trained on the pairs as they are)."""
-    tmp, _ = trained
-    assert torch.load(tmp / "captioner.pt", weights_only=False)["args"]["reverse"] is False
-    with pytest.raises(SystemExit):
-        run(tmp, "--reverse", "--out", str(tmp_path / "x.pt"), epochs=1)
-    assert re.search(r"argument --reverse: .*scenes\.json", capsys.readouterr().err)
-
-
 def test_overfit_exact_captions(trained):
     tmp, results = trained
     preds = {p["id"]: p["caption"] for p in results["predictions"]}
@@ -3325,7 +3100,7 @@ def test_overfit_exact_captions(trained):
     assert results["baseline"]["scores"]["CIDEr-D"] == pytest.approx(max(full.values()), abs=1e-9)
     assert set(results["scores_by_type"]) == {"color", "move", "add", "drop", "distractor"}
     saved = torch.load(tmp / "captioner.pt", weights_only=True)
-    assert saved["stage"] == "caption" and saved["vocab"][:4] == caption.SPECIALS and "test" in saved["metrics"]
+    assert saved["stage"] == "caption" and saved["format"] == caption.FORMAT and "test" in saved["metrics"]
 
 
 @pytest.mark.slow
@@ -3340,7 +3115,7 @@ def test_two_image_cli(trained, capsys, tmp_path):
     Image.fromarray((np.asarray(grey).astype(np.uint16) * 257)).save(tmp_path / "grey16.png")
     evaluate_py.main([*CPU, "--ckpt", str(tmp / "captioner.pt"), "--before", str(tmp_path / "grey.png"),
                       "--after", str(tmp_path / "grey16.png")])
-    vocab = set(torch.load(tmp / "captioner.pt", weights_only=True)["vocab"]) - set(caption.SPECIALS)
+    vocab = {w for _, c in CHANGES.values() for w in c.split()} | set(SAME.split())
     said = capsys.readouterr().out.split()
     assert said and set(said) <= vocab  # words it learnt (an empty caption is no caption)
     # evaluating a saved captioner (beam search) and drawing the gallery
@@ -3541,15 +3316,17 @@ def test_object_loss_names_the_object_under_each_patch(tmp_path):
     assert both[-1]["loss"] < 0.9 * both[0]["loss"], [h["loss"] for h in both]
 
 
-@pytest.mark.parametrize("name, grid", [("mini-synth", 6), ("mini12-synth", 12)])
-def test_shipped_mini_clip_sees_objects(tmp_path, name, grid):
-    """Each shipped mini CLIP: its SHA256 (checked by resolve), at most 10 MB, its patch grid, and image ->
-    description retrieval far above chance on scenes rendered here with a seed neither pretraining saw."""
+def test_shipped_mini_clip_sees_objects(tmp_path):
+    """The shipped mini CLIP: loaded by name with its SHA256 checked (resolve), at most 10 MB, shaped as OpenAI's
+    (words as wide as its tokens, which the captioner needs), a 12x12 patch grid, and image -> description retrieval
+    far above chance on scenes rendered here with a seed its pretraining never saw."""
+    name = adapt.PRESETS["mini"]["clip"]
     path = clip_load.resolve(name)  # its SHA256 checked
-    assert path.stat().st_size <= 10 * 2 ** 20
+    assert path.stat().st_size <= 10 * 2 ** 20 and clip_load.sha256(path) == clip_load.SHIPPED[name][1]
     clip = clip_load.load_clip(name)
     assert clip.cfg.vision_width == 128 and clip.visual.conv1.weight.dtype == torch.float32
-    assert clip.cfg.image_resolution // clip.cfg.vision_patch_size == grid
+    assert clip.cfg.embed_dim == clip.cfg.transformer_width == 64
+    assert clip.cfg.image_resolution // clip.cfg.vision_patch_size == 12
     # scenes it never saw (another seed than its own): each image against every scene's description (chance 1/n)
     synth.make_synth(tmp_path, 24, seed=99, workers=1)
     images, texts = [], []
@@ -3571,7 +3348,7 @@ def test_pair_probes_read_the_changed_object_at_its_place(tmp_path, monkeypatch)
     away from it (the place wrong) the same probe falls to chance (10-15 %)."""
     root = synth.make_synth(tmp_path / "set", 160, seed=7, size=(120, 80), workers=1)
     ctx = train_utils.setup(0, "cpu", "off")
-    visual = clip_load.load_clip("mini12-synth", n_inter=2).visual.eval()
+    visual = clip_load.load_clip("mini64-synth", n_inter=2).visual.eval()
     items = [it for s in ("train", "val", "test") for it in data.load_items("clevr", root, s, "semantic")]
     scenes, n = synth.read_scenes(root), len(items) // 2
 
@@ -3667,17 +3444,17 @@ def test_training_rule_in_plain_sight():
     assert rows["visual.transformer.resblocks"][:2] == ["lr", "1e-07"] and rows["visual.bef_embedding"][1] == "0.0001"
     assert sum(int(r[-1].replace(",", "")) for r in rows.values()) == sum(p.numel() for p in m.parameters())
     # --freeze-blocks: the intra blocks (here 2 of 4) frozen and given no gradient; the inter blocks and the text
-    # tower train at --lr-clip. The compare preset freezes its 4 intra blocks; for 6 + 0 (--n-inter 0) the same
+    # tower train at --lr-clip. The mini preset freezes its 4 intra blocks; for 6 + 0 (--n-inter 0) the same
     # flag leaves the last blocks training, each image alone, and e1, e2, p, ln_mid after them (the authors')
     m = M.CLIP(cfg)
     args = preset_settings(adapt, "paper", "--freeze-blocks", "2", "--lr-clip", "3e-4")
     assert preset_settings(adapt, "paper").freeze_blocks == 0
-    assert adapt.settings(["--preset", "compare", "--data-root", "absent"]).freeze_blocks == 4
+    assert adapt.PRESETS["mini"]["freeze_blocks"] == 4
     # the paper preset's epochs, the authors' scripts': 12 on CLEVR-Change, 20 on Spot-the-Diff (a flag given wins)
-    paper = lambda *a: adapt.settings(["--preset", "paper", "--clip", "mini12-synth", "--data-root", "absent", *a]
+    paper = lambda *a: adapt.settings(["--preset", "paper", "--clip", "mini64-synth", "--data-root", "absent", *a]
                                       ).epochs
     assert (paper(), paper("--data", "spot"), paper("--data", "spot", "--epochs", "3")) == (12, 20, 3)
-    rule_6_0 = adapt.lr_rule(preset_settings(adapt, "compare", "--n-inter", "0"))
+    rule_6_0 = adapt.lr_rule(preset_settings(adapt, "mini", "--n-inter", "0"))
     assert rule_6_0("visual.transformer.resblocks.3.mlp.c_fc.weight") is None
     assert rule_6_0("visual.bef_embedding") == 1e-3
     assert rule_6_0("visual.transformer.resblocks.4.mlp.c_fc.weight") == 3e-4 == rule_6_0("visual.proj")
@@ -3716,13 +3493,12 @@ def test_caption_loss_is_the_mean_over_words_not_padding():
     """caption_loss, paper Sec. 3.3: -(1/N) sum log p(w_t | w_<t, pair) over the N words of a padded batch, <eos>
     included and padding not, computed here by hand, word by word, on captions of different lengths as
     encode_captions pads them and caption.batch_loss shifts them (inputs ids[:, :-1], targets ids[:, 1:])."""
-    vocab = caption.build_vocab(["a red cube", "the small gray metal sphere has been moved", "no change"])
     items = [data.Item(str(i), "b.png", "a.png", [c]) for i, c in
              enumerate(["a red cube", "the small gray metal sphere has been moved", "no change"])]
-    ids = caption.encode_captions(items, vocab, 12)
+    ids = caption.encode_captions(items, 12)
     targets = ids[:, 1:]
     torch.manual_seed(0)
-    logits = torch.randn(3, 12, len(vocab)) * 3
+    logits = torch.randn(3, 12, 49408) * 3
     terms = [-logits[b, t].log_softmax(-1)[targets[b, t]] for b in range(3) for t in range(12)
              if targets[b, t] != caption.PAD]
     assert len(terms) == 4 + 9 + 3  # each caption's words and its <eos>
@@ -3734,8 +3510,7 @@ def test_batch_loss_keeps_the_end_of_a_caption_with_an_exclamation_mark():
     pads with 0, which is also "!" (as in "!("), so the longest caption, one with such a "!", keeps its end (the loss
     equals the uncut batch's, the decoder being causal)."""
     pair = paper_captioner()
-    ids = caption.encode_captions([data.Item("0", "b", "a", ["the cube !( is red !; now", "a cube"])],
-                                  clip_load.bpe_tokens(), 16)
+    ids = caption.encode_captions([data.Item("0", "b", "a", ["the cube !( is red !; now", "a cube"])], 16)
     assert (ids[0, 1:ids[0].tolist().index(clip_load.EOT)] == 0).sum() == 2  # two "!" inside the caption
     grid = PAPER_CLIP.image_resolution // PAPER_CLIP.vision_patch_size
     batch = {"ids": ids, "features": torch.randn(2, 2 * (grid ** 2 + 1), PAPER_CLIP.embed_dim)}
@@ -3749,17 +3524,20 @@ def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     """caption.py's training settings come from its preset unless a flag says otherwise (the paper's weight decay,
     warmup, clipping and eps: the authors' 0.01, 0.1, 1.0 and 1e-6); its rule: the captioner at
     --lr, the text tower never, the pair encoder frozen or at --encoder-lr but its input embeddings (e1, e2, p,
-    ln_mid too at 12 + 0: the authors' module uses them), the tied word embeddings frozen but on Spot-the-Diff."""
+    ln_mid too at 12 + 0: the authors' module uses them), the tied word embeddings at --words-lr, by default frozen but
+    on Spot-the-Diff; a rate of 0 fixes."""
     for stage in (adapt, caption):  # complete: every preset sets every key
         assert len({tuple(p) for p in stage.PRESETS.values()}) == 1
     args = preset_settings(caption, "paper")
     assert (args.weight_decay, args.warmup, args.grad_clip, args.eps) == (0.01, 0.1, 1.0, 1e-6)
     assert all(getattr(args, k) == v for k, v in caption.PRESETS["paper"].items())
-    args = caption.settings(["--ckpt", "mini-synth", "--warmup", "0.3", "--weight-decay", "0.5", "--data-root",
+    args = caption.settings(["--ckpt", "mini64-synth", "--warmup", "0.3", "--weight-decay", "0.5", "--data-root",
                              "absent"])
     assert args.preset == "mini" and (args.warmup, args.weight_decay) == (0.3, 0.5)
     assert args.epochs == caption.PRESETS["mini"]["epochs"]
-    assert caption.lr_rule(args)("clip.visual.bef_embedding") is None  # frozen encoder (the mini preset)
+    assert args.encoder_lr == 0 and args.freeze_encoder  # the mini preset: a rate of 0, the encoder fixed
+    assert caption.lr_rule(args)("clip.visual.bef_embedding") is None
+    assert caption.lr_rule(args)("clip.token_embedding.weight") == args.words_lr > 0
     # the paper preset: the authors' rule (main_task_caption.py 640-667, --freeze_layer_num 0)
     args = preset_settings(caption, "paper", "--lr", "2e-4", "--encoder-lr", "1e-6", data="clevr")
     rule = caption.lr_rule(args)
@@ -3772,13 +3550,13 @@ def test_caption_rule_and_presets_in_plain_sight(tmp_path):
     spot = caption.lr_rule(preset_settings(caption, "paper", "--encoder-lr", "1e-6", data="spot"))
     assert spot("clip.token_embedding.weight") == 1e-6 == rule("clip.visual.ln_post.weight")  # theirs: trained there
     assert spot("clip.visual.bef_embedding") == 1e-6
-    # after adapt.py --preset compare: mini without after minus before (the inter blocks compare), 30 epochs of 64
-    torch.save({"model": load_clip("mini-synth").state_dict(), "stage": "adapt", "args": {"preset": "compare"}},
+    own = caption.lr_rule(preset_settings(caption, "paper", "--words-lr", "3e-5", data="clevr"))
+    assert own("clip.token_embedding.weight") == 3e-5 and own("clip.positional_embedding") is None
+    # an encoder adapted with the scratch preset is captioned with the mini one
+    torch.save({"model": load_clip("mini64-synth").state_dict(), "stage": "adapt", "args": {"preset": "scratch"}},
                tmp_path / "adapted.pt")
     args = caption.settings(["--ckpt", str(tmp_path / "adapted.pt"), "--data-root", "absent"])
-    assert args.preset == "compare" and args.mem_diff is False and (args.epochs, args.batch_size) == (30, 64)
-    assert all(getattr(args, k) == v for k, v in caption.PRESETS["mini"].items()
-               if k not in ("mem_diff", "epochs", "batch_size", "mem_pool", "reverse"))
+    assert args.preset == "mini" and all(getattr(args, k) == v for k, v in caption.PRESETS["mini"].items())
 
 
 @pytest.mark.slow
@@ -3843,19 +3621,17 @@ def test_bench_compiled_step_inside_the_graph_trains_as_eager():
 
 
 def test_selection_ties_go_to_the_later_epoch_as_the_authors(tmp_path):
-    """Model selection (train_utils.improved): stage 1 saves an epoch whose val figure equals the best (the authors'
-    `best_score <= R1`), and by text->pair R@1 in the paper preset; stage 2's paper preset counts a tie as a gain and
-    stops after 11 epochs without one (their early_stop > 10), the mini presets keep their strict rule and 10."""
-    assert train_utils.improved(2.0, 2.0, True) and not train_utils.improved(2.0, 2.0, False)
-    assert train_utils.improved(2.5, 2.0, False) and not train_utils.improved(1.5, 2.0, True)
-    assert adapt.PRESETS["paper"]["select"] == "text->pair R@1"
+    """Model selection (train_utils.end_epoch), in every preset: an epoch whose val figure equals the best is saved
+    (the authors' `best_score <= R1`), stage 1 by text->pair R@1; a lower one counts an epoch without gain (stage 2's
+    paper preset stops after 11 of them: their early_stop > 10)."""
+    assert adapt.SELECT == "text->pair R@1"
     run, val = train_utils.new_run(), {"text->pair R@1": 30.0, "R@mean": 10.0}
-    saved = [train_utils.end_epoch(run, 1.0, val, val["text->pair R@1"], tie_counts=True),
-             train_utils.end_epoch(run, 1.0, {**val, "R@mean": 99.0}, val["text->pair R@1"], tie_counts=True)]
+    saved = [train_utils.end_epoch(run, 1.0, val, val["text->pair R@1"]),
+             train_utils.end_epoch(run, 1.0, {**val, "R@mean": 99.0}, val["text->pair R@1"])]
     assert saved == [True, True] and (run["best"], run["best_epoch"], run["epochs_without_gain"]) == (30.0, 2, 0)
-    assert not train_utils.end_epoch(run, 1.0, val, 30.0, tie_counts=False) and run["epochs_without_gain"] == 1
-    paper, mini = caption.PRESETS["paper"], caption.PRESETS["mini"]
-    assert (paper["patience"], paper["tie_is_gain"], mini["patience"], mini["tie_is_gain"]) == (11, True, 10, False)
+    assert not train_utils.end_epoch(run, 1.0, val, 29.0) and run["epochs_without_gain"] == 1
+    assert train_utils.end_epoch(run, 1.0, val, 31.0) and run["epochs_without_gain"] == 0
+    assert caption.PRESETS["paper"]["patience"] == 11
 
 
 def test_resume_refuses_other_settings():
@@ -3863,7 +3639,7 @@ def test_resume_refuses_other_settings():
     optimizer would overwrite) is an error naming it; the run-only ones (device, workers, logging) may change."""
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sched = train_utils.warmup_cosine(opt, 10)
+    sched = train_utils.authors_schedule(opt, 10)
     saved = {"args": {"lr_new": 1e-3, "workers": 0}, "model": model.state_dict(), "optimizer": opt.state_dict(),
              "scheduler": sched.state_dict(), "rng": train_utils.rng_state(), **train_utils.new_run()}
     with pytest.raises(SystemExit, match="the run was set lr_new=0.001, this command lr_new=0.002"):
@@ -3883,45 +3659,19 @@ def test_resume_refuses_other_settings():
         train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=1e-3, amp="bf16", device="cuda:0"))
 
 
-def test_warmup_cosine_is_the_mini_presets_schedule():
-    """train_utils.warmup_cosine, step by step against its formula: the rate climbs linearly from lr / warmup at
-    step 0 to the full lr at the last warmup step, then falls along a half cosine to 0 at the last step; each
-    parameter group keeps its own base lr (two groups, as both stages have)."""
-    total, frac = 50, 0.2
-    warmup = int(frac * total)  # 10 steps
-    net = torch.nn.Linear(2, 2)
-    opt = torch.optim.SGD([{"params": [net.weight], "lr": 1e-3}, {"params": [net.bias], "lr": 1e-7}])
-    sched = train_utils.warmup_cosine(opt, total, frac)
-    want = [(s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup)))
-            for s in range(total + 1)]
-    for step in range(total + 1):
-        for group, base in zip(opt.param_groups, (1e-3, 1e-7)):
-            assert group["lr"] == pytest.approx(base * want[step], rel=1e-9, abs=1e-15), (step, group["lr"])
-        opt.step()
-        sched.step()
-    assert want[0] == 0.1 and want[warmup - 1] == want[warmup] == max(want) == 1.0 and want[total] == 0.0  # shape
-    assert all(a > b for a, b in zip(want[warmup:total], want[warmup + 1:]))  # only down after the peak
-
-
-def _steps(graphed, n=5, rule_name="adamw", rates=None):
+def _steps(graphed, n=5, rates=None):
     """n training steps of a tiny CLIP (2 heads per tower) on random pairs -> (losses, weights, learning rates):
-    adapt.py's eager step, or GraphedStep (adapt.py --cuda-graphs), which a CPU runs uncaptured; AdamW and its
-    schedule (the mini presets) or BertAdam and the authors' (the paper preset's). rates: a list that gets each
-    step's (lr tensor objects, their values) as the step reads them."""
+    adapt.py's eager step, or GraphedStep (adapt.py --cuda-graphs), which a CPU runs uncaptured; BertAdam and the
+    authors' schedule. rates: a list that gets each step's (lr tensor objects, their values) as the step reads them."""
     torch.manual_seed(0)
     model = M.CLIP(TINY)
     net = adapt.PairText(model)
     rule = adapt.lr_rule(SimpleNamespace(clip="a CLIP file", n_inter=TINY.n_inter, lr_new=3e-3, lr_clip=1e-3,
                                          freeze_blocks=0))
     train_utils.freeze(model.named_parameters(), rule)
-    if rule_name == "bertadam":
-        groups = train_utils.param_groups(model.named_parameters(), rule, 0.2, train_utils.authors_decays(model))
-        optimizer = train_utils.make_optimizer(groups, "cpu", "bertadam", (0.9, 0.98))
-        scheduler = train_utils.authors_schedule(optimizer, n + 2, 0.3)
-    else:
-        groups = train_utils.param_groups(model.named_parameters(), rule, 0.2)
-        optimizer = train_utils.make_optimizer(groups, "cpu", "adamw", (0.9, 0.98), capturable=graphed)
-        scheduler = train_utils.warmup_cosine(optimizer, n + 2, 0.3)
+    groups = train_utils.param_groups(model.named_parameters(), rule, 0.2, train_utils.authors_decays(model))
+    optimizer = train_utils.BertAdam(groups, lr=3e-3, betas=(0.9, 0.98))
+    scheduler = train_utils.authors_schedule(optimizer, n + 2, 0.3)
     if rates is not None:
         optimizer.register_step_pre_hook(lambda opt, *_: rates.append(
             [(id(g["lr"]), float(g["lr"])) for g in opt.param_groups]))
@@ -3950,28 +3700,18 @@ def _steps(graphed, n=5, rule_name="adamw", rates=None):
     return losses, model.state_dict(), [float(group["lr"]) for group in optimizer.param_groups]
 
 
-def test_graphed_step_is_the_eager_step():
-    """GraphedStep (adapt.py --cuda-graphs) on a CPU, where nothing is captured: over 5 steps the losses, weights and
-    learning rates of adapt.py's eager step (fp32; its fused AdamW against the default one: equal to float tolerance), with
-    its learning rates held as tensors that the schedule fills in place. The capture itself needs a GPU (the
-    cuda group)."""
-    (l1, w1, lr1), (l2, w2, lr2) = _steps(False), _steps(True)
-    assert l1 == pytest.approx(l2, rel=1e-5) and l1[0] != l1[-1]
+def test_graphed_step_reads_the_authors_rate_each_step():
+    """GraphedStep with BertAdam and the authors' schedule (adapt.py --cuda-graphs), on a CPU, where nothing is
+    captured: the same losses, weights and rates as the eager step, and its rates are tensors that stay the same
+    objects (a captured graph reads them at their address) while the schedule fills them anew before each step: a
+    rate read once as a Python number would be captured once and never change. The capture needs a GPU (the cuda
+    group)."""
+    eager, graphed = [], []
+    (l1, w1, lr1), (l2, w2, lr2) = _steps(False, 6, eager), _steps(True, 6, graphed)
+    assert l1 == pytest.approx(l2, rel=1e-6) and l1[0] != l1[-1]
     assert lr1 == pytest.approx(lr2, rel=1e-6) and len(set(lr1)) == 2
     torch.manual_seed(0)
     assert not torch.equal(w1["visual.proj"], M.CLIP(TINY).state_dict()["visual.proj"])  # the steps moved it
-    for k in w1:  # Adam's step on a near-zero gradient magnifies the two kernels' rounding: 1 % of a 1e-3 step
-        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=1e-5, msg=k)
-
-
-def test_graphed_step_reads_the_authors_rate_each_step():
-    """GraphedStep with BertAdam and the authors' schedule (the paper preset's step under --cuda-graphs), on a CPU:
-    the same losses and weights as the eager step, and its rates are tensors that stay the same objects (a captured graph
-    reads them at their address) while the schedule fills them anew before each step: a rate read once as a Python
-    number would be captured once and never change."""
-    eager, graphed = [], []
-    (l1, w1, _), (l2, w2, _) = _steps(False, 6, "bertadam", eager), _steps(True, 6, "bertadam", graphed)
-    assert l1 == pytest.approx(l2, rel=1e-6)
     for k in w1:
         torch.testing.assert_close(w1[k], w2[k], atol=1e-6, rtol=1e-6, msg=k)
     assert [v for step in eager for _, v in step] == pytest.approx([v for step in graphed for _, v in step])
@@ -4006,12 +3746,11 @@ def test_normalize_copies_nothing_to_the_device_twice():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adamw", "bertadam"])
-def test_cuda_graphs_flag_trains_as_eager(optimizer, adapt_synth, tmp_path, monkeypatch):
+def test_cuda_graphs_flag_trains_as_eager(adapt_synth, tmp_path, monkeypatch):
     """adapt.py --cuda-graphs through main on a CPU (every step through GraphedStep: static caption length, the
-    fused capturable AdamW or BertAdam, the learning rates as tensors; no capture): the epoch's loss and the adapted
-    weights of a run without it, to float tolerance."""
-    argv = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "1", "--optimizer", optimizer]
+    learning rates as tensors; no capture): the epoch's loss and the adapted weights of a run without it, to float
+    tolerance."""
+    argv = TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "1"]
     adapt.main(argv + ["--out", str(tmp_path / "eager.pt")])
     calls, real = [], train_utils.GraphedStep.__call__
     monkeypatch.setattr(train_utils.GraphedStep, "__call__", lambda self, b: calls.append(1) or real(self, b))
@@ -4027,13 +3766,12 @@ def test_cuda_graphs_flag_trains_as_eager(optimizer, adapt_synth, tmp_path, monk
               for n in ("eager", "graphs")]
     assert not any(g.get("capturable") or isinstance(g["lr"], torch.Tensor) for g in groups[0])
     assert all(isinstance(g["lr"], torch.Tensor) for g in groups[1])  # GraphedStep
-    assert optimizer == "bertadam" or all(g["capturable"] and g["fused"] for g in groups[1])
 
 
 def test_train_epoch_stops_on_nan():
     model = torch.nn.Linear(2, 1)
-    opt = train_utils.make_optimizer([{"params": list(model.parameters()), "lr": 0.1}], "cpu", "adamw", (0.9, 0.98))
-    sched = train_utils.warmup_cosine(opt, 10)
+    opt = train_utils.BertAdam([{"params": list(model.parameters()), "lr": 0.1}], lr=0.1)
+    sched = train_utils.authors_schedule(opt, 10)
     ctx = train_utils.setup(0, "cpu")
     batches = [{"x": torch.ones(4, 2)}] * 3 + [{"x": torch.full((4, 2), float("nan"))}] + [{"x": torch.ones(4, 2)}] * 3
 
@@ -4090,22 +3828,17 @@ BAD_FLAGS = {
                  "--patch-size 0", "--text-width 0", "--text-layers 0", "--embed-dim 0", "--lr-new -1",
                  "--lr-clip nan", "--weight-decay -1", "--grad-clip -1", "--eval-batch-size 0", "--log-every 0",
                  "--clip nowhere.pt", "--data-root nowhere", "--data spot => --data-root",
-                 "--resume --out nowhere.pt", "--seed x", "--clip mini12-synth --vision-width 64 => --vision-width",
-                 "--data spot --swap-prob 0.5 => --swap-prob", "--n-inter 0 --shared-p 3 => --shared-p",
-                 "--preset scratch --clip mini12-synth => --clip", "--authors-numerics => --authors-numerics"],
+                 "--resume --out nowhere.pt", "--seed x", "--clip mini64-synth --vision-width 64 => --vision-width",
+                 "--data spot --swap-prob 0.5 => --swap-prob", "--shared-p -1",
+                 "--preset scratch --clip mini64-synth => --clip", "--authors-numerics => --authors-numerics"],
     "caption.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu",
                    "--patience 0", "--ckpt nowhere.pt", "--workers -1", "--n-inter -1",
-                   "--width 0", "--heads 0", "--enc-layers -1", "--dec-layers 0", "--dropout 1",
-                   "--epochs 0", "--batch-size 0", "--lr -1", "--encoder-lr -1", "--weight-decay -1", "--warmup 1",
-                   "--grad-clip -1", "--log-every 0", "--eval-batch-size 0",
-                   "--ckpt mini-synth --resume --out x.pt => --resume", "--ckpt mini-synth --n-inter 9 => --n-inter",
-                   "--ckpt mini-synth --width 130 --heads 4 => --heads",
-                   "--ckpt mini-synth --no-freeze-encoder => --encoder-lr", "--mem-pool 0",
-                   "--ckpt mini-synth --mem-pool 4 => --mem-pool", "--ckpt mini-synth --preset paper => --preset",
-                   "--ckpt mini-synth --encoder-lr 1e-5 => --encoder-lr",
-                   "--ckpt mini-synth --preset paper --mem-diff => --mem-diff",
-                   "--ckpt mini-synth --preset paper --enc-layers 2 => --enc-layers",
-                   "--ckpt mini-synth --data spot --pair-distractors => --pair-distractors"],
+                   "--heads 0", "--enc-layers 0", "--dec-layers 0", "--dropout 1",
+                   "--epochs 0", "--batch-size 0", "--lr -1", "--encoder-lr -1", "--words-lr -1", "--weight-decay -1",
+                   "--warmup 1", "--grad-clip -1", "--log-every 0", "--eval-batch-size 0",
+                   "--ckpt mini64-synth --resume --out x.pt => --resume", "--ckpt mini64-synth --n-inter 9 => --n-inter",
+                   "--ckpt mini64-synth --heads 3 => --heads",
+                   "--ckpt mini64-synth --preset paper --enc-layers 2 => --enc-layers"],
     "evaluate.py": ["--device cuda", "--device gpu", "--beam 0", "--ckpt nowhere.pt", "--workers -1",
                     "--eval-batch-size 0", "--before a.png => --after", "--explain why.png => --explain",
                     "--before a.png --after b.png --gallery g.png => --gallery"],
@@ -4116,7 +3849,7 @@ BAD_FLAGS = {
                     "--warmup 1", "--object-loss -1", "--grad-clip -1", "--samples 0", "--eval-every 0",
                     "--eval-images 0", "--time-limit -1", "--workers 0", "--log-every 0",
                     "--eval-only --ckpt nowhere.pt => --ckpt", "--eval-only --out nowhere.pt",
-                    "--eval-only --ckpt mini12-clevr --world clevr --clevr-root nowhere => --clevr-root",
+                    "--eval-only --ckpt mini64-synth --world clevr --clevr-root nowhere => --clevr-root",
                     "--export x.pt --out nowhere.pt", "--resume --out nowhere.pt"],
     "bench.py": ["decode --device cuda", "decode --device cuda:7", "decode --device mps", "decode --device gpu",
                  "adapt --device gpu", "decode --batch 0", "decode --max-len 0",
@@ -4286,7 +4019,7 @@ def test_a_setting_given_is_decided_once_printed_saved_and_used(adapt_synth, tmp
     assert {g["eps"] for g in state["optimizer"]["param_groups"]} == {3e-7}
     tiny_clevr(tmp_path / "clevr")
     tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
-    run(tmp_path, "--dec-layers", "3", epochs=1)
+    run(tmp_path, "--enc-layers", "3", "--dec-layers", "3", epochs=1)
     assert " dec_layers=3 " in capsys.readouterr().out
     saved = torch.load(tmp_path / "captioner.pt", weights_only=True)
     assert saved["args"]["dec_layers"] == 3 == saved["captioner_config"]["dec_layers"]
@@ -4312,7 +4045,7 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     real.mkdir()
     pick = lambda *a, root=adapt_synth: adapt.settings([*a, "--data-root", str(root)])
     assert pick().preset == "mini"  # the synthetic set: the shipped small pretrained CLIP
-    assert pick("--clip", "mini-synth").preset == "mini" and pick("--clip", str(openai_archive)).preset == "paper"
+    assert pick("--clip", "mini64-synth").preset == "mini" and pick("--clip", str(openai_archive)).preset == "paper"
     assert pick("--preset", "scratch").clip is None  # the small model from nothing, one flag away
     as_cached_release(monkeypatch, openai_archive)
     assert pick().preset == "mini"  # OpenAI's weights in the cache change nothing
@@ -4355,7 +4088,7 @@ def test_paper_path_through_main(openai_archive, adapt_synth, tmp_path, monkeypa
     assert 0 < max(visual) <= 1.1 * bound and sum(d > 0 for d in visual) > 0.9 * len(visual)
     history = trained["metrics"]["history"]
     # it learns; the loss is the authors' loss1 + loss2 (change pairs, their distractors): each below chance's
-    assert history[-1]["loss"] < history[0]["loss"] < 2 * math.log(len(trained["vocab"])), history
+    assert history[-1]["loss"] < history[0]["loss"] < 2 * math.log(trained["captioner_config"]["vocab_size"]), history
     # the saved captioner, evaluated again, and on two images of one's own
     first = json.loads(results.read_text())["predictions"]
     again = evaluate_py.main([*CPU, "--ckpt", str(cap), "--results", str(tmp_path / "again.json"), "--workers", "0"])
@@ -4409,37 +4142,40 @@ def test_vit_b16_by_name_and_your_own_pairs_through_both_stages(tmp_path, monkey
 
 @pytest.mark.slow
 def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch, capsys):
-    """The quickstart's two commands in miniature: the mini preset adapts the shipped 12x12 CLIP (2 heads, 145
-    tokens an image, the authors' random p), and the mini preset captions over its memory pooled 2x2 (74 tokens,
-    128 wide, 4 heads, after minus before at each position, every pair both ways round)."""
+    """The quickstart's two commands in miniature, the paper's method with the mini preset's values: adapt.py adapts
+    the shipped 12x12 CLIP (145 tokens an image) with its 4 intra blocks and input embeddings fixed, p alike in both
+    images; caption.py trains the authors' captioner (64 wide, 1 head, 3 + 3 layers, CLIP's words tied) over all 290
+    tokens of the fixed encoder, computed once, each change pair beside its distractor."""
     monkeypatch.setattr(clip_load, "CACHE", tmp_path)  # no ViT-B-32.pt anywhere
     out = tmp_path / "adapted.pt"
     adapt.main(["--data-root", str(adapt_synth), "--out", str(out), "--preset", "mini"] + FAST)
     log = capsys.readouterr().out
-    assert "preset 'mini'" in log and "PRETRAINED ON SYNTHETIC SCENES" in log and "clip=mini12-synth" in log
-    start, adapted = clip_load.load_clip("mini12-synth").state_dict(), torch.load(out, weights_only=False)
+    assert "preset 'mini'" in log and "PRETRAINED ON SYNTHETIC SCENES" in log and "clip=mini64-synth" in log
+    assert "computed once (fixed_intra)" in log
+    start, adapted = clip_load.load_clip("mini64-synth").state_dict(), torch.load(out, weights_only=False)
     assert adapted["config"]["n_inter"] == 2 and adapted["data"]["image_size"] == 96
     assert adapted["config"]["vision_patch_size"] == 8 and adapted["config"]["vision_width"] // 64 == 2  # heads
-    assert adapted["args"]["draw_captions"] is True
     adapted = adapted["model"]
-    frozen = [k for k in start if k.startswith(M.INPUT_EMBEDDINGS)]  # the authors' frozen input embeddings
-    assert len(frozen) == 7 and all(torch.equal(adapted[k], start[k]) for k in frozen)
-    trained = [k for k in start if not k.startswith(M.INPUT_EMBEDDINGS + M.PAIR_KEYS) and k != "logit_scale"]
-    assert all(not torch.equal(adapted[k], start[k]) for k in trained)  # CLIP's other weights learn, slowly:
-    steps = torch.load(train_utils.last_path(out), weights_only=False)["step"]  # at the authors' 1e-7, Adam moves
-    assert max(max_change(adapted, start, trained).values()) <= 2 * steps * 1e-7  # a weight by about lr a step
-    p = adapted["visual.joint_positional_embedding"]  # the authors' random p: each token its own, small
-    assert p.shape == (2 * 145, 128)  # a 12x12 grid and [CLS], twice
-    assert (p[:145] - p[145:]).norm(dim=1).min() > 0.1 and p.norm(dim=1).max() < 5
-    # caption.py's mini preset over those tokens pooled 2x2, every training pair both ways round
+    intra = [k for k in start if k.startswith(M.INPUT_EMBEDDINGS) or re.match(r"visual\.transformer\.resblocks\.[0-3]\.", k)]
+    assert len(intra) > 7 and all(torch.equal(adapted[k], start[k]) for k in intra)
+    inter = [k for k in start if k.startswith(("visual.transformer.resblocks.4.", "visual.transformer.resblocks.5."))]
+    assert all(not torch.equal(adapted[k], start[k]) for k in inter)
+    p = adapted["visual.joint_positional_embedding"]  # shared p: a patch's position alike in both images
+    assert p.shape == (2 * 145, 64 * 2) and not torch.equal(p, start["visual.joint_positional_embedding"])
+    # caption.py's mini preset: every token, the encoder fixed (its tokens computed once), CLIP's words trained
     cap = tmp_path / "captioner.pt"
     res = caption.main([*CPU, "--ckpt", str(out), "--out", str(cap), "--results", str(tmp_path / "c.json"),
-                        "--epochs", "1",
-                        "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
+                        "--epochs", "1", "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
+    log = capsys.readouterr().out
+    assert "encoded" in log and "once (frozen encoder)" in log
     saved = torch.load(cap, weights_only=False)
     config = saved["captioner_config"]
-    assert (config["memory_len"], config["mem_pool"], config["width"], config["heads"]) == (74, 2, 128, 4)
-    assert config["mem_diff"] is True and saved["args"]["reverse"] is True
+    assert (config["memory_len"], config["width"], config["heads"], config["vocab_size"]) == (290, 64, 1, 49408)
+    assert (config["enc_layers"], config["dec_layers"]) == (3, 3)
+    assert all(torch.equal(saved["model"][k], v) for k, v in adapted.items() if k != "token_embedding.weight")
+    assert not torch.equal(saved["model"]["token_embedding.weight"], adapted["token_embedding.weight"])
+    n_change = len(data.load_items("clevr", adapt_synth, "train", "semantic"))
+    assert torch.load(train_utils.last_path(cap), weights_only=False)["step"] == n_change // 8  # 8 + 8 a step
     n_test = len(data.load_items("clevr", adapt_synth, "test", "semantic"))
     assert len(res["predictions"]) == 2 * n_test and all(p["caption"] for p in res["predictions"])
 
@@ -4456,16 +4192,23 @@ def test_ablations_through_main(openai_archive, adapt_synth, tmp_path):
     start = clip_load.load_clip(openai_archive, n_inter=0).state_dict()
     assert not any(torch.equal(ckpt["model"][k], start[k]) for k in M.PAIR_KEYS)
     assert not torch.equal(ckpt["model"]["visual.proj"], start["visual.proj"])  # the rest did train
+    # not adapted: the same stage-1 command with every rate 0 trains nothing and keeps its starting p
+    adapt.main(["--clip", str(openai_archive), "--data-root", str(adapt_synth), "--out", str(tmp_path / "none.pt"),
+                "--lr-new", "0", "--lr-clip", "0"] + FAST)
+    none = torch.load(tmp_path / "none.pt", weights_only=False)
+    train_utils.seed_everything(0)
+    start = clip_load.load_clip(openai_archive, n_inter=3).state_dict()
+    assert all(torch.equal(none["model"][k], v) for k, v in start.items()) and none["metrics"]["epoch"] == 0
+    assert "text->pair R@1" in none["metrics"]["test"] and not os.path.exists(tmp_path / "none.last.pt")
     # no adaptation: the raw CLIP archive as caption.py's encoder, frozen (the mini preset)
     res = caption.main([*CPU, "--ckpt", str(openai_archive), "--data-root", str(adapt_synth), "--preset", "mini",
                         "--out", str(tmp_path / "cap.pt"), "--results", str(tmp_path / "c.json"), "--epochs", "1",
                         "--batch-size", "8", "--workers", "0", "--log-every", "1000"])
     saved, raw = torch.load(tmp_path / "cap.pt", weights_only=False), clip_load.load_clip(openai_archive).state_dict()
-    # the mini preset on a synthetic set trains on every pair both ways round (--reverse): twice the steps
-    n_train = len(data.load_items("clevr", adapt_synth, "train", "total"))
-    assert saved["args"]["reverse"] is True
-    assert torch.load(tmp_path / "cap.last.pt", weights_only=False)["step"] == 2 * n_train // 8
-    assert all(torch.equal(saved["model"][k], v) for k, v in raw.items() if k not in M.PAIR_KEYS)
+    n_change = len(data.load_items("clevr", adapt_synth, "train", "semantic"))  # each beside its distractor
+    assert torch.load(tmp_path / "cap.last.pt", weights_only=False)["step"] == n_change // 8
+    assert all(torch.equal(saved["model"][k], v) for k, v in raw.items()
+               if k not in M.PAIR_KEYS and k != "token_embedding.weight")
     preds = {p["id"]: p["caption"] for p in res["predictions"]}
     refs = {p["id"]: p["references"] for p in res["predictions"]}
     assert len(preds) == 2 * len(data.load_items("clevr", adapt_synth, "test", "semantic"))  # with distractors
@@ -4499,9 +4242,8 @@ def test_sigkilled_runs_resume_to_the_same_weights(adapt_synth, tmp_path):
     checkpoint, then resumed: the final weights and the chosen model equal those of a run never stopped."""
     stages = {
         "adapt": TINY_ADAPT + ["--data-root", str(adapt_synth), "--epochs", "2", "--workers", "0"],
-        "caption": [*CPU, "--ckpt", str(tmp_path / "full_adapt.pt"), "--preset", "mini", "--width", "64",
-                    "--heads", "2",
-                    "--enc-layers", "1", "--dec-layers", "1", "--epochs", "2", "--batch-size", "8", "--workers", "0",
+        "caption": [*CPU, "--ckpt", str(tmp_path / "full_adapt.pt"), "--preset", "mini", "--heads", "2",
+                    "--enc-layers", "1", "--dec-layers", "1", "--epochs", "2", "--batch-size", "4", "--workers", "0",
                     "--patience", "100", "--log-every", "1"],
     }
     kills = {"mid_epoch": {"kill_at_line": "epoch 2/2 step "}, "mid_write": {"kill_at_save": 3}}
@@ -4688,12 +4430,11 @@ def test_cuda_adapt_with_compile(gpu, adapt_synth, tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["adamw", "bertadam"])
-def test_cuda_graphs_capture_the_step(optimizer, gpu, adapt_synth, tmp_path, capsys):
-    """adapt.py --cuda-graphs on the GPU, with AdamW or the paper preset's BertAdam (its rate read from a device
-    tensor the schedule fills): the step is captured once and replayed, the epoch's loss is eager's to bf16 tolerance
-    (2 %); its checkpoint holds CPU tensors."""
-    argv = TINY_ADAPT + [*gpu, "--data-root", str(adapt_synth), "--epochs", "1", "--optimizer", optimizer]
+def test_cuda_graphs_capture_the_step(gpu, adapt_synth, tmp_path, capsys):
+    """adapt.py --cuda-graphs on the GPU with BertAdam (its rate read from a device tensor the schedule fills): the
+    step is captured once and replayed, the epoch's loss is eager's to bf16 tolerance (2 %); its checkpoint holds
+    CPU tensors."""
+    argv = TINY_ADAPT + [*gpu, "--data-root", str(adapt_synth), "--epochs", "1", "--no-cuda-graphs"]
     adapt.main(argv + ["--out", str(tmp_path / "eager.pt")])
     adapt.main(argv + ["--out", str(tmp_path / "graphs.pt"), "--cuda-graphs"])
     assert capsys.readouterr().out.count("captured as one CUDA graph") == 1

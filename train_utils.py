@@ -99,11 +99,6 @@ def image_cache_flag(p):
                    "once into a uint8 file ($CLIP4IDC_IMAGE_CACHE, else ~/.cache/clip4idc/images); default: if it fits")
 
 
-def optimizer_flag(p, decay, presets):
-    p.add_argument("--optimizer", choices=["bertadam", "adamw"], default=None, help="bertadam: the authors' (warmup, "
-                   f"{decay} decay, their decay sets); adamw: ours (cosine, no decay on 1-D tensors) {presets}")
-
-
 class Settings(SimpleNamespace):
     """A run's settings, decided before any work, printed and saved: read-only."""
 
@@ -132,8 +127,6 @@ def over_preset(flags, given, presets, preset, bad):
     """The flags given over the preset's values; --authors-numerics: BertAdam's fp16, no autocast."""
     s = {**vars(flags), **presets[preset], **{k: getattr(flags, k) for k in given}, "preset": preset}
     if s["authors_numerics"]:
-        if s["optimizer"] != "bertadam":
-            bad("--authors-numerics", "their fp16 state is BertAdam's: give --optimizer bertadam")
         if "amp" in given:
             bad("--amp", "--authors-numerics runs their fp16, without autocast: leave --amp out")
         s["amp"] = "off"
@@ -232,17 +225,6 @@ def log(*args):
 # optimization
 
 
-def warmup_cosine(optimizer, total_steps, warmup_frac=0.1):
-    """The mini presets' schedule: linear warmup over `warmup_frac` of the steps, then a cosine to 0."""
-    warmup = max(1, int(warmup_frac * total_steps))
-
-    def factor(step):
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total_steps - warmup))))
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def authors_schedule(optimizer, total_steps, warmup_frac=0.1, kind="cosine"):
     """The authors' schedules of x = step / total_steps (optimization.py 26-42): stage 1's cosine, stage 2's linear."""
     def factor(step):
@@ -313,14 +295,6 @@ class BertAdam(torch.optim.Optimizer):
                 if group["weight_decay"] > 0.0:
                     update += group["weight_decay"] * p
                 p.add_(update * -lr if torch.is_tensor(lr) else -(lr * update))
-
-
-def make_optimizer(groups, device, rule, betas, eps=1e-6, capturable=False):
-    """BertAdam, or AdamW (fused on CUDA; capturable: in a CUDA graph); the presets' eps 1e-6 is the authors'."""
-    if rule == "bertadam":
-        return BertAdam(groups, lr=groups[0]["lr"], betas=betas, eps=eps)
-    fused = capturable or torch.device(device).type == "cuda"
-    return torch.optim.AdamW(groups, betas=betas, eps=eps, fused=fused, capturable=capturable)
 
 
 class GraphedStep:
@@ -411,20 +385,16 @@ def new_run():
     return dict(epoch=0, step=0, best=-1.0, best_epoch=0, epochs_without_gain=0, history=[])
 
 
-def end_epoch(run, loss, figures, score, tie_counts):
-    """An epoch's loss and val figures into `run` -> whether `score` is the best so far."""
-    better = improved(score, run["best"], tie_counts)
+def end_epoch(run, loss, figures, score):
+    """An epoch's loss and val figures into `run` -> whether `score` is the best so far (a tie: the later epoch, as
+    the authors')."""
+    better = score >= run["best"]
     run["epoch"] += 1
     run["history"].append({"epoch": run["epoch"], "loss": loss, **figures})
     run["epochs_without_gain"] = 0 if better else run["epochs_without_gain"] + 1
     if better:
         run.update(best=score, best_epoch=run["epoch"])
     return better
-
-
-def improved(score, best, tie_counts):
-    """A better val figure, or with tie_counts an equal one (the authors': the later epoch)."""
-    return score > best or (tie_counts and score == best)
 
 
 def fmt_time(seconds):
