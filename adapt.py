@@ -165,8 +165,11 @@ class PairText(torch.nn.Module):
         self.clip = clip
 
     def forward(self, before, after, ids, intra=None):
-        """intra: fixed_intra's tokens (B, 2, n+1, width)."""
-        v = self.clip.encode_pair(before, after) if intra is None else self.clip.visual.inter(intra.flatten(1, 2))
+        """intra: fixed_intra's tokens (B, 2, n+1, width), cast to the tower's dtype (fp16 under --authors-numerics)."""
+        if intra is None:
+            v = self.clip.encode_pair(before, after)
+        else:
+            v = self.clip.visual.inter(intra.flatten(1, 2).to(self.clip.visual.conv1.weight.dtype))
         return v.vector, self.clip.encode_text(ids), self.clip.logit_scale
 
 
@@ -209,13 +212,14 @@ def contrastive_loss(v, g, logit_scale):
 
 
 def lr_rule(args):
-    """Parameter name -> learning rate (None: frozen): e1, e2, p, ln_mid at lr_new, CLIP's at lr_clip but a
-    CLIP file's input embeddings (the authors') and the first --freeze-blocks image blocks."""
+    """What trains, at which rate: parameter name -> learning rate (None: fixed). e1, e2, p, ln_mid at lr_new, CLIP's
+    weights at lr_clip but a CLIP file's input embeddings (the authors') and the first --freeze-blocks image blocks.
+    A rate of 0 fixes."""
     def lr(name):
         if name.startswith(PAIR_KEYS):
-            return args.lr_new
+            return args.lr_new or None
         first = name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < args.freeze_blocks
-        return None if (args.clip and name.startswith(INPUT_EMBEDDINGS)) or first else args.lr_clip
+        return None if (args.clip and name.startswith(INPUT_EMBEDDINGS)) or first else args.lr_clip or None
     return lr
 
 

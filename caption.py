@@ -41,8 +41,9 @@ PRESETS = {
                   words_lr=None, betas=(0.9, 0.999), eps=1e-6, warmup=0.1, grad_clip=1.0, weight_decay=0.01,
                   dropout=0.1, patience=11),
 }
-# for a CPU: the small CLIP fixed; its words train (its pretraining saw no change verbs)
-PRESETS["mini"] = {**PRESETS["paper"], "epochs": 5, "lr": 1e-3, "encoder_lr": 0.0, "words_lr": 1e-3, "patience": 5}
+# for a CPU: the small CLIP fixed; its words train (its pretraining saw no change verbs); 4 heads of 16
+PRESETS["mini"] = {**PRESETS["paper"], "heads": 4, "batch_size": 8, "epochs": 5, "lr": 1e-3, "encoder_lr": 0.0,
+                   "words_lr": 1e-3, "dropout": 0.0, "patience": 5}
 PAD = 0  # CLIP's BPE pads with 0 (its "!")
 CHANGE_TYPES = ("color", "material", "move", "add", "drop", "distractor")
 FORMAT = 4  # captioner.pt's layout
@@ -222,8 +223,9 @@ def encode_all(model, loader, ctx):
     return torch.cat(out)
 
 
-def load_captioner(path, device="cpu"):
-    """A captioner file, ours or the authors' released one (their 9 + 3, 8 heads) -> PairCaptioner."""
+def load_captioner(path, device="cpu", n_inter=None):
+    """A captioner file, ours or the authors' released one (8 heads; n_inter: its inter blocks, default their 3 of
+    9 + 3) -> PairCaptioner."""
     sd, extra = clip_load.read_state_dict(path := clip_load.resolve(path))
     if extra.get("stage") == "caption" and extra.get("format") != FORMAT:
         raise SystemExit(f"{path} is a captioner.pt of an earlier layout: evaluate it after `git checkout "
@@ -231,7 +233,7 @@ def load_captioner(path, device="cpu"):
     if extra.get("stage") != "caption" and not extra.get("decoder"):
         what = "an adapted encoder" if extra.get("stage") or "decoder" in extra else "a CLIP"
         raise SystemExit(f"{path} is not a captioner but {what}: train one with `python caption.py --ckpt {path}`")
-    clip = clip_load.build_clip(sd, extra, path)
+    clip = clip_load.build_clip(sd, extra, path, n_inter)
     if "decoder" in extra:  # the authors'
         state, enc, dec = clip_load.authors_captioner(extra["decoder"], sd, path)
         width = clip.cfg.transformer_width

@@ -37,11 +37,8 @@ CACHE = Path(os.environ.get("CLIP_CACHE", Path.home() / ".cache" / "clip"))
 WEIGHTS = "README 'Real data and OpenAI's weights'"  # where to get OpenAI's weights
 # the small CLIPs pretrain.py pretrained on synthetic scenes, shipped
 ASSETS = Path(__file__).resolve().parent / "assets"
-SHIPPED = {"mini-synth": ("clip_mini_synth.pt", "01b1c8f6b466124bc64bbec45f9943b00de0b6110118ea78b5ab3607776e228a"),
-           # 12x12 patches, --object-loss 1: the quickstart's
-           "mini12-synth": ("clip_mini12_synth.pt", "c867cbc98bafedfaab3a87372ef481f514ed50fd41b4cee028ffb0ce11bcdae6"),
-           # the same on scenes drawn as CLEVR renders them (pretrain.py --world clevr)
-           "mini12-clevr": ("clip_mini12_clevr.pt", "a22d414ce5a4c40dba9d13a097a9e16affa3de5606c082fbac994c27ae0425dd")}
+SHIPPED = {  # 12x12 patches of 8 px, words and tokens 64 wide: the quickstart's (pretrain.py's defaults)
+    "mini64-synth": ("clip_mini64_synth.pt", "b1b6b7d2107905a1f7c463085e49f59f4b9d5ca63e8b1c029b5b8acceff2428a")}
 NON_PARAMETERS = ("input_resolution", "context_length", "vocab_size")  # scalars in OpenAI's state dict
 
 

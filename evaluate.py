@@ -15,6 +15,7 @@ import caption
 import clip_load
 import data
 import plots
+from model import N_INTER
 from train_utils import HelpFormatter, at_least, device_flags, given_flags, log, setup
 
 PAIR_ONLY = {"explain"}  # with --before/--after
@@ -25,6 +26,8 @@ def parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--ckpt", default="captioner.pt", help="a captioner: caption.py's, or the authors'")
     caption.test_flags(p)
+    p.add_argument("--n-inter", type=at_least(0), default=None, help="the authors' released captioner: the inter "
+                   "blocks it was trained with (default: their 3, of 9 + 3); ours record their own")
     p.add_argument("--beam", type=at_least(1), default=1, help="beam size (1: greedy, as the paper)")
     p.add_argument("--gallery", default=None, help="also draw test pairs with their captions into this PNG")
     device_flags(p)
@@ -46,6 +49,9 @@ def get_args(argv=None):
                    "--before and --after"))
     if not os.path.isfile(args.ckpt):
         p.error(f"argument --ckpt: no file at {args.ckpt}: train one with `python caption.py` first")
+    if args.n_inter is not None and caption.read_ckpt_info(args.ckpt).get("stage") == "caption" and not \
+            caption.read_ckpt_info(args.ckpt).get("authors"):
+        p.error(f"argument --n-inter: {args.ckpt} records the split it was trained with: leave it out")
     for flag, path in (("--before", args.before), ("--after", args.after)):
         if path and not os.path.isfile(path):
             p.error(f"argument {flag}: no image at {path}")
@@ -55,7 +61,7 @@ def get_args(argv=None):
 def caption_images(args):
     """The caption of --before/--after, alone on stdout; --explain: the images and the encoder's maps too."""
     ctx = setup(0, args.device, args.amp)
-    model = caption.load_captioner(args.ckpt, ctx.device)
+    model = caption.load_captioner(args.ckpt, ctx.device, args.n_inter)
     size = model.clip.cfg.image_resolution
     before, after = (clip_load.load_image(p, size)[None].to(ctx.device) for p in (args.before, args.after))
     with ctx.amp:
@@ -75,7 +81,7 @@ def evaluate_captioner(args, info):
     """caption.final_test (and --gallery); the authors' weights under bf16 also decoded in fp32."""
     ctx = setup(0, args.device, args.amp)
     name, root = caption.data_source(args.data, args.data_root, info)
-    model = caption.load_captioner(args.ckpt, ctx.device)
+    model = caption.load_captioner(args.ckpt, ctx.device, args.n_inter)
     train_items = data.load_items(name, root, "train", "total", args.skip_missing, images=False)  # the baseline's
     test_items = data.load_items(name, root, "test", "total", args.skip_missing)
     size = model.clip.cfg.image_resolution
@@ -101,8 +107,11 @@ def main(argv=None):
     if info.get("stage") != "caption":
         raise SystemExit(f"--ckpt {args.ckpt} is not a captioner but an encoder: train a captioner on it with "
                          f"`python caption.py --ckpt {args.ckpt}`")
-    whose = "the authors' CLIP4IDC" if info.get("authors") else "caption.py's"
-    print(f"--ckpt {args.ckpt}: {whose} captioner", file=sys.stderr if args.before else sys.stdout, flush=True)
+    split = info.get("config", {}).get("n_inter", N_INTER) if args.n_inter is None else args.n_inter
+    how = "their default, 9 + 3 on ViT-B/32; another: --n-inter" if args.n_inter is None else "--n-inter"
+    whose = (f"the authors' CLIP4IDC captioner, its last {split} vision blocks read as inter blocks ({how})"
+             if info.get("authors") else "caption.py's captioner")
+    print(f"--ckpt {args.ckpt}: {whose}", file=sys.stderr if args.before else sys.stdout, flush=True)
     return caption_images(args) if args.before else evaluate_captioner(args, info)
 
 

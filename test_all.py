@@ -921,6 +921,46 @@ def test_the_authors_captioner_equals_theirs_on_the_same_weights(tmp_path, monke
 # the paper presets' training and scoring against the authors' code: BertAdam, schedules, what trains and decays,
 # 12 + 0, retrieval ranks, the stage-2 step
 
+@pytest.mark.skipif(not AUTHORS.is_dir(), reason="needs the authors' code in ../shared/reference/authors_clip4idc")
+def test_evaluate_n_inter_reads_their_captioner_at_another_split(tmp_path, monkeypatch, capsys):
+    """evaluate.py --n-inter on a file of the authors' layout trained at 3 + 1 (their --intra_num_hidden_layers 3;
+    their default would be 1 + 3 here): its first line says the split read, and with the flag the caption of two
+    images equals their own greedy decoding; without it (their default) it does not. A captioner of ours records its
+    split: the flag is an error naming it."""
+    torch.manual_seed(0)
+    theirs = their_clip4idc(monkeypatch, clip_cfg=M.CLIPConfig(**{**PAPER_CLIP.__dict__, "n_inter": 1})).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            norm = name.endswith("weight") and ("LayerNorm" in name or ".ln_" in name or name.startswith("clip.ln_"))
+            p.copy_(torch.randn_like(p) * (0.1 if p.ndim < 2 else p.shape[-1] ** -0.5) + norm)
+        theirs.decoder.classifier.cls.predictions.bias[clip_load.EOT] += 3.0
+    ckpt = tmp_path / "pytorch_model.bin.clevr"
+    torch.save(theirs.state_dict(), ckpt)
+    pair = [str(REAL / "CLEVR_new_000000.png"), str(REAL / "CLEVR_new_000000_del.png")]
+    images = torch.stack([load_image(p, PAPER_CLIP.image_resolution) for p in pair])[None]  # (1, 2, 3, H, W)
+    with torch.no_grad():  # their main_task_caption.py 541-556 on their tokens
+        tokens = theirs.get_visual_output(images.flatten(0, 1), torch.ones(1, 2), shaped=True, video_frame=2)[1]
+        x = torch.full((1, 1), clip_load.SOT)
+        for _ in range(32):
+            scores = theirs.decoder_caption(tokens, torch.ones(1, tokens.shape[1]), x, torch.ones_like(x),
+                                            shaped=True, get_logits=True)
+            x = torch.cat([x, scores[:, -1].max(1)[1][:, None]], 1)
+    want = caption.to_text(x[0, 1:].tolist())
+    said = {}
+    for flags in ([], ["--n-inter", "1"]):
+        evaluate_py.main([*CPU, "--ckpt", str(ckpt), "--before", pair[0], "--after", pair[1], *flags])
+        out = capsys.readouterr()
+        said[len(flags)] = out.out.strip()
+        assert f"its last {flags[1] if flags else 3} vision blocks read as inter blocks" in out.err.splitlines()[0]
+    assert said[2] == want != said[0], (want, said)
+    tiny_clevr(tmp_path / "clevr")
+    tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
+    run(tmp_path, epochs=1)
+    with pytest.raises(SystemExit):
+        evaluate_py.main([*CPU, "--ckpt", str(tmp_path / "captioner.pt"), "--n-inter", "0"])
+    assert "argument --n-inter: " in capsys.readouterr().err
+
+
 NEEDS_AUTHORS = pytest.mark.skipif(not AUTHORS.is_dir(),
                                    reason="needs the authors' code in ../shared/reference/authors_clip4idc")
 
@@ -1400,7 +1440,8 @@ def test_readme_command_evaluates_the_authors_checkpoint(tmp_path):
     out = subprocess.run([sys.executable, "evaluate.py", *args], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).parent)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.splitlines()[0].endswith("the authors' CLIP4IDC captioner")
+    assert "the authors' CLIP4IDC captioner, its last 3 vision blocks read as inter blocks (their default" in \
+        out.stdout.splitlines()[0]
     assert "epoch" not in out.stdout and not (tmp_path / "captioner.pt").exists()
     results = json.loads((tmp_path / "captions.json").read_text())
     assert len(results["predictions"]) == 8 and "CIDEr-D" in results["scores"]
@@ -3547,7 +3588,10 @@ def test_caption_rule_and_presets_in_plain_sight(tmp_path):
                                                     "visual.positional_embedding", "visual.ln_pre.bias"))
     assert rule("clip.visual.bef_embedding") == 1e-6 and rule("clip.transformer.resblocks.0.ln_1.weight") is None
     assert rule("clip.token_embedding.weight") is None is rule("clip.positional_embedding")  # the tied words, CLEVR
-    spot = caption.lr_rule(preset_settings(caption, "paper", "--encoder-lr", "1e-6", data="spot"))
+    spot = caption.settings(["--ckpt", "mini64-synth", "--data", "spot", "--data-root", "absent", "--preset", "paper",
+                             "--encoder-lr", "1e-6", *CPU])  # the words' rate decided by the data
+    assert spot.words_lr == 1e-6 and not spot.pair_distractors
+    spot = caption.lr_rule(spot)
     assert spot("clip.token_embedding.weight") == 1e-6 == rule("clip.visual.ln_post.weight")  # theirs: trained there
     assert spot("clip.visual.bef_embedding") == 1e-6
     own = caption.lr_rule(preset_settings(caption, "paper", "--words-lr", "3e-5", data="clevr"))
@@ -3830,7 +3874,7 @@ BAD_FLAGS = {
                  "--clip nowhere.pt", "--data-root nowhere", "--data spot => --data-root",
                  "--resume --out nowhere.pt", "--seed x", "--clip mini64-synth --vision-width 64 => --vision-width",
                  "--data spot --swap-prob 0.5 => --swap-prob", "--shared-p -1",
-                 "--preset scratch --clip mini64-synth => --clip", "--authors-numerics => --authors-numerics"],
+                 "--preset scratch --clip mini64-synth => --clip", "--authors-numerics --amp bf16 => --amp"],
     "caption.py": ["--device cuda", "--device cuda:7", "--device mps", "--device gpu",
                    "--patience 0", "--ckpt nowhere.pt", "--workers -1", "--n-inter -1",
                    "--heads 0", "--enc-layers 0", "--dec-layers 0", "--dropout 1",
@@ -4141,10 +4185,49 @@ def test_vit_b16_by_name_and_your_own_pairs_through_both_stages(tmp_path, monkey
 
 
 @pytest.mark.slow
+def test_every_preset_runs_the_same_classes_optimizer_schedule_and_sampler(adapt_synth, openai_archive, tmp_path,
+                                                                           monkeypatch):
+    """One method: in each stage every preset (paper, mini, and stage 1's scratch) builds at run time the same module
+    classes, optimizer, schedule and sampler, seen as main builds them; a preset that picked another (an optimizer, a
+    captioner, a batch order) would show here. Only values differ (the CLIP, sizes, rates)."""
+    seen = defaultdict(set)
+
+    def spy(stage, name, what):
+        real = getattr(stage, name)
+
+        def call(*a):
+            out = real(*a)
+            seen[stage.__name__, name].add(what(out, *a))
+            return out
+        monkeypatch.setattr(stage, name, call)
+    order = lambda b: type(b.sampler if isinstance(b, torch.utils.data.BatchSampler) else b).__name__
+    for stage in (adapt, caption):
+        spy(stage, "new_model", lambda model, *a: frozenset(type(m).__name__ for m in model.modules()))
+        spy(stage, "authors_schedule", lambda sched, opt, *a: (type(opt).__name__, repr(a[2:])))
+        spy(stage, "train_epoch", lambda loss, ctx, loader, *a: order(loader.batch_sampler))
+    monkeypatch.setattr(clip_load, "CACHE", tmp_path)
+    for preset, clip in (("paper", ["--clip", str(openai_archive)]), ("mini", []), ("scratch", TINY_ADAPT[2:])):
+        adapt.main(["--data-root", str(adapt_synth), "--out", str(tmp_path / f"{preset}.pt"), "--preset", preset,
+                    *clip, *FAST])
+    tiny_clevr(tmp_path / "clevr")
+    tiny_encoder(tmp_path / "adapted.pt", tmp_path / "clevr")
+    for preset in ("paper", "mini"):
+        caption.main([*CPU, "--ckpt", str(tmp_path / "adapted.pt"), "--out", str(tmp_path / f"cap_{preset}.pt"),
+                      "--results", str(tmp_path / "c.json"), "--preset", preset, "--epochs", "1", "--batch-size",
+                      "4", "--heads", "2", "--enc-layers", "1", "--dec-layers", "1", "--workers", "0"])
+    assert seen["adapt", "train_epoch"] == {"EpochSampler"} and seen["caption", "train_epoch"] == {"DistractorBatches"}
+    assert seen["adapt", "authors_schedule"] == {("BertAdam", "()")}  # the cosine
+    assert seen["caption", "authors_schedule"] == {("BertAdam", "('linear',)")}
+    for stage in ("adapt", "caption"):
+        assert len(seen[stage, "new_model"]) == 1, seen[stage, "new_model"]
+    assert {"Captioner", "BertLayer", "VisionTransformer"} <= next(iter(seen["caption", "new_model"]))
+
+
+@pytest.mark.slow
 def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch, capsys):
     """The quickstart's two commands in miniature, the paper's method with the mini preset's values: adapt.py adapts
     the shipped 12x12 CLIP (145 tokens an image) with its 4 intra blocks and input embeddings fixed, p alike in both
-    images; caption.py trains the authors' captioner (64 wide, 1 head, 3 + 3 layers, CLIP's words tied) over all 290
+    images; caption.py trains the authors' captioner (64 wide, 4 heads, 3 + 3 layers, CLIP's words tied) over all 290
     tokens of the fixed encoder, computed once, each change pair beside its distractor."""
     monkeypatch.setattr(clip_load, "CACHE", tmp_path)  # no ViT-B-32.pt anywhere
     out = tmp_path / "adapted.pt"
@@ -4170,7 +4253,7 @@ def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch,
     assert "encoded" in log and "once (frozen encoder)" in log
     saved = torch.load(cap, weights_only=False)
     config = saved["captioner_config"]
-    assert (config["memory_len"], config["width"], config["heads"], config["vocab_size"]) == (290, 64, 1, 49408)
+    assert (config["memory_len"], config["width"], config["heads"], config["vocab_size"]) == (290, 64, 4, 49408)
     assert (config["enc_layers"], config["dec_layers"]) == (3, 3)
     assert all(torch.equal(saved["model"][k], v) for k, v in adapted.items() if k != "token_embedding.weight")
     assert not torch.equal(saved["model"]["token_embedding.weight"], adapted["token_embedding.weight"])
