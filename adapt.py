@@ -393,13 +393,13 @@ def main(argv=None):
         optimizer.step()
         return loss.detach()
 
-    def step(batch):
+    def eager_step(batch):
         optimizer.zero_grad(set_to_none=True)
         loss = update(batch)
         scheduler.step()
         return loss
-    if args.cuda_graphs:
-        step = GraphedStep(ctx, update, optimizer, scheduler, params)
+    # the step: eagerly, or the same update captured once as a CUDA graph and replayed (train_utils.GraphedStep)
+    step = GraphedStep(ctx, update, optimizer, scheduler, params) if args.cuda_graphs else eager_step
 
     # select on val, never on test
     t_start = time.time()

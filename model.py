@@ -326,7 +326,7 @@ class Attention(nn.Module):
             k, v = map(self.split, self.kv_proj(x if source is None else source).chunk(2, dim=-1))
             if source is None and kv_cache:  # the cached prefix's, then this call's
                 k, v = torch.cat([kv_cache["k"], k], dim=2), torch.cat([kv_cache["v"], v], dim=2)
-            if kv_cache is not None:
+            if kv_cache is not None:  # kept: the prefix so far, or the memory's projection for later steps
                 kv_cache["k"], kv_cache["v"] = k, v
         y = attention(q, k, v, causal, self.dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).flatten(2))  # (B, T, width)
@@ -457,7 +457,7 @@ class Captioner(nn.Module):
         self.ln_emb = LayerNorm(cfg.width, eps=1e-12)
         self.drop = nn.Dropout(cfg.dropout)
         init_weights_(self)
-        # tied: CLIP's own word embeddings (modeling.py 182-195)
+        # tied, after init_weights_ (which would redraw them): CLIP's own words and positions (modeling.py 182-195)
         self.token_embedding, self.positional_embedding = clip.token_embedding, clip.positional_embedding
 
     def encode(self, memory):

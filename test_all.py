@@ -1,5 +1,5 @@
-"""clip4idc test suite: `pytest test_all.py -rs` (all, about 8 minutes on 2 CPU cores at 100 GFLOP/s) or `pytest
-test_all.py -rs -m "not slow"` (the fast subset, 2-3 minutes; README "Tests" gives the measured times). Tiny models and data the
+"""clip4idc test suite: `pytest test_all.py -rs` (all) or `pytest test_all.py -rs -m "not slow"` (the fast subset;
+README "Tests" gives the measured times). Tiny models and data the
 tests make themselves (or the real files in ../shared/, skipped cleanly when absent).
 
 Devices: every test but the cuda group runs on the CPU on any machine. Each stage run names `--device cpu` (CPU,
@@ -15,6 +15,7 @@ cuda (needs a GPU). What the tests build goes to temporary folders or
 
 What they prove of the paper path on a CPU, with a small CLIP in OpenAI's archive format and several attention
 heads in both towers:
+- one method: every preset of each stage builds the same classes, optimizer, schedule and sampler at run time;
 - the paper preset is chosen when `ViT-B-32.pt` is in the cache, and both stages run through their `main`;
 - the authors' frozen embeddings are bit-identical after adaptation, and every other weight moved no more than
   its learning rate allows;

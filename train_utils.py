@@ -124,7 +124,8 @@ def given_flags(parser, argv=None):
 
 
 def over_preset(flags, given, presets, preset, bad):
-    """The flags given over the preset's values; --authors-numerics: BertAdam's fp16, no autocast."""
+    """The preset's values, a flag given winning over its value (what the weights or data decide comes after, in the
+    stage's settings()); --authors-numerics: BertAdam's fp16, no autocast."""
     s = {**vars(flags), **presets[preset], **{k: getattr(flags, k) for k in given}, "preset": preset}
     if s["authors_numerics"]:
         if "amp" in given:
