@@ -49,8 +49,8 @@ def get_args(argv=None):
                    "--before and --after"))
     if not os.path.isfile(args.ckpt):
         p.error(f"argument --ckpt: no file at {args.ckpt}: train one with `python caption.py` first")
-    if args.n_inter is not None and caption.read_ckpt_info(args.ckpt).get("stage") == "caption" and not \
-            caption.read_ckpt_info(args.ckpt).get("authors"):
+    info = caption.read_ckpt_info(args.ckpt)
+    if args.n_inter is not None and info.get("stage") == "caption" and not info.get("authors"):
         p.error(f"argument --n-inter: {args.ckpt} records the split it was trained with: leave it out")
     for flag, path in (("--before", args.before), ("--after", args.after)):
         if path and not os.path.isfile(path):
