@@ -208,6 +208,7 @@ def contrastive_loss(v, g, logit_scale):
         scale = logit_scale.float().clamp(max=math.log(100)).exp()
         logits = scale * v @ g.t()
         labels = torch.arange(len(v), device=v.device)
+        # text -> pair over the batch's own texts: a hard negative (g's rows B..) has no pair of its own
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits[:, :len(v)].t(), labels)) / 2
 
 
@@ -248,9 +249,10 @@ def encode_split(model, items, args, ctx, cache=None):
 
 
 def retrieval_metrics(sim, owner):
-    """sim (P, T), owner[t] caption t's pair, ranked as the authors' metrics.py: text -> pair among
-    the pairs, pair -> text among the caption sets (a set's best caption); ties pessimistic (theirs: arbitrary); MdR/MnR
-    the median/mean rank, MdR np.median's (pair -> text), torch's (text -> pair)."""
+    """sim (P, T), owner[t] caption t's pair, ranked as the authors' metrics.py: text -> pair among the pairs,
+    pair -> text among the caption sets (a set's best caption); ties pessimistic (theirs: arbitrary); MdR/MnR the
+    median/mean rank, MdR np.median's (pair -> text), torch's (text -> pair). Worked by hand:
+    test_all.py's test_retrieval_metrics_by_hand."""
     P, T = sim.shape
     own = sim[owner, torch.arange(T)]  # (T,)
     t2p = (sim >= own[None, :]).sum(0)  # (T,)
@@ -380,7 +382,7 @@ def main(argv=None):
     run = resume_run(load_resume(args.out), model, optimizer, scheduler, args) if args.resume else new_run()
     net = torch.compile(PairText(model)) if args.compile else PairText(model)
 
-    def update(batch):  # on zeroed gradients
+    def update(batch):  # loss, backward, clipping, BertAdam; zeroing and the schedule are the caller's
         ids = clip_load.trim(batch["ids"], static=args.compile or args.cuda_graphs).to(ctx.device, non_blocking=True)
         with ctx.amp:
             if "features" in batch:  # fixed_intra's tokens
@@ -398,7 +400,7 @@ def main(argv=None):
         loss = update(batch)
         scheduler.step()
         return loss
-    # the step: eagerly, or the same update captured once as a CUDA graph and replayed (train_utils.GraphedStep)
+    # the step: zero, update, schedule; eagerly, or captured once as a CUDA graph and replayed (GraphedStep)
     step = GraphedStep(ctx, update, optimizer, scheduler, params) if args.cuda_graphs else eager_step
 
     # select on val, never on test
@@ -413,7 +415,7 @@ def main(argv=None):
             val = evaluate(model, splits["val"], args, ctx, cache)
             if val is None:
                 raise SystemExit(diverged(epoch + 1))
-            better = end_epoch(run, loss, val, val[SELECT])
+            better = end_epoch(run, loss, val, val[SELECT])  # the best val text->pair R@1; a tie: the later epoch
             if better:
                 save_atomic(checkpoint(model, args, {"val": val, "epoch": epoch + 1}), args.out)
             log(f"epoch {epoch + 1}/{args.epochs} done in {time.time() - t0:.0f}s | loss {loss:.4f} | "

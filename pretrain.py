@@ -47,7 +47,6 @@ DEFAULTS = dict(scenes=12000, image_size=96, patch_size=8, vision_width=128, vis
 CLEVR = dict(eval_every=300)  # --world clevr's own
 MODES = {  # what each mode but training reads: another flag given is an error
     "--export": {"export", "out"},
-    "--probe-pairs": {"probe_pairs", "pairs_root", "device", "amp", "seed"},
     "--eval-only": {"eval_only", "ckpt", "out", "root", "scenes", "render_seed", "world", "workers", "eval_images",
                     "clevr_root", "device", "amp", "seed"}}
 
@@ -89,10 +88,6 @@ def get_args(argv=None):
     p.add_argument("--ckpt", type=clip_load.weights_arg, help="with --eval-only: a CLIP checkpoint (default: --out)")
     p.add_argument("--clevr-root", default=None, help="with --eval-only: also probe the images of this set of "
                    "CLEVR's own renders")
-    p.add_argument("--probe-pairs", nargs="+", default=None, metavar="ADAPTED", help="linear probes of these pair "
-                   "encoders (adapt.py's --out) on --pairs-root's change pairs, and stop (probe_pairs)")
-    p.add_argument("--pairs-root", default=synth.SYNTH_ROOT, help="with --probe-pairs: a synthetic CLEVR-Change set "
-                   "(adapt.py's on no real data)")
     p.add_argument("--export", default=None, help="write --out's weights as a shipped fp16 file at this path and stop")
     p.add_argument("--workers", type=at_least(1), default=None, help="render/decode processes (default: all cores)")
     args, given = p.parse_args(argv), given_flags(p, argv)
@@ -103,12 +98,11 @@ def get_args(argv=None):
         s["root"] = f"{ROOT}_{args.world}"
     check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                       "--text-width": args.text_width})
-    mode = next((f"--{m}" for m in ("export", "probe-pairs", "eval-only") if s[m.replace("-", "_")]), "")
-    unread = given - MODES[mode] if mode else given & {"ckpt", "clevr_root", "pairs_root"}
+    mode = next((f"--{m}" for m in ("export", "eval-only") if s[m.replace("-", "_")]), "")
+    unread = given - MODES[mode] if mode else given & {"ckpt", "clevr_root"}
     if unread:
         flag = "--" + sorted(unread)[0].replace("_", "-")
-        p.error(f"argument {flag}: not read " + (f"with {mode}" if mode else "when training: it goes with " + (
-            "--probe-pairs" if flag == "--pairs-root" else "--eval-only")))
+        p.error(f"argument {flag}: not read " + (f"with {mode}" if mode else "when training: it goes with --eval-only"))
     if args.clevr_root and not (Path(args.clevr_root) / "scenes.json").is_file():  # before any scene is rendered
         p.error(f"argument --clevr-root: no scenes.json (CLEVR's scene records) in {args.clevr_root}")
     check_resume(p, args.resume, args.out)
@@ -303,72 +297,6 @@ def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
     return out
 
 
-# -----------------------------------------------------------------------------
-# probes of a pair encoder (adapt.py's output): what its tokens carry of the change, linear probes on change pairs
-
-PAIR_FEATURES = ("v", "tokens, mean", "intra, at the change", "output, at the change", "after - before there")
-PAIR_TARGETS = ("type", "new color", "new material", "shape", "color", "where")
-
-
-def pair_labels(scene, u, v):
-    """A change pair's record and the changed object's place -> labels: change type, new colour or material, the
-    object's shape, colour and 3x3 cell."""
-    kind, k = scene["type"], scene["changed"]
-    obj, new = (scene["after"] if kind == "add" else scene["before"])[k], scene["after"][k] if kind != "drop" else {}
-    return {"type": kind, "new color": new["color"] if kind == "color" else None,
-            "new material": new["material"] if kind == "material" else None, "shape": obj["shape"],
-            "color": obj["color"], "where": 3 * min(2, int(3 * v)) + min(2, int(3 * u))}
-
-
-@torch.no_grad()
-def pair_features(visual, items, root, ctx, batch=64):
-    """Change pairs -> ({feature: (N, dim)}, {target: [N labels]}). Features: v (eq. 5); each image's patch
-    tokens averaged; at the changed object's patch both images' tokens after the intra blocks and at the output, and
-    after minus before there."""
-    scenes, size = synth.read_scenes(root), visual.input_resolution
-    grid = size // visual.conv1.kernel_size[0]
-    feats, rows = {f: [] for f in PAIR_FEATURES}, []  # rows: each pair's labels
-    for i in range(0, len(items), batch):
-        chunk, B = items[i:i + batch], len(items[i:i + batch])
-        places = []
-        for it in chunk:
-            region = synth.changed_region(root, it.id)
-            x0, y0, x1, y1 = region["before"] or region["after"]
-            places.append(((x0 + x1) / 2, (y0 + y1) / 2))
-            rows.append(pair_labels(scenes[it.id], *places[-1]))
-        pairs = torch.stack([clip_load.load_image(p, size) for it in chunk for p in (it.before, it.after)])
-        before, after = pairs[0::2].to(ctx.device), pairs[1::2].to(ctx.device)
-        with ctx.amp:
-            x = visual.intra(visual.stem(torch.cat([before, after])))  # forward_pair, its intra output kept
-            out = visual.inter(torch.cat([x[:B], x[B:]], dim=1))
-            intra = visual.ln_post(x) @ visual.proj
-        tok, intra, n1 = out.tokens.float().cpu(), intra.float().cpu(), x.shape[1]
-        c = torch.tensor([cell(u, v, grid) for u, v in places])
-        at = lambda t: t[torch.arange(B), c]  # (B, n+1, D) -> the token at each pair's changed patch (B, D)
-        ob, oa = at(tok[:, :n1]), at(tok[:, n1:])
-        feats["v"].append(out.vector.float().cpu())
-        feats["tokens, mean"].append(torch.cat([tok[:, 1:n1].mean(1), tok[:, n1 + 1:].mean(1)], 1))
-        feats["intra, at the change"].append(torch.cat([at(intra[:B]), at(intra[B:])], 1))
-        feats["output, at the change"].append(torch.cat([ob, oa], 1))
-        feats["after - before there"].append(oa - ob)
-    return {f: torch.cat(v) for f, v in feats.items()}, {t: [r[t] for r in rows] for t in PAIR_TARGETS}
-
-
-def probe_pairs(path, root, ctx, n_train=2000):
-    """One adapted.pt -> {(feature, target): val accuracy %} and {target: (majority share %, val pairs)}."""
-    visual = clip_load.load_clip(path, ctx.device).visual.eval()
-    (xtr, ytr), (xte, yte) = (pair_features(visual, data.load_items("clevr", root, split, "semantic")[:n_train],
-                                            root, ctx) for split in ("train", "val"))
-    table, chance = {}, {}
-    for t in PAIR_TARGETS:
-        tr, te = ([j for j, y in enumerate(ys[t]) if y is not None] for ys in (ytr, yte))
-        held = [yte[t][j] for j in te]
-        chance[t] = (100 * max(held.count(y) for y in set(held)) / len(held), len(held))
-        for f in PAIR_FEATURES:
-            table[f, t] = linear_probe(xtr[f][tr], [ytr[t][j] for j in tr], xte[f][te], held)
-    return table, chance
-
-
 def fmt(m):
     probes = " ".join(f"{a[:3]} {m[f'probe {a}']:.0f}" for a in synth.ATTRS)
     return (f"hard-neg R@1 {m['hard-negative R@1']:.1f} | img->txt R@1 {m['image->text R@1']:.1f} txt->img "
@@ -428,17 +356,6 @@ def main(argv=None):
     if args.export:
         return export(args)
     ctx = setup(args.seed, args.device, args.amp)
-    if args.probe_pairs:
-        if not synth.is_synthetic(args.pairs_root):  # not in get_args: the default folder is made on first use
-            raise SystemExit(f"argument --pairs-root: {args.pairs_root} is no synthetic set with scene records "
-                             f"(synth.py writes one: python synth.py, or run adapt.py once without real data)")
-        for path in args.probe_pairs:
-            table, chance = probe_pairs(path, args.pairs_root, ctx)
-            log(f"{path}: linear probes, val accuracy % (chance: the majority class)\n| feature | "
-                + " | ".join(PAIR_TARGETS) + " |\n" + "".join(f"| {f} | " + " | ".join(
-                    f"{table[f, t]:.0f}" for t in PAIR_TARGETS) + " |\n" for f in PAIR_FEATURES)
-                + "| chance (val pairs) | " + " | ".join(f"{c:.0f} ({n})" for c, n in chance.values()) + " |")
-        return table
     if args.eval_only:
         model = clip_load.load_clip(args.ckpt or args.out, ctx.device)
     root = synth.resolve_set(args.root, args.scenes, args.render_seed, workers=args.workers, world=args.world)
