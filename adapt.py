@@ -213,14 +213,15 @@ def contrastive_loss(v, g, logit_scale):
 
 
 def lr_rule(args):
-    """What trains, at which rate: parameter name -> learning rate (None: fixed). e1, e2, p, ln_mid at lr_new, CLIP's
-    weights at lr_clip but a CLIP file's input embeddings (the authors') and the first --freeze-blocks image blocks.
-    A rate of 0 fixes."""
+    """What trains, at which rate: parameter name -> learning rate (None: fixed). e1, e2, p, ln_mid at lr_new; CLIP's
+    weights at lr_clip, except that a CLIP file's input embeddings (the authors') and the first --freeze-blocks image
+    blocks stay fixed. A rate of 0 fixes."""
     def lr(name):
         if name.startswith(PAIR_KEYS):
             return args.lr_new or None
         first = name.startswith("visual.transformer.resblocks.") and int(name.split(".")[3]) < args.freeze_blocks
-        return None if (args.clip and name.startswith(INPUT_EMBEDDINGS)) or first else args.lr_clip or None
+        fixed = first or (args.clip and name.startswith(INPUT_EMBEDDINGS))
+        return None if fixed else args.lr_clip or None
     return lr
 
 

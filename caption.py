@@ -173,7 +173,8 @@ def caption_loss(logits, targets):
 def batch_loss(model, batch, device, frozen=False, paired=False):
     """caption_loss of a batch; paired (data.DistractorBatches: its change pairs, then their distractors): both halves'
     losses summed, the authors' loss1 + loss2 (main_task_caption.py 307-341)."""
-    ids = batch["ids"][:, :int((batch["ids"] != PAD).any(0).nonzero().max()) + 1].to(device)  # BPE's "!" is 0 too
+    last = int((batch["ids"] != PAD).any(0).nonzero().max())  # the batch's longest caption ends there
+    ids = batch["ids"][:, :last + 1].to(device)  # 0 pads (BPE's "!" too: the loss ignores both)
     logits = model(ids[:, :-1], **model_inputs(batch, device, frozen))
     if paired:
         h = len(ids) // 2
