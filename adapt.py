@@ -368,7 +368,7 @@ def main(argv=None):
         save_atomic(checkpoint(model, args, {"val": evaluate(model, splits["val"], args, ctx, cache), "epoch": 0}),
                     args.out)
         return test_best(model, splits["test"], args, ctx, cache, [], time.time())
-    optimizer = BertAdam(groups, lr=args.lr_new, betas=args.betas, eps=args.eps)
+    optimizer = BertAdam(groups, lr=args.lr_new, betas=args.betas, eps=args.eps)  # each group has lr_rule's rate
     total_steps = args.epochs * len(loader)
     scheduler = authors_schedule(optimizer, total_steps, args.warmup)  # warmup, then cosine
     # the temperature clamped after each step, as the authors' (main_task_retrieval.py 287-291)

@@ -453,7 +453,7 @@ def main(argv=None):
     freeze(model.named_parameters(), rule)
     groups = param_groups(model.named_parameters(), rule, args.weight_decay, authors_decays(model, bert="captioner"))
     params = [p for g in groups for p in g["params"]]
-    optimizer = BertAdam(groups, lr=args.lr, betas=args.betas, eps=args.eps)
+    optimizer = BertAdam(groups, lr=args.lr, betas=args.betas, eps=args.eps)  # each group has lr_rule's rate
     describe(model, rule, params, args)
     train_loader, val_loader, test_loader = loaders(model, splits, caption_ids, args, ctx)
     total_steps = args.epochs * len(train_loader)
