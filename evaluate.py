@@ -39,6 +39,7 @@ def parser():
 
 
 def get_args(argv=None):
+    """-> the flags, and --ckpt's entries but its weights (caption.read_ckpt_info)."""
     p = parser()
     args, given = p.parse_args(argv), given_flags(p, argv)
     if bool(args.before) != bool(args.after):
@@ -55,7 +56,7 @@ def get_args(argv=None):
     for flag, path in (("--before", args.before), ("--after", args.after)):
         if path and not os.path.isfile(path):
             p.error(f"argument {flag}: no image at {path}")
-    return args
+    return args, info
 
 
 def caption_images(args):
@@ -102,12 +103,11 @@ def evaluate_captioner(args, info):
 
 
 def main(argv=None):
-    args = get_args(argv)
-    info = caption.read_ckpt_info(args.ckpt)
+    args, info = get_args(argv)
     if info.get("stage") != "caption":
         raise SystemExit(f"--ckpt {args.ckpt} is not a captioner but an encoder: train a captioner on it with "
                          f"`python caption.py --ckpt {args.ckpt}`")
-    split = info.get("config", {}).get("n_inter", N_INTER) if args.n_inter is None else args.n_inter
+    split = N_INTER if args.n_inter is None else args.n_inter
     how = "their default, 9 + 3 on ViT-B/32; another: --n-inter" if args.n_inter is None else "--n-inter"
     whose = (f"the authors' CLIP4IDC captioner, its last {split} vision blocks read as inter blocks ({how})"
              if info.get("authors") else "caption.py's captioner")
