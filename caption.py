@@ -167,20 +167,25 @@ def to_text(ids):
 
 
 def caption_loss(logits, targets):
-    """Word-level cross entropy (paper Sec. 3.3): -(1/N) sum_t log p(w_t | w_<t, pair) over the batch's N words."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=PAD)
+    """Word-level cross entropy (paper Sec. 3.3): -(1/N) sum_t log p(w_t | w_<t, pair) over the batch's N words;
+    logits (B, T, vocab), padding ignored, or (N, vocab) of the words alone."""
+    return F.cross_entropy(logits.float().flatten(0, -2), targets.flatten(), ignore_index=PAD)
 
 
 def batch_loss(model, batch, device, frozen=False, paired=False):
     """caption_loss of a batch; paired (data.DistractorBatches: its change pairs, then their distractors): both halves'
-    losses summed, the authors' loss1 + loss2 (main_task_caption.py 307-341)."""
+    losses summed, the authors' loss1 + loss2 (main_task_caption.py 307-341). Only the words get the vocabulary's
+    logits: a third of a batch's positions are padding."""
     last = int((batch["ids"] != PAD).any(0).nonzero().max())  # the batch's longest caption ends there
     ids = batch["ids"][:, :last + 1].to(device)  # 0 pads (BPE's "!" too: the loss ignores both)
-    logits = model(ids[:, :-1], **model_inputs(batch, device, frozen))
+    targets = ids[:, 1:]
+    words = targets != PAD
+    logits = model(ids[:, :-1], words, **model_inputs(batch, device, frozen))  # (N, vocab), batch-major
     if paired:
         h = len(ids) // 2
-        return caption_loss(logits[:h], ids[:h, 1:]) + caption_loss(logits[h:], ids[h:, 1:])
-    return caption_loss(logits, ids[:, 1:])
+        n = int(words[:h].sum())  # the change pairs' words come first
+        return caption_loss(logits[:n], targets[:h][words[:h]]) + caption_loss(logits[n:], targets[h:][words[h:]])
+    return caption_loss(logits, targets[words])
 
 
 # -----------------------------------------------------------------------------
@@ -196,9 +201,10 @@ class PairCaptioner(nn.Module):
         """The pair encoder's tokens, or encode_all's `tokens`."""
         return tokens if tokens is not None else self.clip.visual.forward_pair(before, after).tokens.float()
 
-    def forward(self, ids, **inputs):
-        """Teacher forcing: ids (B, T) given the pair (before=, after= or tokens=) -> logits (B, T, vocab)."""
-        return self.captioner(self.memory(**inputs), ids)
+    def forward(self, ids, words=None, **inputs):
+        """Teacher forcing: ids (B, T) given the pair (before=, after= or tokens=) -> logits (B, T, vocab); words:
+        Captioner.decode's."""
+        return self.captioner(self.memory(**inputs), ids, words)
 
     @torch.no_grad()
     def caption(self, beam=1, **inputs):

@@ -468,13 +468,16 @@ class Captioner(nn.Module):
             outs.append(x)
         return outs
 
-    def decode(self, tokens, mems, kv_caches=None, start=0):
-        """Token ids (B, T) from position `start`, encode's list -> logits (B, T, vocab); layer i reads mems[i]."""
+    def decode(self, tokens, mems, kv_caches=None, start=0, words=None):
+        """Token ids (B, T) from position `start`, encode's list -> logits (B, T, vocab); layer i reads mems[i].
+        words (B, T) bool: only those positions' logits (N, vocab), batch-major (the loss's: the vocabulary costs)."""
         x = self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]]
         x = self.drop(self.ln_emb(x))
         for i, block in enumerate(self.decoder):
             x = block(x, mems[i], None if kv_caches is None else kv_caches[i])
+        if words is not None:
+            x = x[words]
         return self.head(x) @ self.token_embedding.weight.t() + self.head_bias
 
-    def forward(self, memory, tokens):
-        return self.decode(tokens, self.encode(memory))
+    def forward(self, memory, tokens, words=None):
+        return self.decode(tokens, self.encode(memory), words=words)
