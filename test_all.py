@@ -4197,7 +4197,7 @@ def test_every_preset_runs_the_same_classes_optimizer_schedule_and_sampler(adapt
 def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch, capsys):
     """The quickstart's two commands in miniature, the paper's method with the mini preset's values: adapt.py adapts
     the shipped 12x12 CLIP (145 tokens an image) with its 4 intra blocks and input embeddings fixed, p alike in both
-    images; caption.py trains the authors' captioner (64 wide, 4 heads, 3 + 3 layers, CLIP's words tied) over all 290
+    images; caption.py trains the authors' captioner (64 wide, 4 heads, 2 + 2 layers, CLIP's words tied) over all 290
     tokens of the fixed encoder, computed once, each change pair beside its distractor."""
     monkeypatch.setattr(clip_load, "CACHE", tmp_path)  # no ViT-B-32.pt anywhere
     out = tmp_path / "adapted.pt"
@@ -4224,7 +4224,7 @@ def test_mini_preset_adapts_the_shipped_clip(adapt_synth, tmp_path, monkeypatch,
     saved = torch.load(cap, weights_only=False)
     config = saved["captioner_config"]
     assert (config["memory_len"], config["width"], config["heads"], config["vocab_size"]) == (290, 64, 4, 49408)
-    assert (config["enc_layers"], config["dec_layers"]) == (3, 3)
+    assert (config["enc_layers"], config["dec_layers"]) == (2, 2)
     assert all(torch.equal(saved["model"][k], v) for k, v in adapted.items() if k != "token_embedding.weight")
     assert not torch.equal(saved["model"]["token_embedding.weight"], adapted["token_embedding.weight"])
     n_change = len(data.load_items("clevr", adapt_synth, "train", "semantic"))
