@@ -471,8 +471,9 @@ class Captioner(nn.Module):
     def decode(self, tokens, mems, kv_caches=None, start=0, words=None):
         """Token ids (B, T) from position `start`, encode's list -> logits (B, T, vocab); layer i reads mems[i].
         words (B, T) bool: only those positions' logits (N, vocab), batch-major (the loss's: the vocabulary costs)."""
-        x = self.token_embedding(tokens) + self.positional_embedding[start:start + tokens.shape[1]]
-        x = self.drop(self.ln_emb(x))
+        # the words' gradient sparse: the tied head's is dense already, so the batch's rows are added to it (faster)
+        x = F.embedding(tokens, self.token_embedding.weight, sparse=True)
+        x = self.drop(self.ln_emb(x + self.positional_embedding[start:start + tokens.shape[1]]))
         for i, block in enumerate(self.decoder):
             x = block(x, mems[i], None if kv_caches is None else kv_caches[i])
         if words is not None:
