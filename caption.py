@@ -178,14 +178,13 @@ def batch_loss(model, batch, device, frozen=False, paired=False):
     logits: a third of a batch's positions are padding."""
     last = int((batch["ids"] != PAD).any(0).nonzero().max())  # the batch's longest caption ends there
     ids = batch["ids"][:, :last + 1].to(device)  # 0 pads (BPE's "!" too: the loss ignores both)
-    targets = ids[:, 1:]
-    words = targets != PAD
+    words = ids[:, 1:] != PAD
     logits = model(ids[:, :-1], words, **model_inputs(batch, device, frozen))  # (N, vocab), batch-major
+    targets = ids[:, 1:][words]
     if paired:
-        h = len(ids) // 2
-        n = int(words[:h].sum())  # the change pairs' words come first
-        return caption_loss(logits[:n], targets[:h][words[:h]]) + caption_loss(logits[n:], targets[h:][words[h:]])
-    return caption_loss(logits, targets[words])
+        n = int(words[:len(ids) // 2].sum())  # the change pairs' words come first
+        return caption_loss(logits[:n], targets[:n]) + caption_loss(logits[n:], targets[n:])
+    return caption_loss(logits, targets)
 
 
 # -----------------------------------------------------------------------------
