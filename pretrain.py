@@ -4,7 +4,6 @@
     python pretrain.py --resume                       # continue a killed run exactly (mid-epoch too)
     python pretrain.py --eval-only --ckpt mini64-synth     # held-out figures of a checkpoint (the shipped one)
     python pretrain.py --export clip_mini64_synth.pt  # the run's latest weights as the shipped fp16 file
-    python pretrain.py --world clevr --out clevr.pt   # the same recipe in CLEVR's world (camera, lamps, colours)
 
 CLIP4IDC adapts a CLIP that already sees objects; the quickstart has none, so this file makes one in miniature:
 model.py's CLIP (OpenAI's names and shape: it loads as ViT-B-32.pt does), trained with CLIP's contrastive loss on
@@ -44,22 +43,18 @@ ROOT = "data/clevr_pretrain"
 DEFAULTS = dict(scenes=12000, image_size=96, patch_size=8, vision_width=128, vision_layers=6, text_width=64,
                 text_layers=4, embed_dim=64, context_length=77, batch_size=128, negatives=1, lr=5e-4,
                 weight_decay=0.1, warmup=0.02, samples=150_000, eval_every=150)
-CLEVR = dict(eval_every=300)  # --world clevr's own
 MODES = {  # what each mode but training reads: another flag given is an error
     "--export": {"export", "out"},
-    "--eval-only": {"eval_only", "ckpt", "out", "root", "scenes", "render_seed", "world", "workers", "eval_images",
+    "--eval-only": {"eval_only", "ckpt", "out", "root", "scenes", "render_seed", "workers", "eval_images",
                     "clevr_root", "device", "amp", "seed"}}
 
 
 def get_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     d = DEFAULTS
-    p.add_argument("--root", default=ROOT, help=f"the pretraining scenes, rendered there on first use ({ROOT}_clevr "
-                   f"for --world clevr when left out)")
+    p.add_argument("--root", default=ROOT, help="the pretraining scenes, rendered there on first use")
     p.add_argument("--scenes", type=at_least(3), default=d["scenes"], help="scenes to render (3 images each)")
     p.add_argument("--render-seed", type=int, default=1, help="the scenes' seed (the quickstart's set uses 0)")
-    p.add_argument("--world", choices=list(synth.WORLDS), default="ours", help="the scenes' renderer (synth.WORLDS): "
-                   "ours, or CLEVR's object sizes, camera, lamps and colours")
     sizes = {"image-size": "input size", "patch-size": "ViT patch size", "vision-width": "image tower width "
              "(heads = width / 64)", "vision-layers": "image tower blocks", "text-width": "text tower width (heads = "
              "width / 64)", "text-layers": "text tower blocks", "embed-dim": "joint embedding size", "context-length":
@@ -75,11 +70,10 @@ def get_args(argv=None):
                    f"(0: off): each object's patch token picks its phrase among all {len(OBJECTS)}")
     p.add_argument("--mimetic-init", action=argparse.BooleanOptionalAction, default=True, help="the image tower's "
                    "attention initialized mimetically (mimetic_init_)")
-    p.add_argument("--samples", type=at_least(1), default=argparse.SUPPRESS, help="training images seen in all (the "
-                   f"schedule) (default: {d['samples']:,})")
-    p.add_argument("--eval-every", type=at_least(1), default=argparse.SUPPRESS, help="steps between held-out "
-                   "evaluations, each also writing the resumable state (default: "
-                   f"{d['eval_every']}; {CLEVR['eval_every']} for --world clevr)")
+    p.add_argument("--samples", type=at_least(1), default=d["samples"], help="training images seen in all (the "
+                   "schedule)")
+    p.add_argument("--eval-every", type=at_least(1), default=d["eval_every"], help="steps between held-out "
+                   "evaluations, each also writing the resumable state")
     p.add_argument("--eval-images", type=at_least(1), default=1000, help="held-out images evaluated")
     p.add_argument("--out", default="pretrained.pt", help="the run's weights (fp32); resumable state in *.last.pt")
     p.add_argument("--time-limit", type=at_least(0.0, float), default=None,
@@ -92,10 +86,6 @@ def get_args(argv=None):
     p.add_argument("--workers", type=at_least(1), default=None, help="render/decode processes (default: all cores)")
     args, given = p.parse_args(argv), given_flags(p, argv)
     s = vars(args)
-    world = {**d, **(CLEVR if args.world == "clevr" else {})}
-    s.update({k: world[k] for k in ("samples", "eval_every") if k not in given})
-    if args.root == ROOT and args.world != "ours":  # one set per world
-        s["root"] = f"{ROOT}_{args.world}"
     check_sizes(p, args.image_size, args.patch_size, {"--vision-width": args.vision_width,
                                                       "--text-width": args.text_width})
     mode = next((f"--{m}" for m in ("export", "eval-only") if s[m.replace("-", "_")]), "")
@@ -128,7 +118,7 @@ def scene_images(root, split, workers=None):
     meta = json.loads((root / "synth.json").read_text())
     ids = [int(i) for i in json.loads((root / "splits.json").read_text())[split]]
     with Pool(workers or os.cpu_count()) as pool:
-        seen = pool.map(partial(synth.views, **synth.scene_options(meta), size=tuple(meta["size"])), ids)
+        seen = pool.map(partial(synth.views, seed=meta["seed"], size=tuple(meta["size"])), ids)
     return [(str(root / f"{name}_{i:06d}.png"), objs)
             for i, v in zip(ids, seen) for name, objs in v.items() if objs is not None]
 
@@ -358,7 +348,7 @@ def main(argv=None):
     ctx = setup(args.seed, args.device, args.amp)
     if args.eval_only:
         model = clip_load.load_clip(args.ckpt or args.out, ctx.device)
-    root = synth.resolve_set(args.root, args.scenes, args.render_seed, workers=args.workers, world=args.world)
+    root = synth.resolve_set(args.root, args.scenes, args.render_seed, workers=args.workers)
     log(f"== pretrain.py: a small CLIP pretrained on single synthetic scenes, on {where(ctx)} ==")
     log("   " + args.line())
     train = scene_images(root, "train", args.workers)

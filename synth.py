@@ -1,7 +1,6 @@
 """The built-in synthetic CLEVR-Change-style set: scenes, a small ray caster, captions, and a parser of them.
 
     python synth.py make --out data/clevr_synth --pairs 3000   # render a set in CLEVR-Change's layout
-    python synth.py make --world clevr    # CLEVR's sizes, camera, lamps, colours and captions -> data/clevr_synth_clevr
 
 Without CLEVR-Change on disk, `data.resolve_root("clevr")` renders this set once: a few CLEVR objects on a floor,
 ray-cast with numpy; one object changes (colour, material, position, added, dropped) in the "semantic" image, the
@@ -35,37 +34,20 @@ MATERIALS = ("rubber", "metal")
 CHANGES = ("color", "material", "move", "add", "drop")
 ATTRS = ("size", "color", "material", "shape")
 
-# Two worlds. "ours": objects larger than CLEVR's (a 96-px input shows them), one key light, CLEVR's colours at full
-# strength. "clevr": CLEVR's own geometry (object proportions, floor, camera, three lamps) and its colours as
-# CLEVR-Change's renders show them (`tone`); each image's camera jittered on its own (_scene).
-WORLDS = {
-    "ours": {"name": "ours", "sizes": {"small": 0.6, "large": 0.95}, "cube": 0.8, "cylinder": (0.8, 1.6),
-             "bound": {"cube": 1.39, "sphere": 1.0, "cylinder": 1.13},  # bounding sphere radius / r
-             "extent": 2.7,  # objects stand in [-extent, extent]^2 on the ground plane z = 0
-             "camera": (-10.5, 7.0, 0.5), "zoom": 2.25, "floor": (0.62, 0.25, 0.95, 0.5, 0.45), "tone": None},
-    "clevr": {"name": "clevr", "sizes": {"small": 0.35, "large": 0.7}, "cube": 1.0, "cylinder": (1.0, 2.0),
-              "bound": {"cube": 1.74, "sphere": 1.0, "cylinder": 1.42}, "extent": 3.0,
-              "camera": (-9.92, 5.34, 0.0), "zoom": 35 / 16, "floor": (0.40, 0.22, 0.95, 0.41, 0.3),
-              "tone": (0.16, 0.45, 0.47),  # a grey offset, a luminance gain, a colour gain
-              "bevel": {"cube": 0.23, "cylinder": 0.08}},  # SmoothCube_v2's and SmoothCylinder's rounded edges
-}
-OURS = WORLDS["ours"]
-SIZES = OURS["sizes"]  # radius by size; the keys are the same in both worlds
-# CLEVR's lamps in our frame (the camera on -y, looking along +y): (azimuth, elevation) in degrees and strength
-_TURN = np.radians(-49)  # CLEVR's camera sits at azimuth -41 degrees in its frame, ours at -90
-CLEVR_AXES = np.array([[np.cos(_TURN), -np.sin(_TURN), 0], [np.sin(_TURN), np.cos(_TURN), 0], [0, 0, 1]])
-CLEVR_LAMPS = ((-71, 31, 0.7), (174, 26, 0.3), (68, 63, 0.55))
+# objects larger than CLEVR's (a 96-px input shows them), one key light, CLEVR's colours at full strength
+WORLD = {"sizes": {"small": 0.6, "large": 0.95}, "cube": 0.8, "cylinder": (0.8, 1.6),
+         "bound": {"cube": 1.39, "sphere": 1.0, "cylinder": 1.13},  # bounding sphere radius / r
+         "extent": 2.7,  # objects stand in [-extent, extent]^2 on the ground plane z = 0
+         "camera": (-10.5, 7.0, 0.5), "zoom": 2.25, "floor": (0.62, 0.25, 0.95, 0.5, 0.45)}
+SIZES = WORLD["sizes"]  # radius by size
 
 
-def camera(j, w=OURS):
+def camera(j):
     """Pinhole camera above and in front of the scene, looking along +y; j: 6 jitters in about [-1, 1]
-    (position, look-at, zoom), 0 the base view. CLEVR's generator moves only the position, along its own axes."""
-    back, up, ahead = w["camera"]
-    if w["name"] == "ours":
-        pos = np.array([0.8 * j[0], back + 0.8 * j[1], up + 0.6 * j[2]])
-        at, zoom = np.array([0.4 * j[3], ahead + 0.4 * j[4], 0.0]), w["zoom"] * (1 + 0.07 * j[5])
-    else:
-        pos, at, zoom = np.array([0.0, back, up]) + CLEVR_AXES @ j[:3], np.array([0.0, ahead, 0.0]), w["zoom"]
+    (position, look-at, zoom), 0 the base view."""
+    back, up, ahead = WORLD["camera"]
+    pos = np.array([0.8 * j[0], back + 0.8 * j[1], up + 0.6 * j[2]])
+    at, zoom = np.array([0.4 * j[3], ahead + 0.4 * j[4], 0.0]), WORLD["zoom"] * (1 + 0.07 * j[5])
     fwd = (at - pos) / np.linalg.norm(at - pos)
     right = np.cross(fwd, [0.0, 0.0, 1.0])
     right /= np.linalg.norm(right)
@@ -77,14 +59,10 @@ def _towards(az, el):
     return np.array([np.cos(az) * np.cos(el), np.sin(az) * np.cos(el), np.sin(el)])
 
 
-def light(j, w=OURS):
-    """The lamps: {"dir": the key light's (it casts the shadows), "power", "lamps": [(dir, strength)]}; j: 3
-    jitters (azimuth, elevation, power). Ours: one key light, front left; CLEVR's: key, fill and back lights."""
-    if w["name"] == "ours":
-        d = _towards(-125 + 35 * j[0], 50 + 12 * j[1])
-        return {"dir": d, "power": 1 + 0.2 * j[2], "lamps": [(d, 0.75)]}
-    lamps = [(_towards(az + 10 * j[0], el + 5 * j[1]), s) for az, el, s in CLEVR_LAMPS]
-    return {"dir": lamps[0][0], "power": 1 + 0.1 * j[2], "lamps": lamps}
+def light(j):
+    """The key light, front left: {"dir" (it casts the shadows), "power"}; j: 3 jitters (azimuth, elevation,
+    power)."""
+    return {"dir": _towards(-125 + 35 * j[0], 50 + 12 * j[1]), "power": 1 + 0.2 * j[2]}
 
 
 def project(cam, p, w, h):
@@ -93,26 +71,26 @@ def project(cam, p, w, h):
     return w / 2 + f * (d @ cam["right"]) / z, h / 2 - f * (d @ cam["up"]) / z, f / z  # u, v, pixels per unit
 
 
-def dims(o, w=OURS):
-    """(radius, a cube's half side, a cylinder's radius and height) of an object in world w."""
-    r = w["sizes"][o["size"]]
-    return r, w["cube"] * r, w["cylinder"][0] * r, w["cylinder"][1] * r
+def dims(o):
+    """(radius, a cube's half side, a cylinder's radius and height) of an object."""
+    r = SIZES[o["size"]]
+    return r, WORLD["cube"] * r, WORLD["cylinder"][0] * r, WORLD["cylinder"][1] * r
 
 
-def geometry(o, w=OURS):
+def geometry(o):
     """(centre of the bounding sphere, its radius) for an object dict."""
-    r, s, _, hgt = dims(o, w)
+    r, s, _, hgt = dims(o)
     hz = {"cube": s, "sphere": r, "cylinder": hgt / 2}[o["shape"]]
-    return np.array([o["x"], o["y"], hz]), r * w["bound"][o["shape"]]
+    return np.array([o["x"], o["y"], hz]), r * WORLD["bound"][o["shape"]]
 
 
-def visibility(objs, cam, wo=OURS, w=60, h=40):
+def visibility(objs, cam, w=60, h=40):
     """Fraction of each object's disc not hidden by nearer ones (CLEVR rejects mostly hidden objects)."""
     ys, xs = np.mgrid[0:h, 0:w] + 0.5
     owner, area = np.full((h, w), -1), []
-    depth = [(np.asarray(geometry(o, wo)[0]) - cam["pos"]) @ cam["fwd"] for o in objs]
+    depth = [(np.asarray(geometry(o)[0]) - cam["pos"]) @ cam["fwd"] for o in objs]
     for k in np.argsort(depth)[::-1]:  # far to near: nearer discs overwrite
-        c, r = geometry(objs[k], wo)
+        c, r = geometry(objs[k])
         u, v, s = project(cam, c, w, h)
         disc = (xs - u) ** 2 + (ys - v) ** 2 < (0.9 * r * s) ** 2
         owner[disc] = k
@@ -124,10 +102,10 @@ def visibility(objs, cam, wo=OURS, w=60, h=40):
 # a small ray caster: spheres, rotated cubes and cylinders over a shaded floor
 
 
-def intersect(o, org, d, w=OURS):
+def intersect(o, org, d):
     """Ray-object hits: (t [n], normal [n, 3], edge [n]); t = inf on a miss; edge = 1 on a cube's edges and a
     cylinder's rim, drawn so shapes and materials read at low resolution."""
-    (r, s, a, hgt), c = dims(o, w), np.array([o["x"], o["y"], 0.0])
+    (r, s, a, hgt), c = dims(o), np.array([o["x"], o["y"], 0.0])
     t, edge = np.full(len(d), np.inf), np.zeros(len(d))
     n = np.zeros_like(d)
     if o["shape"] == "sphere":
@@ -151,12 +129,7 @@ def intersect(o, org, d, w=OURS):
         nl[np.arange(len(d)), axis] = -np.sign(ld[np.arange(len(d)), axis])
         n = nl @ rot
         q = lo + tn[:, None] * ld  # the hit in the cube's frame
-        if w.get("bevel"):  # CLEVR's SmoothCube_v2: edges rounded over the outer 23 % of each face
-            b = 1 - w["bevel"]["cube"]
-            nl = np.where(hit[:, None], q / s - np.clip(q / s, -b, b), nl)
-            n = nl / np.maximum(np.linalg.norm(nl, axis=1, keepdims=True), 1e-9) @ rot
-        else:  # 2nd largest local coordinate: 1 on an edge
-            edge = np.clip((np.sort(np.abs(q), axis=1)[:, 1] / s - 0.9) / 0.1, 0, 1)
+        edge = np.clip((np.sort(np.abs(q), axis=1)[:, 1] / s - 0.9) / 0.1, 0, 1)  # 2nd largest coordinate: 1 on an edge
     else:  # vertical cylinder: side, then the top cap
         oc = org[:2] - c[:2]
         qa, qb, qc = (d[:, :2] ** 2).sum(1), 2 * d[:, :2] @ oc, oc @ oc - a * a
@@ -171,24 +144,16 @@ def intersect(o, org, d, w=OURS):
         top = ~side & (((pt - c[:2]) ** 2).sum(1) < a * a)
         t[top], n[top] = tt[top], [0, 0, 1]
         rim = np.sqrt(((pt - c[:2]) ** 2).sum(1)) / a
-        if w.get("bevel"):  # CLEVR's SmoothCylinder: the top's rim rounded, radius w["bevel"]["cylinder"] * a
-            rb = w["bevel"]["cylinder"] * a
-            up = np.clip(zs - (hgt - rb), 0, None)[side]  # on the side, just under the rim
-            n[side] = np.c_[n[side, :2] * rb, up] / np.sqrt(rb ** 2 + up ** 2)[:, None]
-            out = np.clip(rim * a - (a - rb), 0, None)[top]  # on the top, just inside the rim
-            radial = (pt[top] - c[:2]) / np.maximum(rim[top, None] * a, 1e-9)
-            n[top] = np.c_[radial * out[:, None], np.full(len(out), rb)] / np.sqrt(rb ** 2 + out ** 2)[:, None]
-        else:
-            edge[top] = np.clip((rim[top] - 0.92) / 0.08, 0, 1)
+        edge[top] = np.clip((rim[top] - 0.92) / 0.08, 0, 1)
     return t, n, edge
 
 
 def shade(o, p, n, d, lt):
-    """Rubber: diffuse under the lamps with a faint sheen. Metal: a mirror tinted by its colour (sky above the
-    horizon, floor below), and the key light's highlight."""
+    """Rubber: diffuse under the light with a faint sheen. Metal: a mirror tinted by its colour (sky above the
+    horizon, floor below), and the light's highlight."""
     albedo = np.array(COLORS[o["color"]]) / 255
     ndl = np.clip(n @ lt["dir"], 0, 1)[:, None]
-    lit = sum(strength * np.clip(n @ towards, 0, 1) for towards, strength in lt["lamps"])[:, None]
+    lit = 0.75 * ndl
     half = lt["dir"] - d
     half /= np.linalg.norm(half, axis=1, keepdims=True)
     ndh = np.clip((n * half).sum(1), 0, 1)[:, None]
@@ -201,26 +166,6 @@ def shade(o, p, n, d, lt):
     hxy = half[:, :2] / (np.linalg.norm(half[:, :2], axis=1, keepdims=True) + 1e-9)
     streak = np.clip((n[:, :2] * hxy).sum(1), 0, 1)[:, None] ** 30 * (o["shape"] == "cylinder") * (n[:, 2:] < 0.1)
     return albedo * (0.03 + 0.15 * ndl + 0.95 * env) + 0.06 * env + lt["power"] * (1.2 * ndh ** 60 + 0.5 * streak)
-
-
-def shade_clevr(o, p, n, d, lt, w, env=(0.75, 0.12, 0.2), lobes=(1.0, 1.5)):
-    """CLEVR's materials as its renders show them (`tone`). Rubber: diffuse with a faint sheen. Metal
-    (CLEVR's MyMetal: rough and smooth glossy lobes, no diffuse) mirrors the lit floor near the object, the dim far
-    floor and Blender's black sky, and each lamp as a broad glow and a small white spot."""
-    if o["material"] == "rubber":
-        return tone(shade(o, p, n, d, lt), w)
-    albedo = np.array(COLORS[o["color"]]) / 255
-    near, horizon, back = env
-    refl = d - 2 * (d * n).sum(1, keepdims=True) * n
-    rz = refl[:, 2:]
-    reach = p[:, 2:] / np.maximum(-rz, 1e-3)  # the mirrored ray's run to the floor
-    below = horizon + (near - horizon) * np.exp(-reach / 4) * (1 - np.exp(-reach / 0.5))
-    above = (horizon + back * np.clip((refl[:, 1:2] + 0.3) / 0.5, 0, 1)) * np.clip(1 - rz / 0.5, 0, 1)
-    lamp = lambda k: sum(s * np.clip(refl @ t, 0, 1) ** k for t, s in lt["lamps"])[:, None] * lt["power"]
-    # `tone` is rubber's: a mirror keeps more of its range
-    rgb = albedo * (np.where(rz < 0, below, above) + lobes[0] * lamp(3))
-    luma = rgb @ np.array([0.299, 0.587, 0.114])
-    return 0.07 + luma[:, None] + 0.7 * (rgb - luma[:, None]) + lobes[1] * lamp(150)
 
 
 def _box(cam, points, w, h, pad=2):
@@ -239,26 +184,16 @@ def rays(cam, w, h, box=np.s_[:, :]):
     return d / np.sqrt(np.einsum("hwc,hwc->hw", d, d))[..., None]
 
 
-def tone(rgb, w):
-    """CLEVR's colours as its renders show them, darker and less saturated (Blender's view transform): a
-    grey offset plus the luminance and the colour around it, each scaled (w["tone"], fitted to the development set)."""
-    if w["tone"] is None:
-        return rgb
-    grey, gain, colour = w["tone"]
-    luma = rgb @ np.array([0.299, 0.587, 0.114])
-    return grey + gain * luma[:, None] + colour * (rgb - luma[:, None])
-
-
-def floor(objs, cam, lt, w, h, wo=OURS):
+def floor(objs, cam, lt, w, h):
     """Floor brightness (h, w): a broad light pool, soft shadows, fading far away; computed at half resolution."""
     w2, h2 = (w + 1) // 2, (h + 1) // 2
     d, org = rays(cam, w2, h2), cam["pos"].astype(np.float32)
     t = np.where(d[..., 2] < 0, -org[2] / np.minimum(d[..., 2], -1e-9), np.float32(1e9))  # ray meets z = 0
     p = org[:2] + np.minimum(t, 60)[..., None] * d[..., :2]  # (h2, w2, 2) floor point
-    base, pool, power, horizon, shadow = wo["floor"]  # brightness, light pool, gain, far grey, shadow depth
+    base, pool, power, horizon, shadow = WORLD["floor"]  # brightness, light pool, gain, far grey, shadow depth
     g = base + pool * np.exp(-((p[..., 0] + 2) ** 2 + (p[..., 1] + 1) ** 2) / np.float32(40))
     for o in objs:  # soft shadow: a disc on the floor between the object's foot and its cast point
-        c, r = geometry(o, wo)
+        c, r = geometry(o)
         tip = c[:2] - c[2] * lt["dir"][:2] / lt["dir"][2]
         mid, reach = (c[:2] + tip) / 2, r + 0.5 * np.linalg.norm(tip - c[:2])
         box = _box(cam, [(mid[0] + a * (reach + r), mid[1] + b * (reach + r), 0) for a in (-1, 1) for b in (-1, 1)],
@@ -269,21 +204,21 @@ def floor(objs, cam, lt, w, h, wo=OURS):
     return np.asarray(Image.fromarray(g.astype(np.float32), "F").resize((w, h), Image.BILINEAR))
 
 
-def render(objs, cam, lt, w, h, wo=OURS):
+def render(objs, cam, lt, w, h):
     """Ray-cast objects over the floor -> uint8 [h, w, 3]. Only rays near an object are tested against it."""
-    img = np.repeat(floor(objs, cam, lt, w, h, wo)[..., None], 3, axis=-1)
+    img = np.repeat(floor(objs, cam, lt, w, h)[..., None], 3, axis=-1)
     depth, org = np.full((h, w), np.inf, dtype=np.float32), cam["pos"].astype(np.float32)
     for o in objs:  # nothing is below the floor, so only objects compete for depth
-        c, rb = geometry(o, wo)
+        c, rb = geometry(o)
         box = _box(cam, [c + [a * rb, 0, b * rb] for a in (-1.2, 1.2) for b in (-1.2, 1.2)], w, h)
         d = rays(cam, w, h, box).reshape(-1, 3)
-        to, no, edge = intersect(o, org, d, wo)
+        to, no, edge = intersect(o, org, d)
         front = to < depth[box].ravel()
         to, no, edge, d = to[front], no[front], edge[front], d[front]
         m = front.reshape(depth[box].shape)
         depth[box][m] = to  # depth[box] is a view: this writes through
         p = org + to[:, None] * d
-        rgb = shade(o, p, no, d, lt) if wo["name"] == "ours" else shade_clevr(o, p, no, d, lt, wo)
+        rgb = shade(o, p, no, d, lt)
         img[box][m] = rgb + 0.4 * edge[:, None] if o["material"] == "metal" else rgb * (1 - 0.35 * edge[:, None])
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
 
@@ -292,44 +227,44 @@ def render(objs, cam, lt, w, h, wo=OURS):
 # scene generation: random objects, one change, everything visible
 
 
-def new_object(rng, objs, w=OURS):
+def new_object(rng, objs):
     """A random object on free floor whose (size, color, material, shape) no other has, so its full
     description names it alone; None when the floor is too crowded."""
     taken = {tuple(o[k] for k in ATTRS) for o in objs}
     for _ in range(50):
         o = {"size": rng.choice(list(SIZES)), "color": rng.choice(list(COLORS)), "material": rng.choice(MATERIALS),
-             "shape": rng.choice(SHAPES), "x": rng.uniform(-w["extent"], w["extent"]),
-             "y": rng.uniform(-w["extent"], w["extent"]), "rot": rng.uniform(0, 90)}
-        if tuple(o[k] for k in ATTRS) not in taken and all(_apart(o, p, w) for p in objs):
+             "shape": rng.choice(SHAPES), "x": rng.uniform(-WORLD["extent"], WORLD["extent"]),
+             "y": rng.uniform(-WORLD["extent"], WORLD["extent"]), "rot": rng.uniform(0, 90)}
+        if tuple(o[k] for k in ATTRS) not in taken and all(_apart(o, p) for p in objs):
             return o
     return None
 
 
-def _apart(o, p, w=OURS, gap=0.25):
-    return np.hypot(o["x"] - p["x"], o["y"] - p["y"]) > 1.15 * (w["sizes"][o["size"]] + w["sizes"][p["size"]]) + gap
+def _apart(o, p, gap=0.25):
+    return np.hypot(o["x"] - p["x"], o["y"] - p["y"]) > 1.15 * (SIZES[o["size"]] + SIZES[p["size"]]) + gap
 
 
-def _in_frame(o, cam, w=OURS, margin=0.05):
+def _in_frame(o, cam, margin=0.05):
     """The object's bounding circle lies inside the 3:2 frame, away from its border."""
-    c, rad = geometry(o, w)
+    c, rad = geometry(o)
     u, v, s = project(cam, c, 1.5, 1.0)  # the frame: [0, 1.5] x [0, 1]
     r = rad * s
     return 1.5 * margin < u - r and u + r < 1.5 * (1 - margin) and margin < v - r and v + r < 1 - margin
 
 
-def make_scene(rng, kind, w=OURS):
+def make_scene(rng, kind):
     """(before objects, after objects, index of the changed object in before -- in after for "add")."""
     lo, hi = {"add": (3, 6), "drop": (4, 7)}.get(kind, (3, 7))  # 3-7 objects
-    cam, extent = camera(np.zeros(6), w), w["extent"]
+    cam, extent = camera(np.zeros(6)), WORLD["extent"]
     while True:
         before, n = [], rng.randint(lo, hi)
-        while len(before) < n and (o := new_object(rng, before, w)):
+        while len(before) < n and (o := new_object(rng, before)):
             before.append(o)
         if len(before) < n:
             continue
         after, k = [dict(o) for o in before], rng.randrange(len(before))
         if kind == "add":
-            after.append(new_object(rng, before, w))
+            after.append(new_object(rng, before))
             k = len(after) - 1
         elif kind == "drop":
             del after[k]
@@ -340,13 +275,13 @@ def make_scene(rng, kind, w=OURS):
         elif kind == "move":  # to free floor at least 2 units away
             after[k] = {**before[k], "x": rng.uniform(-extent, extent), "y": rng.uniform(-extent, extent)}
             if np.hypot(after[k]["x"] - before[k]["x"], after[k]["y"] - before[k]["y"]) < 2 or \
-                    not all(_apart(after[k], p, w) for p in before if p is not before[k]):
+                    not all(_apart(after[k], p) for p in before if p is not before[k]):
                 continue
         if None in after or len({tuple(o[a] for a in ATTRS) for o in after}) < len(after):
             continue
-        if not all(_in_frame(o, cam, w) for o in before + after):
+        if not all(_in_frame(o, cam) for o in before + after):
             continue
-        vb, va = visibility(before, cam, w), visibility(after, cam, w)
+        vb, va = visibility(before, cam), visibility(after, cam)
         if min(vb.values()) < 0.4 or min(va.values()) < 0.4:  # every object seen, at least in part
             continue
         if (kind != "add" and vb[k] < 0.8) or (kind != "drop" and va[k] < 0.8):  # the changed one clearly
@@ -375,7 +310,7 @@ TEMPLATES = {
     "drop": ["the {o} has disappeared", "the {o} is missing", "someone removed the {o}", "the {o} is gone",
              "the {o} was removed", "the {o} is no longer there"],
 }
-# CLEVR's world: CLEVR-Change's own change phrases (its generator's templates) and relation words
+# CLEVR-Change's own change phrases (its generator's templates) and relation words: `judge` reads them too
 CLEVR_TEMPLATES = {"color": ["the {o} changed to {new}", "the {o} became {new}", "the {o} turned {new}"],
                    "material": ["the {o} changed to {new}", "the {o} became {new}", "the {o} turned {new}"],
                    "move": ["the {o} changed its location", "the {o} is in a different location"],
@@ -393,19 +328,9 @@ def say(rng, word):
     return rng.choice(SAY.get(word, (word,)))
 
 
-def refer(rng, o, scene, relate=0.15, was=False, nested=False, style="ours"):
+def refer(rng, o, scene, relate=0.15, was=False, nested=False):
     """A description that picks out o alone in `scene` ("small red metal cube", "red thing", "cylinder that
-    was behind the cube"); style "clevr": CLEVR-Change's relation words and "same colour as" phrases."""
-    if style == "clevr" and not nested and rng.random() < 0.4:
-        for ref in rng.sample(scene, len(scene)):
-            for a in rng.sample(ATTRS, len(ATTRS)):
-                if ref is o or o[a] != ref[a]:
-                    continue
-                keys = [k for k in ATTRS if k != a and rng.random() < 0.5]
-                if [p for p in scene if p is not ref and p[a] == ref[a] and all(p[k] == o[k] for k in keys)] == [o]:
-                    same = "made of the same material as" if a == "material" and rng.random() < 0.5 else \
-                        f"the same {a} as"
-                    return f"other {describe(rng, o, keys)} that is {same} the {refer(rng, ref, scene, nested=True)}"
+    was behind the cube")."""
     keys = ATTRS if rng.random() < 0.55 else [k for k in ATTRS if rng.random() < 0.5]  # mostly all four, as CLEVR
     alike = [p for p in scene if p is not o and all(p[k] == o[k] for k in keys)]
     if not nested and (alike or rng.random() < relate):
@@ -413,9 +338,6 @@ def refer(rng, o, scene, relate=0.15, was=False, nested=False, style="ours"):
             rels = [r for r, holds in RELATIONS.items() if holds(o, ref) and not any(holds(p, ref) for p in alike)]
             if ref is not o and ref not in alike and rels:
                 that = "that was " if was else rng.choice(["that is ", ""])  # "moved the cube to the left of" misleads
-                if style == "clevr":  # its relation words, drawn before the description
-                    rel = rng.choice(CLEVR_RELATIONS_SAID[rng.choice(rels)])
-                    return f"{describe(rng, o, keys)} {that}{rel} the {refer(rng, ref, scene, nested=True)}"
                 return f"{describe(rng, o, keys)} {that}{rng.choice(rels)} the {refer(rng, ref, scene, nested=True)}"
     return describe(rng, o, ATTRS if alike else keys)
 
@@ -425,18 +347,16 @@ def describe(rng, o, keys):
     return " ".join(words + [say(rng, o["shape"] if "shape" in keys else "thing")])
 
 
-def captions(rng, kind, before, after, k, n=6, style="ours"):
-    """About n distinct captions of the change (the object named as it was, the added one as it is), in our
-    templates or (style "clevr") CLEVR-Change's."""
+def captions(rng, kind, before, after, k, n=6):
+    """About n distinct captions of the change (the object named as it was, the added one as it is)."""
     out = []
     for _ in range(10 * n):
         if kind == "add":
-            o = refer(rng, after[k], after, style=style)
+            o = refer(rng, after[k], after)
         else:
-            o = refer(rng, before[k], before, was=kind in ("move", "drop") and style != "clevr", style=style)
+            o = refer(rng, before[k], before, was=kind in ("move", "drop"))
         new = say(rng, after[k][kind]) if kind in ("color", "material") else ""
-        templates = CLEVR_TEMPLATES if style == "clevr" else TEMPLATES
-        text = rng.choice(templates[kind]).format(o=o, new=new, a=("an " if o[0] in "aeiou" else "a ") + o)
+        text = rng.choice(TEMPLATES[kind]).format(o=o, new=new, a=("an " if o[0] in "aeiou" else "a ") + o)
         if text not in out:
             out.append(text)
         if len(out) == n:
@@ -484,15 +404,15 @@ def hard_negative(rng, objs):
             return out
 
 
-def views(i, seed, world="ours", size=IMAGE_SIZE):
+def views(i, seed, size=IMAGE_SIZE):
     """Scene i of a set `make` wrote: {image name: [(object, (u, v))]}, (u, v) its centre as fractions of the
     width and height, or None for an image where an object is cut by the frame or hidden."""
-    out, w = {}, WORLDS[world]
-    for name, (objs, jc, _) in _scene(i, seed, world)[5].items():
-        cam = camera(jc, w)
-        hidden = min(visibility(objs, cam, w).values()) < 0.4 or not all(_in_frame(o, cam, w) for o in objs)
+    out = {}
+    for name, (objs, jc, _) in _scene(i, seed)[5].items():
+        cam = camera(jc)
+        hidden = min(visibility(objs, cam).values()) < 0.4 or not all(_in_frame(o, cam) for o in objs)
         out[name] = None if hidden else [
-            (o, tuple(float(t / s) for t, s in zip(project(cam, geometry(o, w)[0], *size)[:2], size))) for o in objs]
+            (o, tuple(float(t / s) for t, s in zip(project(cam, geometry(o)[0], *size)[:2], size))) for o in objs]
     return out
 
 
@@ -500,18 +420,12 @@ def views(i, seed, world="ours", size=IMAGE_SIZE):
 # the set on disk
 
 
-def _scene(i, seed, world="ours"):
+def _scene(i, seed):
     """Scene i's random draws -> (its random stream, change type, objects before and after, the changed index,
     {image name: (objects, camera jitter, light jitter)})."""
     rng = random.Random(f"clevr-synth-{seed}-{i}")  # one stream per scene
     kind = rng.choice(CHANGES)
-    before, after, k = make_scene(rng, kind, WORLDS[world])
-    if world == "clevr":  # as CLEVR-Change's generator: the cameras moved from the before's
-        jl, jb = [rng.uniform(-1, 1) for _ in range(3)], [rng.uniform(-1, 1) for _ in range(3)]
-        moved = lambda: [a + rng.uniform(-1, 1) for a in jb] + [0.0] * 3
-        return rng, kind, before, after, k, {"images/CLEVR_default": (before, jb + [0.0] * 3, jl),
-                                             "sc_images/CLEVR_semantic": (after, moved(), jl),
-                                             "nsc_images/CLEVR_nonsemantic": (before, moved(), jl)}
+    before, after, k = make_scene(rng, kind)
     jc, jl = [rng.uniform(-0.5, 0.5) for _ in range(6)], [rng.uniform(-0.3, 0.3) for _ in range(3)]
     shift = lambda js, lo, hi: [a + rng.choice((-1, 1)) * rng.uniform(lo, hi) for a in js]
     return rng, kind, before, after, k, {"images/CLEVR_default": (before, jc, jl),
@@ -519,70 +433,62 @@ def _scene(i, seed, world="ours"):
                                          "nsc_images/CLEVR_nonsemantic": (before, shift(jc, 0.5, 1), shift(jl, 0.5, 1))}
 
 
-def _make_triple(i, out, seed, size, world="ours"):
+def _make_triple(i, out, seed, size):
     """Scene i -> its three images on disk; returns its type, change captions, no-change captions and
     scene record."""
-    rng, kind, before, after, k, views = _scene(i, seed, world)
-    w = WORLDS[world]
+    rng, kind, before, after, k, views = _scene(i, seed)
     for name, (objs, j1, j2) in views.items():
-        Image.fromarray(render(objs, camera(j1, w), light(j2, w), *size, w)).save(f"{out}/{name}_{i:06d}.png",
-                                                                                  compress_level=1)
+        Image.fromarray(render(objs, camera(j1), light(j2), *size)).save(f"{out}/{name}_{i:06d}.png", compress_level=1)
     scene = {"type": kind, "before": before, "after": after, "changed": k}
-    return kind, captions(rng, kind, before, after, k, style=world), rng.sample(NO_CHANGE, 6), scene
+    return kind, captions(rng, kind, before, after, k), rng.sample(NO_CHANGE, 6), scene
 
 
 def changed_region(root, scene_id):
     """Where the changed object is drawn in a change pair: {"before": box, "after": box}, each (left, top,
     right, bottom) as fractions of the image (its bounding disc), None where it is absent."""
     meta = json.loads((Path(root) / "synth.json").read_text())
-    _, kind, before, after, k, views = _scene(int(scene_id), **scene_options(meta))
-    wo, (w, h) = WORLDS[meta.get("world", "ours")], meta["size"]
+    _, kind, before, after, k, views = _scene(int(scene_id), meta["seed"])
+    w, h = meta["size"]
 
     def box(name):  # the changed object's bounding disc in that image
         objs, jc, _ = views[name]
-        c, r = geometry(objs[k], wo)
-        u, v, s = project(camera(jc, wo), c, w, h)
+        c, r = geometry(objs[k])
+        u, v, s = project(camera(jc), c, w, h)
         return (u - r * s) / w, (v - r * s) / h, (u + r * s) / w, (v + r * s) / h
     return {"before": box("images/CLEVR_default") if kind != "add" else None,
             "after": box("sc_images/CLEVR_semantic") if kind != "drop" else None}
 
 
-def scene_options(meta):
-    """A set's synth.json -> the arguments of _scene and views that remake its scenes."""
-    return {"seed": meta["seed"], "world": meta.get("world", "ours")}
+def set_meta(pairs, size, seed):
+    """The synth.json of a set made with these arguments."""
+    return {"pairs": pairs, "size": list(size), "seed": seed, "version": VERSION}
 
 
-def set_meta(pairs, size, seed, world="ours"):
-    """The synth.json of a set made with these arguments; CLEVR's world says its caption style too."""
-    return {"pairs": pairs, "size": list(size), "seed": seed, "version": VERSION,
-            **({"caption_style": world, "world": world} if world != "ours" else {})}
-
-
-def resolve_set(out, pairs, seed, size=IMAGE_SIZE, workers=None, world="ours"):
+def resolve_set(out, pairs, seed, size=IMAGE_SIZE, workers=None):
     """A synthetic set at `out`, rendered unless its synth.json has these arguments."""
     out = Path(out)
     meta = out / "synth.json"
-    if not meta.is_file() or json.loads(meta.read_text()) != set_meta(pairs, size, seed, world=world):
-        make_synth(out, pairs, seed, size, workers, world=world)
+    if not meta.is_file() or json.loads(meta.read_text()) != set_meta(pairs, size, seed):
+        make_synth(out, pairs, seed, size, workers)
     return out
 
 
-def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None, world="ours"):
+def make_synth(out=SYNTH_ROOT, pairs=3000, seed=0, size=IMAGE_SIZE, workers=None):
     """Write a synthetic CLEVR-Change (its layout and files) and scenes.json ({"%06d": {"type", "before",
-    "after", "changed"}}); world "clevr": CLEVR's geometry, lamps, colours, views and caption style."""
+    "after", "changed"}})."""
     out = Path(out)
     for d in ("images", "sc_images", "nsc_images"):
         (out / d).mkdir(parents=True, exist_ok=True)
     (out / "synth.json").unlink(missing_ok=True)  # written last: marks a complete set
     t0 = time.time()
     with Pool(workers or os.cpu_count()) as pool:
-        scene = partial(_make_triple, out=str(out), seed=seed, size=tuple(size), world=world)
+        scene = partial(_make_triple, out=str(out), seed=seed, size=tuple(size))
         made = pool.map(scene, range(pairs), chunksize=8)
     name = lambda i: f"CLEVR_default_{i:06d}.png"
     types = {t: [f"{i:06d}.png" for i, m in enumerate(made) if m[0] == t] for t in CHANGES}
     order = random.Random(seed).sample(range(pairs), pairs)
     n_val, n_test = max(1, pairs // 20), max(1, pairs // 10)  # the real split is 85 / 5 / 10 %
-    meta = set_meta(pairs, size, seed, world)
+    meta = set_meta(pairs, size, seed)
     files = {"change_captions.json": {name(i): m[1] for i, m in enumerate(made)},
              "no_change_captions.json": {name(i): m[2] for i, m in enumerate(made)}, "type_mapping.json": types,
              "splits.json": dict(train=order[n_val + n_test:], val=order[:n_val], test=order[n_val:n_val + n_test]),
@@ -782,15 +688,9 @@ def get_args(argv=None):
     m.add_argument("--size", type=at_least(8), nargs=2, default=list(IMAGE_SIZE), metavar=("W", "H"),
                    help="image size on disk (CLEVR-Change's is 480 320)")
     m.add_argument("--workers", type=at_least(1), default=None, help="processes (default: all cores)")
-    m.add_argument("--world", choices=list(WORLDS), default="ours",
-                   help="clevr: CLEVR's object sizes, materials, camera moves, lamps and colours, CLEVR-Change's "
-                        "captions; written to --out's default + _clevr when --out is left out")
-    args = p.parse_args(argv)
-    if args.world != "ours" and args.out == SYNTH_ROOT:  # never over the quickstart's set
-        args.out = f"{SYNTH_ROOT}_{args.world}"
-    return args
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = get_args()
-    make_synth(args.out, args.pairs, args.seed, args.size, args.workers, args.world)
+    make_synth(args.out, args.pairs, args.seed, args.size, args.workers)
