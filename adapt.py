@@ -96,7 +96,7 @@ def parser():
     p.add_argument("--out", default="adapted.pt", help="best-on-val checkpoint; resumable state in *.last.pt")
     p.add_argument("--compile", action="store_true", help="torch.compile the training step (CUDA)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="the training step as "
-                   "one CUDA graph, on a CPU run uncaptured (default: on CUDA, without --compile or --authors-numerics)")
+                   "one CUDA graph, on a CPU run uncaptured (default: on CUDA without --compile, --authors-numerics)")
     p.add_argument("--eval-batch-size", type=at_least(1), default=256, help="pairs per evaluation batch")
     return p
 
