@@ -42,7 +42,8 @@ PRESETS = {
                   dropout=0.1, patience=11),
 }
 # for a CPU: the small CLIP fixed; its words train (its pretraining saw no change verbs); 2 + 2 layers, 4 heads of
-# 16; 2 change pairs a step: the captioner learns by steps more than by pairs (RESULTS.md's screen)
+# 16; 2 change pairs a step: the captioner learns by steps more than by pairs; 1e-3 is near the edge (at 2e-3 it says
+# "no change" to everything; RESULTS.md's screen)
 PRESETS["mini"] = {**PRESETS["paper"], "heads": 4, "enc_layers": 2, "dec_layers": 2, "batch_size": 2, "epochs": 5,
                    "lr": 1e-3, "encoder_lr": 0.0, "words_lr": 5e-4, "dropout": 0.0, "patience": 5}
 PAD = 0  # CLIP's BPE pads with 0 (its "!")
