@@ -153,12 +153,11 @@ def shade(o, p, n, d, lt):
     horizon, floor below), and the light's highlight."""
     albedo = np.array(COLORS[o["color"]]) / 255
     ndl = np.clip(n @ lt["dir"], 0, 1)[:, None]
-    lit = 0.75 * ndl
     half = lt["dir"] - d
     half /= np.linalg.norm(half, axis=1, keepdims=True)
     ndh = np.clip((n * half).sum(1), 0, 1)[:, None]
     if o["material"] == "rubber":
-        return albedo * (0.3 + lit * lt["power"]) + 0.04 * ndh ** 4
+        return albedo * (0.3 + 0.75 * ndl * lt["power"]) + 0.04 * ndh ** 4
     refl = d - 2 * (d * n).sum(1, keepdims=True) * n
     rz = refl[:, 2:]
     reach = p[:, 2:] / np.maximum(-rz, 1e-3)  # the mirrored ray's run to the floor
