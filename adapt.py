@@ -264,7 +264,6 @@ def retrieval_metrics(sim, owner):
         out.update({f"{name} R@{k}": 100 * (r <= k).float().mean().item() for k in (1, 5, 10)})
         out[f"{name} MnR"] = r.mean().item()
         out[f"{name} MdR"] = (r.quantile(0.5) if name == "pair->text" else r.median()).item()
-    out["R@mean"] = sum(out[f"{d} R@{k}"] for d in ("pair->text", "text->pair") for k in (1, 5, 10)) / 6
     return out
 
 

@@ -21,7 +21,7 @@ from train_utils import (BertAdam, GraphedStep, HelpFormatter, at_least, authors
 
 SIZES = {  # the captioners caption.py's presets build, and the pair-encoder memory they read
     "paper": dict(width=512, heads=8, enc_layers=3, dec_layers=3, memory_len=100, vocab_size=49408),  # ViT-B/32
-    "mini": dict(width=64, heads=4, enc_layers=3, dec_layers=3, memory_len=290, vocab_size=49408),  # mini64-synth
+    "mini": dict(width=64, heads=4, enc_layers=2, dec_layers=2, memory_len=290, vocab_size=49408),  # mini64-synth
 }
 
 
@@ -332,9 +332,6 @@ def fmt_min(seconds):
 def bench_matmul(args):
     print(f"fp32 matmul {args.n}^3 on the CPU, {torch.get_num_threads()} threads, torch {torch.__version__}: "
           f"{matmul_gflops(args.n):.0f} GFLOP/s")
-
-
-# -----------------------------------------------------------------------------
 
 
 # -----------------------------------------------------------------------------

@@ -499,9 +499,8 @@ class DistractorBatches(torch.utils.data.Sampler):
 def distractor_partners(items):
     """(change, distractor) indices of each change pair whose distractor (000042_n) is in `items`."""
     index = {it.id: i for i, it in enumerate(items)}
-    partner = lambda i: i[:-2] + "_n_r" if i.endswith("_r") else i + "_n"
-    return [(i, index[partner(it.id)]) for i, it in enumerate(items)
-            if it.change_type != "distractor" and partner(it.id) in index]
+    return [(i, index[it.id + "_n"]) for i, it in enumerate(items)
+            if it.change_type != "distractor" and it.id + "_n" in index]
 
 
 def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0, pairs=None):

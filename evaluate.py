@@ -9,14 +9,12 @@ import argparse
 import os
 import sys
 
-import torch
-
 import caption
 import clip_load
 import data
 import plots
 from model import N_INTER
-from train_utils import HelpFormatter, at_least, device_flags, given_flags, log, setup
+from train_utils import HelpFormatter, at_least, device_flags, given_flags, setup
 
 PAIR_ONLY = {"explain"}  # with --before/--after
 TEST_ONLY = {"data", "data_root", "skip_missing", "results", "gallery", "workers", "eval_batch_size"}
@@ -79,7 +77,7 @@ def caption_images(args):
 
 
 def evaluate_captioner(args, info):
-    """caption.final_test (and --gallery); the authors' weights under bf16 also decoded in fp32."""
+    """caption.final_test (and --gallery)."""
     ctx = setup(0, args.device, args.amp)
     name, root = caption.data_source(args.data, args.data_root, info)
     model = caption.load_captioner(args.ckpt, ctx.device, args.n_inter)
@@ -95,10 +93,6 @@ def evaluate_captioner(args, info):
     if args.gallery:
         preds = {p["id"]: p["caption"] for p in results["predictions"]}
         plots.draw_gallery(args.gallery, test_items, preds, model, size, ctx.device)
-    if info.get("authors") and isinstance(ctx.amp, torch.autocast):  # last: setup turns TF32 off for the process
-        fp32 = caption.predict(model, loader, test_items, setup(0, ctx.device, "off"), args.beam)
-        differ = sum(p["caption"] != fp32[p["id"]] for p in results["predictions"])
-        log(f"bf16 against fp32 (--amp off, the reference for their weights): {differ} of {len(fp32)} captions differ")
     return results
 
 

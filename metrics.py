@@ -567,11 +567,11 @@ def _perfect(st):
 
 def meteor(refs_tok, cands_tok, paraphrase=None):
     """-> (the corpus score of the summed statistics, {id: score}), each item's best reference. paraphrase:
-    paraphrase-en.gz, None: $METEOR_PARAPHRASE else meteor_data()'s, False: no such stage."""
+    paraphrase-en.gz, None: meteor_data()'s, False: no such stage."""
     norm = {s: meteor_normalize(s) for s in {*cands_tok.values(), *(r for i in cands_tok for r in refs_tok[i])}}
     vocab = {w for words in norm.values() for w in words}
     stemmer, synonyms = _stemmer(), load_synonyms()
-    path = os.environ.get("METEOR_PARAPHRASE") or meteor_data()["paraphrase"] if paraphrase is None else paraphrase
+    path = meteor_data()["paraphrase"] if paraphrase is None else paraphrase
     if path is None:
         _warn_once("METEOR: no paraphrase table (pip install pycocoevalcap): paraphrase stage skipped, up to 0.010 "
                    "lower")
@@ -657,8 +657,8 @@ def get_args(argv=None):
     parser = argparse.ArgumentParser(description="coco-caption metrics in pure Python (printed x100, as papers do)")
     parser.add_argument("--refs", type=json_file, required=True, help="JSON file {id: [reference sentence, ...]}")
     parser.add_argument("--cands", type=json_file, required=True, help="JSON file {id: candidate sentence}")
-    parser.add_argument("--paraphrase", type=a_file, help="Meteor's paraphrase-en.gz (default: $METEOR_PARAPHRASE, "
-                                                          "else meteor_data()'s)")
+    parser.add_argument("--paraphrase", type=a_file, help="Meteor's paraphrase-en.gz (default: $METEOR_DATA's, "
+                                                          "else pycocoevalcap's)")
     return parser, parser.parse_args(argv)
 
 

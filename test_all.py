@@ -2673,8 +2673,7 @@ def test_meteor_synonym_stage():
 @pytest.fixture
 def fresh_meteor_sources(monkeypatch, tmp_path):
     """No user settings, caches in tmp_path, and the source lookups run again (before and after the test)."""
-    for var in ("METEOR_DATA", "METEOR_PARAPHRASE"):
-        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("METEOR_DATA", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     metrics.load_synonyms.cache_clear(), metrics._warned.clear()
     yield
@@ -3589,9 +3588,9 @@ def test_selection_ties_go_to_the_later_epoch_as_the_authors(tmp_path):
     (the authors' `best_score <= R1`), stage 1 by text->pair R@1; a lower one counts an epoch without gain (stage 2's
     paper preset stops after 11 of them: their early_stop > 10)."""
     assert adapt.SELECT == "text->pair R@1"
-    run, val = train_utils.new_run(), {"text->pair R@1": 30.0, "R@mean": 10.0}
+    run, val = train_utils.new_run(), {"text->pair R@1": 30.0, "pair->text R@1": 10.0}
     saved = [train_utils.end_epoch(run, 1.0, val, val["text->pair R@1"]),
-             train_utils.end_epoch(run, 1.0, {**val, "R@mean": 99.0}, val["text->pair R@1"])]
+             train_utils.end_epoch(run, 1.0, {**val, "pair->text R@1": 99.0}, val["text->pair R@1"])]
     assert saved == [True, True] and (run["best"], run["best_epoch"], run["epochs_without_gain"]) == (30.0, 2, 0)
     assert not train_utils.end_epoch(run, 1.0, val, 29.0) and run["epochs_without_gain"] == 1
     assert train_utils.end_epoch(run, 1.0, val, 31.0) and run["epochs_without_gain"] == 0
@@ -3617,10 +3616,6 @@ def test_resume_refuses_other_settings():
     with pytest.raises(SystemExit, match="the run was set amp='off', this command amp='bf16'"):
         train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=1e-3, amp=amp("cuda:0"),
                                                                               device="cuda:0"))
-    saved["args"]["amp"] = "auto"  # a state saved before the settings resolved auto: what it ran on its device
-    train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=1e-3, amp="off", device="cpu"))
-    with pytest.raises(SystemExit, match="amp='off', this command amp='bf16'"):
-        train_utils.resume_run(saved, model, opt, sched, train_utils.Settings(lr_new=1e-3, amp="bf16", device="cuda:0"))
 
 
 def _steps(graphed, n=5, rates=None):

@@ -468,10 +468,7 @@ def resume_run(state, model, optimizer, scheduler, args):
     """save_state's file put back -> its run; a setting other than the saved one is an error."""
     if missing := [k for k in new_run() if k not in state]:
         raise SystemExit(f"--resume: the state has no {missing[0]} (an older clip4idc's): start without --resume")
-    saved = dict(state.get("args", {}))
-    if saved.get("amp") == "auto":  # saved before the settings said what auto runs: what it ran there
-        saved["amp"] = concrete_amp("auto", saved.get("device") or "cpu")
-    for k, v in saved.items():
+    for k, v in state.get("args", {}).items():
         if k not in RESUMABLE and vars(args).get(k, v) != v:
             raise SystemExit(f"--resume: the run was set {k}={v!r}, this command {k}={getattr(args, k)!r}: give the "
                              f"run's flags")
