@@ -2,11 +2,13 @@
 
     python adapt.py --data clevr                          # writes adapted.pt
     python adapt.py --data clevr --n-inter 0              # every block intra, none inter (Table 7: 12 + 0; mini: 6 + 0)
-    python adapt.py --data clevr --lr-new 0 --lr-clip 0   # nothing trains: CLIP not adapted (Table 5), the same p
+    python adapt.py --data clevr --lr-new 0 --lr-clip 0   # nothing trains: not adapted (Table 5), p as the first starts
 
 The pair encoder (model.py) turns (before, after) into a vector v, CLIP's text tower the caption into g; a
-symmetric InfoNCE loss (eq. 6-8) pulls each pair to its own caption. One method, presets of values: paper (the
-authors'), mini (the shipped small CLIP, minutes on a CPU), scratch (a small CLIP from nothing).
+symmetric InfoNCE loss (eq. 6-8) pulls each pair to its own caption. It sees change pairs only (CLEVR-Change's
+"semantic" setting), each caption once an epoch; --swap-prob swaps in the before image's moved-camera view. One
+method, presets of values: paper (the authors'), mini (the shipped small CLIP, minutes on a CPU), scratch (a small CLIP
+from nothing).
 """
 import argparse
 import math
@@ -47,7 +49,7 @@ PRESETS["mini"] = {**PRESETS["paper"], "clip": "mini64-synth", "n_inter": 2, "ba
 PRESETS["scratch"] = {**PRESETS["mini"], "clip": None, "n_inter": 3, "image_size": 96, "vision_width": 64,
                       "vision_layers": 12, "patch_size": 16, "text_width": 128, "text_layers": 3, "embed_dim": 128,
                       "epochs": 3, "lr_new": 3e-4, "lr_clip": 3e-4, "shared_p": 0.0, "freeze_blocks": 0}
-SELECT = "text->pair R@1"  # the authors', a tie the later epoch (main_task_retrieval.py 447, 558); ours on val
+SELECT = "text->pair R@1"  # picks the epoch on val, a tie the later one (the authors', main_task_retrieval.py 447, 558)
 
 
 def parser():
@@ -175,7 +177,8 @@ class PairText(torch.nn.Module):
 @torch.no_grad()
 def fixed_intra(model, items, args, ctx, cache):
     """Where nothing before the inter blocks trains (the mini preset), the training pairs' intra-block tokens
-    (pairs, 2, n+1, width), computed once; else None."""
+    (pairs, 2, n+1, width), computed once; else None. Without a CLIP file (scratch) the input embeddings train; a
+    swap (--swap-prob) changes a before image from epoch to epoch."""
     n_intra = model.cfg.vision_layers - model.cfg.n_inter
     if not (args.clip and (args.freeze_blocks >= n_intra or args.lr_clip == 0) and args.swap_prob == 0):
         return None
@@ -199,9 +202,10 @@ def two_gpu_gradient_(model):
 
 
 def contrastive_loss(v, g, logit_scale):
-    """eq. (6)-(8): InfoNCE, pair -> text and text -> pair averaged, in fp32 (a pair's other captions in the batch
-    negatives, as theirs); the temperature clamped at 0.01 (theirs after each step only; the same from ViT-B/32's
-    ln 100). pretrain.py adds hard negatives as g's rows B.."""
+    """eq. (6)-(8): with s = exp(logit_scale) <= 100 (the temperature >= 0.01; theirs clamps after each step
+    only), L = (CE(s v g^T, i) + CE(s g v^T, i)) / 2 over the batch's B pairs and their captions, in fp32 (a pair's
+    other captions in the batch are negatives, as theirs). pretrain.py, which shares it, adds hard negatives as g's
+    rows B.."""
     with torch.autocast(v.device.type, enabled=False):
         v, g = F.normalize(v.float(), dim=-1), F.normalize(g.float(), dim=-1)
         scale = logit_scale.float().clamp(max=math.log(100)).exp()
@@ -366,7 +370,7 @@ def main(argv=None):
         save_atomic(checkpoint(model, args, {"val": evaluate(model, splits["val"], args, ctx, cache), "epoch": 0}),
                     args.out)
         return test_best(model, splits["test"], args, ctx, cache, [], time.time())
-    optimizer = BertAdam(groups, lr=args.lr_new, betas=args.betas, eps=args.eps)  # each group has lr_rule's rate
+    optimizer = BertAdam(groups, lr=args.lr_new, betas=args.betas, eps=args.eps)  # a default: each group has its rate
     total_steps = args.epochs * len(loader)
     scheduler = authors_schedule(optimizer, total_steps, args.warmup)  # warmup, then cosine
     # the temperature clamped after each step, as the authors' (main_task_retrieval.py 287-291)

@@ -183,7 +183,7 @@ def batch_loss(model, batch, device, frozen=False, paired=False):
     logits = model(ids[:, :-1], words, **model_inputs(batch, device, frozen))  # (N, vocab), batch-major
     targets = ids[:, 1:][words]
     if paired:
-        n = int(words[:len(ids) // 2].sum())  # the change pairs' words come first
+        n = int(words[:len(ids) // 2].sum())  # x[words] keeps batch order: the change pairs' words come first
         return caption_loss(logits[:n], targets[:n]) + caption_loss(logits[n:], targets[n:])
     return caption_loss(logits, targets)
 
@@ -231,50 +231,11 @@ def encode_all(model, loader, ctx):
     return torch.cat(out)
 
 
-def load_captioner(path, device="cpu", n_inter=None):
-    """A captioner file, ours or the authors' released one (8 heads; n_inter: its inter blocks, default their 3 of
-    9 + 3) -> PairCaptioner."""
-    sd, extra = clip_load.read_state_dict(path := clip_load.resolve(path))
-    if extra.get("stage") == "caption" and extra.get("format") != FORMAT:
-        raise SystemExit(f"{path} is a captioner.pt of an earlier layout: evaluate it after `git checkout "
-                         f"{'7670427' if extra.get('format') == 3 else '7dea046'}`")
-    if extra.get("stage") != "caption" and not extra.get("decoder"):
-        what = "an adapted encoder" if extra.get("stage") or "decoder" in extra else "a CLIP"
-        raise SystemExit(f"{path} is not a captioner but {what}: train one with `python caption.py --ckpt {path}`")
-    clip = clip_load.build_clip(sd, extra, path, n_inter)
-    if "decoder" in extra:  # the authors'
-        state, enc, dec = clip_load.authors_captioner(extra["decoder"], sd, path)
-        width = clip.cfg.transformer_width
-        cfg = CaptionerConfig(clip.cfg.vocab_size, 2 * clip.visual.positional_embedding.shape[0], width,
-                              heads_for(width), enc, dec, MAX_LEN)
-    else:
-        state, cfg = extra["captioner"], CaptionerConfig(**extra["captioner_config"])
-    captioner = Captioner(cfg, clip)
-    try:
-        captioner.load_state_dict(state)
-    except RuntimeError as e:
-        why = " ".join(str(e).split())[:400]
-        raise SystemExit(f"{path}: its captioner does not fit model.Captioner: {why}") from None
-    return PairCaptioner(clip, captioner).to(device).eval()
-
-
-def read_ckpt_info(path):
-    """Our checkpoints' entries but the weights; the authors': their stage; {} for any other."""
-    path = clip_load.resolve(path)
-    try:  # mapped: the weights are not read
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except Exception:  # TorchScript: clip_load reads it, or says why not
-        return {}
-    keys = [str(k).removeprefix("module.") for k in obj] if isinstance(obj, dict) and "model" not in obj else []
-    if any(k.startswith(("decoder.", "clip.")) for k in keys):
-        return {"stage": "caption" if any(k.startswith("decoder.") for k in keys) else "adapt", "authors": True}
-    return {k: v for k, v in obj.items() if k != "model"} if isinstance(obj, dict) and "model" in obj else {}
-
-
 def lr_rule(args):
     """What trains, at which rate: parameter name -> learning rate (None: fixed), the authors' (main_task_caption.py
     640-667): the captioner at lr; CLIP's words (the captioner's input and output) at words_lr; the image tower but
-    its input embeddings at encoder_lr; the text tower fixed (theirs gets no gradient). A rate of 0 fixes."""
+    its input embeddings at encoder_lr; the text tower fixed (theirs gets no gradient), with it its positions, which the
+    captioner ties in. A rate of 0 fixes."""
     def lr(name):
         if name.startswith("captioner."):
             rate = args.lr
@@ -359,6 +320,50 @@ def report(results, results_path, beam, n, seconds):
 
 
 # -----------------------------------------------------------------------------
+# reading checkpoints: settings' read_ckpt_info, evaluate.py's load_captioner
+
+
+def load_captioner(path, device="cpu", n_inter=None):
+    """A captioner file, ours or the authors' released one (8 heads; n_inter: its inter blocks, default their 3 of
+    9 + 3) -> PairCaptioner."""
+    sd, extra = clip_load.read_state_dict(path := clip_load.resolve(path))
+    if extra.get("stage") == "caption" and extra.get("format") != FORMAT:
+        raise SystemExit(f"{path} is a captioner.pt of an earlier layout: evaluate it after `git checkout "
+                         f"{'7670427' if extra.get('format') == 3 else '7dea046'}`")
+    if extra.get("stage") != "caption" and not extra.get("decoder"):
+        what = "an adapted encoder" if extra.get("stage") or "decoder" in extra else "a CLIP"
+        raise SystemExit(f"{path} is not a captioner but {what}: train one with `python caption.py --ckpt {path}`")
+    clip = clip_load.build_clip(sd, extra, path, n_inter)
+    if "decoder" in extra:  # the authors'
+        state, enc, dec = clip_load.authors_captioner(extra["decoder"], sd, path)
+        width = clip.cfg.transformer_width
+        cfg = CaptionerConfig(clip.cfg.vocab_size, 2 * clip.visual.positional_embedding.shape[0], width,
+                              heads_for(width), enc, dec, MAX_LEN)
+    else:
+        state, cfg = extra["captioner"], CaptionerConfig(**extra["captioner_config"])
+    captioner = Captioner(cfg, clip)
+    try:
+        captioner.load_state_dict(state)
+    except RuntimeError as e:
+        why = " ".join(str(e).split())[:400]
+        raise SystemExit(f"{path}: its captioner does not fit model.Captioner: {why}") from None
+    return PairCaptioner(clip, captioner).to(device).eval()
+
+
+def read_ckpt_info(path):
+    """Our checkpoints' entries but the weights; the authors': their stage; {} for any other."""
+    path = clip_load.resolve(path)
+    try:  # mapped: the weights are not read
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception:  # TorchScript: clip_load reads it, or says why not
+        return {}
+    keys = [str(k).removeprefix("module.") for k in obj] if isinstance(obj, dict) and "model" not in obj else []
+    if any(k.startswith(("decoder.", "clip.")) for k in keys):
+        return {"stage": "caption" if any(k.startswith("decoder.") for k in keys) else "adapt", "authors": True}
+    return {k: v for k, v in obj.items() if k != "model"} if isinstance(obj, dict) and "model" in obj else {}
+
+
+# -----------------------------------------------------------------------------
 # training: the pieces of main(), in the order it uses them
 
 
@@ -388,6 +393,7 @@ def describe(model, rule, params, args):
 
 
 def loader_for(dataset, args, ctx, shuffle=False, batch=None):
+    """Evaluation's loader, or training's without distractors: a ragged last batch dropped unless it is the only one."""
     return data.make_loader(dataset, batch or args.eval_batch_size, shuffle, args.workers, ctx.device,
                             drop_last=shuffle and len(dataset) > (batch or 1), seed=args.seed)
 

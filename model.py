@@ -168,14 +168,15 @@ class VisionTransformer(nn.Module):
         return x
 
     def inter(self, x):
-        """eq. (3)-(5) on the images' tokens side by side (B, 2(n+1), width) -> PairEncoding; with no
-        inter blocks (N + 0) too, as the authors' (module_clip.py 341-361)."""
+        """eq. (3)-(5) on the images' tokens side by side (B, 2(n+1), width) -> PairEncoding; with no inter blocks
+        (N + 0, Table 7) e1, e2, p and ln_mid still apply, as in the authors' code (module_clip.py 341-361)."""
         n1 = x.shape[1] // 2
         e = torch.cat([self.bef_embedding.expand(n1, -1), self.aft_embedding.expand(n1, -1)])  # eq. (3)
         x = self.ln_mid(x + e.to(x.dtype) + self.joint_positional_embedding.to(x.dtype))  # eq. (4)
         for block in self.transformer.resblocks[len(self.transformer.resblocks) - self.n_inter:]:
             x = block(x)
-        tokens = self.ln_post(x) @ self.proj  # (B, 2(n+1), output_dim), the captioner's
+        # every token projected, not only [CLS] as in CLIP: the captioner's memory, as wide as CLIP's words
+        tokens = self.ln_post(x) @ self.proj  # (B, 2(n+1), output_dim)
         return PairEncoding(tokens, (tokens[:, 0] + tokens[:, tokens.shape[1] // 2]) / 2)  # eq. (5): the [CLS]s' mean
 
 
@@ -249,8 +250,8 @@ class CLIP(nn.Module):
         return self.visual.forward_pair(before, after)
 
 
-# CLIP's input embeddings, fixed by the authors in both stages (main_task_retrieval.py 176-205, main_task_caption.py
-# 640-667)
+# CLIP's input embeddings, fixed by the authors (main_task_retrieval.py 176-205, main_task_caption.py 640-667); stage 2
+# gives CLIP's words, which the captioner ties to its input and output, their own rate
 INPUT_EMBEDDINGS = ("token_embedding.", "positional_embedding", "visual.conv1.", "visual.class_embedding",
                     "visual.positional_embedding", "visual.ln_pre.")
 PAIR_KEYS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_positional_embedding",
@@ -258,7 +259,8 @@ PAIR_KEYS = ("visual.bef_embedding", "visual.aft_embedding", "visual.joint_posit
 
 
 def share_joint_positions_(visual, norm):
-    """Not the paper's (--shared-p): p (eq. 4) alike in both images, random codes of this norm, [CLS]'s zero."""
+    """Not the paper's (--shared-p): p (eq. 4) alike in both images, random codes of this norm, [CLS]'s zero: a patch
+    and the same place in the other image start with one code, so the inter blocks can compare them from step 1."""
     p = visual.joint_positional_embedding
     half = torch.randn(p.shape[0] // 2, p.shape[1], device=p.device)
     half = norm * half / half.norm(dim=1, keepdim=True)
@@ -350,57 +352,6 @@ def init_weights_(module):
             nn.init.zeros_(m.bias)
 
 
-# decoding, for the captioner below (through its encode and decode)
-
-
-@torch.no_grad()
-def generate(captioner, memory, bos, eos, max_len=None, use_kv_cache=True):
-    """Greedy decoding -> ids (B, <= max_len), 0 after <eos>; without the cache, the whole prefix each step."""
-    max_len = min(max_len or captioner.cfg.max_len, captioner.cfg.max_len)
-    mem = captioner.encode(memory)
-    out = torch.full((len(memory), 1), bos, dtype=torch.long, device=memory.device)
-    kv_caches = [{} for _ in captioner.decoder] if use_kv_cache else None
-    done = torch.zeros(len(memory), dtype=torch.bool, device=memory.device)
-    for t in range(max_len):
-        step, start = (out[:, -1:], t) if use_kv_cache else (out, 0)
-        nxt = captioner.decode(step, mem, kv_caches, start)[:, -1].argmax(-1).masked_fill(done, 0)  # (B,)
-        out = torch.cat([out, nxt[:, None]], dim=1)
-        done |= nxt == eos
-        if done.all():
-            break
-    return out[:, 1:]
-
-
-@torch.no_grad()
-def beam_search(captioner, memory, bos, eos, beam=3, max_len=None):
-    """Beam search; the best beam by log-probability per token."""
-    max_len = min(max_len or captioner.cfg.max_len, captioner.cfg.max_len)
-    mem = [m.repeat_interleave(beam, dim=0) for m in captioner.encode(memory)]  # each (B*K, M, width)
-    B, K, dev = memory.shape[0], beam, memory.device
-    out = torch.full((B * K, 1), bos, dtype=torch.long, device=dev)
-    scores = torch.full((B, K), float("-inf"), device=dev)
-    scores[:, 0] = 0  # one beam at first, so the first step gives K different words
-    done, lengths = torch.zeros(B * K, dtype=torch.bool, device=dev), torch.zeros(B * K, device=dev)
-    kv_caches = [{} for _ in captioner.decoder]
-    for t in range(max_len):
-        logp = captioner.decode(out[:, -1:], mem, kv_caches, start=t)[:, -1].float().log_softmax(-1)  # (B*K, V)
-        V = logp.shape[-1]
-        logp[done] = float("-inf")
-        logp[done, 0] = 0  # a finished beam continues with padding at no cost
-        scores, idx = (scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=-1)  # (B, K)
-        src = (idx // V + torch.arange(B, device=dev)[:, None] * K).view(-1)  # the beam each came from
-        nxt = (idx % V).view(-1)
-        out = torch.cat([out[src], nxt[:, None]], dim=1)
-        lengths = lengths[src] + (~done[src]).float()
-        done = done[src] | (nxt == eos)
-        for c in kv_caches:  # the prefix's keys/values follow their beam
-            c["self"]["k"], c["self"]["v"] = c["self"]["k"][src], c["self"]["v"][src]
-        if done.all():
-            break
-    best = (scores.view(-1) / lengths.clamp(min=1)).view(B, K).argmax(-1)  # length-normalized
-    return out.view(B, K, -1)[torch.arange(B, device=dev), best, 1:]
-
-
 # The authors' captioner as their code built it (modules/module_decoder.py): BERT's post-LN layers, 3 encoder layers
 # over the pair encoder's tokens, 3 decoder layers, decoder layer i reading encoder layer i; CLIP's words and
 # positions tied in, and BERT's prediction head.
@@ -409,7 +360,7 @@ def beam_search(captioner, memory, bos, eos, beam=3, max_len=None):
 @dataclass
 class CaptionerConfig:
     vocab_size: int = 49408  # CLIP's BPE tokens
-    memory_len: int = 100  # the pair encoder's 2(n+1) tokens
+    memory_len: int = 100  # the pair encoder's 2(n+1) tokens (recorded; the layers take any length)
     width: int = 512
     heads: int = 8
     enc_layers: int = 3
@@ -462,7 +413,7 @@ class Captioner(nn.Module):
 
     def encode(self, memory):
         """Pair-encoder tokens (B, 2(n+1), width) -> each encoder layer's output."""
-        x, outs = memory.to(self.head.dense.weight.dtype), []
+        x, outs = memory.to(self.head.dense.weight.dtype), []  # the captioner's dtype
         for block in self.encoder:
             x = block(x)
             outs.append(x)
@@ -470,8 +421,9 @@ class Captioner(nn.Module):
 
     def decode(self, tokens, mems, kv_caches=None, start=0, words=None):
         """Token ids (B, T) from position `start`, encode's list -> logits (B, T, vocab); layer i reads mems[i].
-        words (B, T) bool: only those positions' logits (N, vocab), batch-major (the loss's: the vocabulary costs)."""
-        # the words' gradient sparse: the tied head's is dense already, so the batch's rows are added to it (faster)
+        words (B, T) bool: the logits of those positions only, (N, vocab) in batch order: a vocabulary-wide row per
+        padding position would cost as much as a word's."""
+        # sparse: the lookup's gradient is the batch's rows, added to the tied head's dense one (no second dense table)
         x = F.embedding(tokens, self.token_embedding.weight, sparse=True)
         x = self.drop(self.ln_emb(x + self.positional_embedding[start:start + tokens.shape[1]]))
         for i, block in enumerate(self.decoder):
@@ -482,3 +434,54 @@ class Captioner(nn.Module):
 
     def forward(self, memory, tokens, words=None):
         return self.decode(tokens, self.encode(memory), words=words)
+
+
+# decoding, through the captioner's encode and decode
+
+
+@torch.no_grad()
+def generate(captioner, memory, bos, eos, max_len=None, use_kv_cache=True):
+    """Greedy decoding -> ids (B, <= max_len), 0 after <eos>; without the cache, the whole prefix each step."""
+    max_len = min(max_len or captioner.cfg.max_len, captioner.cfg.max_len)
+    mem = captioner.encode(memory)
+    out = torch.full((len(memory), 1), bos, dtype=torch.long, device=memory.device)
+    kv_caches = [{} for _ in captioner.decoder] if use_kv_cache else None
+    done = torch.zeros(len(memory), dtype=torch.bool, device=memory.device)
+    for t in range(max_len):
+        step, start = (out[:, -1:], t) if use_kv_cache else (out, 0)
+        nxt = captioner.decode(step, mem, kv_caches, start)[:, -1].argmax(-1).masked_fill(done, 0)  # (B,)
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        done |= nxt == eos
+        if done.all():
+            break
+    return out[:, 1:]
+
+
+@torch.no_grad()
+def beam_search(captioner, memory, bos, eos, beam=3, max_len=None):
+    """Beam search; the best beam by log-probability per token."""
+    max_len = min(max_len or captioner.cfg.max_len, captioner.cfg.max_len)
+    mem = [m.repeat_interleave(beam, dim=0) for m in captioner.encode(memory)]  # each (B*K, M, width)
+    B, K, dev = memory.shape[0], beam, memory.device
+    out = torch.full((B * K, 1), bos, dtype=torch.long, device=dev)
+    scores = torch.full((B, K), float("-inf"), device=dev)
+    scores[:, 0] = 0  # one beam at first, so the first step gives K different words
+    done, lengths = torch.zeros(B * K, dtype=torch.bool, device=dev), torch.zeros(B * K, device=dev)
+    kv_caches = [{} for _ in captioner.decoder]
+    for t in range(max_len):
+        logp = captioner.decode(out[:, -1:], mem, kv_caches, start=t)[:, -1].float().log_softmax(-1)  # (B*K, V)
+        V = logp.shape[-1]
+        logp[done] = float("-inf")
+        logp[done, 0] = 0  # a finished beam continues with padding at no cost
+        scores, idx = (scores.view(-1, 1) + logp).view(B, K * V).topk(K, dim=-1)  # (B, K)
+        src = (idx // V + torch.arange(B, device=dev)[:, None] * K).view(-1)  # the beam each came from
+        nxt = (idx % V).view(-1)
+        out = torch.cat([out[src], nxt[:, None]], dim=1)
+        lengths = lengths[src] + (~done[src]).float()
+        done = done[src] | (nxt == eos)
+        for c in kv_caches:  # the prefix's keys/values follow their beam
+            c["self"]["k"], c["self"]["v"] = c["self"]["k"][src], c["self"]["v"][src]
+        if done.all():
+            break
+    best = (scores.view(-1) / lengths.clamp(min=1)).view(B, K).argmax(-1)  # length-normalized
+    return out.view(B, K, -1)[torch.arange(B, device=dev), best, 1:]
