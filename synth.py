@@ -599,6 +599,15 @@ def judge(caption, scene):
             "object": len(found) == 1 and found[0] is where[scene["changed"]]}
 
 
+def named(caption, scene):
+    """The attributes a change caption's object has ("the small red cube": size, color, shape) -> whether the changed
+    object has each: which of them a captioner reads."""
+    phrase = read(caption)[1]
+    parsed = _parse(phrase) if phrase else None
+    changed = (scene["after"] if scene["type"] == "add" else scene["before"])[scene["changed"]]
+    return {a: v == changed[a] for a, v in parsed[0].items()} if parsed else {}
+
+
 def report_lines(judged):
     """report's figures in two lines."""
     types = ", ".join(f"{t} {judged[t]['right type %']:.0f}/{judged[t]['right object %']:.0f}%"
@@ -607,18 +616,23 @@ def report_lines(judged):
             f"pairs get a change caption, {judged['right type %']:.0f}% the right change type, "
             f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}% of "
             f"{judged['distractor pairs']} distractors get \"no change\"",
-            f"   by change type, right type/object: {types}"]
+            f"   by change type, right type/object: {types}"] + (
+        [f"   of the attributes named, the changed object has: {attrs}"] if (attrs := ", ".join(
+            f"{a} {v:.0f}%" for a, v in judged.get("named attributes right %", {}).items())) else [])
 
 
 def report(preds, scenes):
     """{item id: caption} -> the percentages: change pairs given a change caption, the right type, the right
-    object (also per type); distractors ("_n") given "no change"."""
+    object (also per type), each attribute named right; distractors ("_n") given "no change"."""
     judged = {i: judge(c, scenes[i]) for i, c in preds.items() if not i.endswith("_n")}
     calm = [read(c)[0] == "no change" for i, c in preds.items() if i.endswith("_n")]
     pct = lambda flags: round(100 * sum(flags) / max(1, len(flags)), 1)
     of = lambda k: pct([j[k] for j in judged.values()])
     out = {"change pairs": len(judged), "change caption %": of("change"), "right type %": of("type"),
            "right object %": of("object"), "distractor pairs": len(calm), "no change on distractors %": pct(calm)}
+    said = [named(c, scenes[i]) for i, c in preds.items() if not i.endswith("_n")]
+    out["named attributes right %"] = {a: pct([n[a] for n in said if a in n]) for a in VALUES
+                                       if any(a in n for n in said)}
     for t in CHANGES:
         js = [j for i, j in judged.items() if scenes[i]["type"] == t]
         if js:

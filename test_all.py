@@ -2493,6 +2493,13 @@ def test_judge_catches_wrong_captions():
     assert got["change caption %"] == 50 and got["right type %"] == 50 and got["right object %"] == 50
     assert got["no change on distractors %"] == 50 and got["change pairs"] == got["distractor pairs"] == 2
     assert got["color"] == {"right type %": 50, "right object %": 50}
+    # the attributes the captions name: one caption gets the changed object's size wrong
+    o2 = {**o, "size": "large" if o["size"] == "small" else "small"}
+    preds["000002"] = f"the {full(o2)} turned {new}"
+    assert synth.named(preds["000002"], scene) == {"size": False, "color": True, "material": True, "shape": True}
+    assert synth.report(preds, {"000001": scene, "000002": scene})["named attributes right %"] == {
+        "size": 50, "color": 100, "material": 100, "shape": 100}
+    assert synth.named("the thing changed its color", scene) == {} and synth.named("no change", scene) == {}
 
 
 def object_words(text):
