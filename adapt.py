@@ -2,7 +2,7 @@
 
     python adapt.py --data clevr                          # writes adapted.pt
     python adapt.py --data clevr --n-inter 0              # every block intra, none inter (Table 7: 12 + 0; mini: 6 + 0)
-    python adapt.py --data clevr --lr-new 0 --lr-clip 0   # nothing trains: not adapted (Table 5), p as the first starts
+    python adapt.py --data clevr --lr-new 0 --lr-clip 0   # nothing trains: not adapted (Table 5), p as adapted's starts
 
 The pair encoder (model.py) turns (before, after) into a vector v, CLIP's text tower the caption into g; a
 symmetric InfoNCE loss (eq. 6-8) pulls each pair to its own caption. It sees change pairs only (CLEVR-Change's
