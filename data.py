@@ -505,12 +505,12 @@ def distractor_partners(items):
 
 def make_loader(dataset, batch_size, shuffle=False, workers=0, device="cpu", drop_last=False, seed=0, pairs=None):
     """A DataLoader with an EpochSampler (or DistractorBatches of `pairs`); no workers for features."""
-    workers = 0 if getattr(dataset, "features", None) is not None else workers
+    workers = 0 if dataset.features is not None else workers
     order = dict(batch_sampler=DistractorBatches(pairs, batch_size, seed)) if pairs is not None else dict(
         batch_size=batch_size, sampler=EpochSampler(len(dataset), shuffle, seed), drop_last=drop_last)
     return torch.utils.data.DataLoader(
         dataset, **order, num_workers=workers, pin_memory=str(device).startswith("cuda"),
-        collate_fn=_whole if hasattr(dataset, "__getitems__") else None)
+        collate_fn=_whole)
 
 
 def _whole(batch):
