@@ -609,7 +609,7 @@ def named(caption, scene):
 
 
 def report_lines(judged):
-    """report's figures in two lines."""
+    """report's figures in three lines (two without the attributes named)."""
     types = ", ".join(f"{t} {judged[t]['right type %']:.0f}/{judged[t]['right object %']:.0f}%"
                       for t in CHANGES if t in judged)
     return [f"read back against the scenes: {judged['change caption %']:.0f}% of {judged['change pairs']} change "
