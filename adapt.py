@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import clip_load
 import data
 import plots
+import synth
 from model import CLIP, INPUT_EMBEDDINGS, PAIR_KEYS, CLIPConfig, authors_fp16_, heads_for, share_joint_positions_
 from train_utils import (BertAdam, GraphedStep, HelpFormatter, Progress, Settings, at_least, authors_decays,
                          authors_schedule, check_resume, check_sizes, concrete_amp, end_epoch, freeze, given_flags,
@@ -233,8 +234,8 @@ def lr_rule(args):
 
 
 @torch.no_grad()
-def encode_split(model, items, args, ctx, cache=None):
-    """Pair vectors (P, D) and caption features (T, D), normalized; owner[t] = index of caption t's pair."""
+def pair_vectors(model, items, args, ctx, cache=None):
+    """The pairs' vectors v (P, D), eq. (5)."""
     model.eval()
     ds = data.ImageDataset(items, args.image_size, cache=cache)
     loader = data.make_loader(ds, args.eval_batch_size, workers=args.workers, device=ctx.device)
@@ -242,6 +243,12 @@ def encode_split(model, items, args, ctx, cache=None):
     for batch in loader:
         with ctx.amp:
             pairs.append(model.encode_pair(*data.pair_images(batch, ctx.device)).vector.float())
+    return torch.cat(pairs)
+
+
+def encode_split(model, items, args, ctx, cache=None):
+    """Pair vectors (P, D) and caption features (T, D), normalized; owner[t] = index of caption t's pair."""
+    pairs = pair_vectors(model, items, args, ctx, cache)
     owner, captions = map(list, zip(*[(i, c) for i, it in enumerate(items) for c in it.captions]))
     owner = torch.tensor(owner)
     texts = []
@@ -249,7 +256,7 @@ def encode_split(model, items, args, ctx, cache=None):
         ids = clip_load.tokenize(captions[i:i + args.eval_batch_size], args.context_length, truncate=True)
         with ctx.amp:
             texts.append(model.encode_text(ids.to(ctx.device)).float())
-    return F.normalize(torch.cat(pairs), dim=-1).cpu(), F.normalize(torch.cat(texts), dim=-1).cpu(), owner
+    return F.normalize(pairs, dim=-1).cpu(), F.normalize(torch.cat(texts), dim=-1).cpu(), owner
 
 
 def retrieval_metrics(sim, owner):
@@ -336,18 +343,28 @@ def checkpoint(model, args, metrics):
             "data": {"name": args.data, "root": args.data_root, "image_size": args.image_size}, "args": vars(args)}
 
 
-def test_best(model, test_items, args, ctx, cache, history, t_start):
+def test_best(model, splits, args, ctx, cache, history, t_start):
     """The best-on-val weights (--out) evaluated once on test; the figures added to --out."""
     ckpt = torch.load(args.out, map_location="cpu", weights_only=False)
     model.load_state_dict(ckpt["model"])
-    test = evaluate(model, test_items, args, ctx, cache)
+    test = evaluate(model, splits["test"], args, ctx, cache)
     if test is None:
         raise SystemExit(diverged(ckpt["metrics"]["epoch"]) + " (on test)")
-    chance = chance_metrics(len(test_items))
-    ckpt["metrics"].update(test=test, chance=chance, history=history)
+    chance = chance_metrics(len(splits["test"]))
+    probed = None
+    if synth.is_synthetic(args.data_root):  # what v knows of the change, read against the renderer's records
+        train, test_items = splits["train"][:1000], splits["test"]
+        probed = synth.probe([it.id for it in train], pair_vectors(model, train, args, ctx, cache).cpu(),
+                             [it.id for it in test_items], pair_vectors(model, test_items, args, ctx, cache).cpu(),
+                             synth.read_scenes(args.data_root))
+    ckpt["metrics"].update(test=test, chance=chance, history=history, probe=probed)
     save_atomic(ckpt, args.out)
     log(f"test (best val epoch {ckpt['metrics']['epoch']}): {fmt(test)}")
     log(f"chance:   {fmt(chance)}")
+    if probed:
+        attrs = ", ".join(f"{k} {v:.0f}%" for k, v in probed.items() if k != "type")
+        log(f"what v knows of the change (a linear probe fit on 1,000 training pairs; test): the changed object's "
+            f"{attrs}; the change type {probed['type']:.0f}%")
     r1 = ", ".join(f"{d} R@1 {test[d + ' R@1']:.1f} ({test[d + ' R@1'] / chance[d + ' R@1']:.0f}x chance)"
                    for d in ("text->pair", "pair->text"))
     log(f"done in {(time.time() - t_start) / 60:.1f} min ({where(ctx, speed=True)}): test {r1} -> {args.out}")
@@ -369,7 +386,7 @@ def main(argv=None):
     if not groups:  # every rate 0: the encoder not adapted, evaluated as it starts
         save_atomic(checkpoint(model, args, {"val": evaluate(model, splits["val"], args, ctx, cache), "epoch": 0}),
                     args.out)
-        return test_best(model, splits["test"], args, ctx, cache, [], time.time())
+        return test_best(model, splits, args, ctx, cache, [], time.time())
     optimizer = BertAdam(groups, lr=args.lr_new, betas=args.betas, eps=args.eps)  # a default: each group has its rate
     total_steps = args.epochs * len(loader)
     scheduler = authors_schedule(optimizer, total_steps, args.warmup)  # warmup, then cosine
@@ -427,7 +444,7 @@ def main(argv=None):
             plots.curves(os.path.splitext(args.out)[0] + ".curves.png", run["history"], SELECT)
     except KeyboardInterrupt:
         interrupted(args.out)
-    test_best(model, splits["test"], args, ctx, cache, run["history"], t_start)
+    test_best(model, splits, args, ctx, cache, run["history"], t_start)
 
 
 if __name__ == "__main__":

@@ -238,22 +238,6 @@ def encode_images(model, images, cache, size, ctx, batch=256):
     return torch.cat(clip_feats), torch.stack(feats), attrs
 
 
-def linear_probe(x_train, y_train, x_test, y_test, steps=300):
-    """A softmax classifier on standardized features (full-batch Adam, a little weight decay) -> test accuracy %."""
-    classes = sorted(set(y_train))
-    ytr = torch.tensor([classes.index(y) for y in y_train])
-    yte = torch.tensor([classes.index(y) if y in classes else -1 for y in y_test])
-    xtr, xte = ((x - x_train.mean(0)) / (x_train.std(0) + 1e-6) for x in (x_train, x_test))
-    with torch.enable_grad():
-        head = torch.nn.Linear(xtr.shape[1], len(classes))
-        opt = torch.optim.Adam(head.parameters(), lr=1e-2, weight_decay=1e-4)
-        for _ in range(steps):
-            opt.zero_grad()
-            F.cross_entropy(head(xtr), ytr).backward()
-            opt.step()
-    return 100 * (head(xte).argmax(1) == yte).float().mean().item()
-
-
 @torch.no_grad()
 def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
     """Held-out figures: image -> description R@1 among its hard negatives, image <-> text R@1 among all held-out
@@ -282,7 +266,7 @@ def evaluate(model, held_out, probe_train, cache, args, ctx, negatives=8):
            "text->image R@1": 100 * (sim.argmax(0) == torch.arange(N)).float().mean().item()}
     _, xtr, ytr = encode_images(model, probe_train, cache, args.image_size, ctx)
     for a in synth.ATTRS:
-        out[f"probe {a}"] = linear_probe(xtr, ytr[a], xte, yte[a])
+        out[f"probe {a}"] = synth.linear_probe(xtr, ytr[a], xte, yte[a])
         out[f"chance {a}"] = 100 * max(yte[a].count(v) for v in set(yte[a])) / len(yte[a])
     return out
 

@@ -4,8 +4,8 @@
 
 Without CLEVR-Change on disk, `data.resolve_root("clevr")` renders this set once: a few CLEVR objects on a floor,
 ray-cast with numpy; one object changes (colour, material, position, added, dropped) in the "semantic" image, the
-"non-semantic" distractor moves the camera. `scenes.json` records the objects, and `judge` reads a generated caption
-back against them. Nothing here imports the rest of clip4idc.
+"non-semantic" distractor moves the camera. `scenes.json` records the objects; `judge` reads a generated caption back
+against them, `probe` a pair encoder's vectors. Nothing here imports the rest of clip4idc.
 """
 import argparse
 import json
@@ -18,6 +18,8 @@ from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from PIL import Image
 
 SYNTH_ROOT = "data/clevr_synth"
@@ -590,13 +592,18 @@ def read(caption):
     return (valid or parsed or [(None, None)])[0]  # a valid reading first
 
 
+def changed(scene):
+    """A change pair's record -> the objects where the changed one is (after an add, else before), its index."""
+    return scene["after"] if scene["type"] == "add" else scene["before"], scene["changed"]
+
+
 def judge(caption, scene):
     """One change pair's caption against its record: a change, of the right type, naming the changed object?"""
     kind, phrase = read(caption)
-    where = scene["after"] if scene["type"] == "add" else scene["before"]
+    where, k = changed(scene)
     found = resolve(phrase, where) if phrase else []
     return {"change": kind in CHANGES, "type": kind == scene["type"],
-            "object": len(found) == 1 and found[0] is where[scene["changed"]]}
+            "object": len(found) == 1 and found[0] is where[k]}
 
 
 def named(caption, scene):
@@ -604,8 +611,36 @@ def named(caption, scene):
     object has each: which of them a captioner reads."""
     phrase = read(caption)[1]
     parsed = _parse(phrase) if phrase else None
-    changed = (scene["after"] if scene["type"] == "add" else scene["before"])[scene["changed"]]
-    return {a: v == changed[a] for a, v in parsed[0].items()} if parsed else {}
+    where, k = changed(scene)
+    return {a: v == where[k][a] for a, v in parsed[0].items()} if parsed else {}
+
+
+def probe(train_ids, x_train, test_ids, x_test, scenes):
+    """What a pair encoder's vectors (N, D) of change pairs know of the change: a linear probe of the changed object's
+    attributes and of the change type, trained on the training pairs' -> each one's accuracy % on the test pairs'."""
+    def labels(ids):
+        return [{**{a: changed(scenes[i])[0][changed(scenes[i])[1]][a] for a in ATTRS}, "type": scenes[i]["type"]}
+                for i in ids]
+    ytr, yte = labels(train_ids), labels(test_ids)
+    with torch.random.fork_rng():  # the probes' initializations fixed, the run's random stream untouched
+        torch.manual_seed(0)
+        return {k: linear_probe(x_train, [y[k] for y in ytr], x_test, [y[k] for y in yte]) for k in (*ATTRS, "type")}
+
+
+def linear_probe(x_train, y_train, x_test, y_test, steps=300):
+    """A softmax classifier on standardized features (full-batch Adam, a little weight decay) -> test accuracy %."""
+    classes = sorted(set(y_train))
+    ytr = torch.tensor([classes.index(y) for y in y_train])
+    yte = torch.tensor([classes.index(y) if y in classes else -1 for y in y_test])
+    xtr, xte = ((x - x_train.mean(0)) / (x_train.std(0) + 1e-6) for x in (x_train, x_test))
+    with torch.enable_grad():
+        head = torch.nn.Linear(xtr.shape[1], len(classes))
+        opt = torch.optim.Adam(head.parameters(), lr=1e-2, weight_decay=1e-4)
+        for _ in range(steps):
+            opt.zero_grad()
+            F.cross_entropy(head(xtr), ytr).backward()
+            opt.step()
+    return 100 * (head(xte).argmax(1) == yte).float().mean().item()
 
 
 def report_lines(judged):

@@ -2502,6 +2502,27 @@ def test_judge_catches_wrong_captions():
     assert synth.named("the thing changed its color", scene) == {} and synth.named("no change", scene) == {}
 
 
+def test_probe_reads_what_the_vectors_hold():
+    """synth.probe: vectors that hold the changed object's shape (one-hot, plus noise) and nothing else probe to 100 %
+    for the shape and about the most frequent class for the rest; the changed object is the added one after an add."""
+    rng = random.Random(0)
+    objs = lambda: [{a: rng.choice(synth.VALUES[a]) for a in synth.ATTRS} for _ in range(3)]
+    scenes = {}
+    for i in range(400):
+        before, after = objs(), objs()
+        scenes[f"{i:06d}"] = {"type": rng.choice(synth.CHANGES), "before": before, "after": after, "changed": i % 3}
+    shape = lambda i: synth.changed(scenes[i])[0][synth.changed(scenes[i])[1]]["shape"]
+    g = torch.Generator().manual_seed(0)
+    vec = lambda ids: torch.stack([F.one_hot(torch.tensor(synth.SHAPES.index(shape(i))), 3).float() for i in ids]) + \
+        0.1 * torch.randn(len(ids), 3, generator=g)
+    ids = sorted(scenes)
+    got = synth.probe(ids[:300], vec(ids[:300]), ids[300:], vec(ids[300:]), scenes)
+    assert set(got) == {*synth.ATTRS, "type"} and got["shape"] == 100
+    assert all(got[k] < 60 for k in ("color", "type")), got
+    add = next(i for i in ids if scenes[i]["type"] == "add")
+    assert synth.changed(scenes[add])[0] is scenes[add]["after"]
+
+
 def object_words(text):
     """The objects a description names, as sorted attribute tuples (read back with synth's own parser)."""
     found = re.findall(r"\ban? ((?:\w+ ){3}\w+)(?=,| and|$| on)", text)
@@ -2980,6 +3001,8 @@ def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch):
     assert {"model", "config", "tokenizer", "metrics", "args"} <= set(ckpt)
     assert "text->pair R@1" in ckpt["metrics"]["test"] and "val" in ckpt["metrics"]
     assert ckpt["args"]["swap_prob"] == 0.0  # the synthetic set's default
+    probed = ckpt["metrics"]["probe"]  # on the synthetic set: what v knows of the change
+    assert set(probed) == {*synth.ATTRS, "type"} and all(0 <= v <= 100 for v in probed.values())
 
 
 @pytest.mark.slow
