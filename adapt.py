@@ -246,6 +246,7 @@ def pair_vectors(model, items, args, ctx, cache=None):
     return torch.cat(pairs)
 
 
+@torch.no_grad()
 def encode_split(model, items, args, ctx, cache=None):
     """Pair vectors (P, D) and caption features (T, D), normalized; owner[t] = index of caption t's pair."""
     pairs = pair_vectors(model, items, args, ctx, cache)

@@ -618,10 +618,10 @@ def named(caption, scene):
 def probe(train_ids, x_train, test_ids, x_test, scenes):
     """What a pair encoder's vectors (N, D) of change pairs know of the change: a linear probe of the changed object's
     attributes and of the change type, trained on the training pairs' -> each one's accuracy % on the test pairs'."""
-    def labels(ids):
-        return [{**{a: changed(scenes[i])[0][changed(scenes[i])[1]][a] for a in ATTRS}, "type": scenes[i]["type"]}
-                for i in ids]
-    ytr, yte = labels(train_ids), labels(test_ids)
+    def label(i):
+        where, k = changed(scenes[i])
+        return {**{a: where[k][a] for a in ATTRS}, "type": scenes[i]["type"]}
+    ytr, yte = [label(i) for i in train_ids], [label(i) for i in test_ids]
     with torch.random.fork_rng():  # the probes' initializations fixed, the run's random stream untouched
         torch.manual_seed(0)
         return {k: linear_probe(x_train, [y[k] for y in ytr], x_test, [y[k] for y in yte]) for k in (*ATTRS, "type")}
@@ -647,13 +647,13 @@ def report_lines(judged):
     """report's figures in three lines (two without the attributes named)."""
     types = ", ".join(f"{t} {judged[t]['right type %']:.0f}/{judged[t]['right object %']:.0f}%"
                       for t in CHANGES if t in judged)
+    attrs = ", ".join(f"{a} {v:.0f}%" for a, v in judged.get("named attributes right %", {}).items())
     return [f"read back against the scenes: {judged['change caption %']:.0f}% of {judged['change pairs']} change "
             f"pairs get a change caption, {judged['right type %']:.0f}% the right change type, "
             f"{judged['right object %']:.0f}% the right object; {judged['no change on distractors %']:.0f}% of "
             f"{judged['distractor pairs']} distractors get \"no change\"",
             f"   by change type, right type/object: {types}"] + (
-        [f"   of the attributes named, the changed object has: {attrs}"] if (attrs := ", ".join(
-            f"{a} {v:.0f}%" for a, v in judged.get("named attributes right %", {}).items())) else [])
+        [f"   of the attributes named, the changed object has: {attrs}"] if attrs else [])
 
 
 def report(preds, scenes):

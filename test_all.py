@@ -3003,6 +3003,9 @@ def test_train_resume_equals_uninterrupted(adapt_synth, tmp_path, monkeypatch):
     assert ckpt["args"]["swap_prob"] == 0.0  # the synthetic set's default
     probed = ckpt["metrics"]["probe"]  # on the synthetic set: what v knows of the change
     assert set(probed) == {*synth.ATTRS, "type"} and all(0 <= v <= 100 for v in probed.values())
+    model = adapt.new_model(adapt.settings(base))
+    v, g, _ = adapt.encode_split(model, items[:4], adapt.settings(base), train_utils.setup(0, "cpu", "off"))
+    assert not v.requires_grad and not g.requires_grad  # evaluation builds no autograd graph
 
 
 @pytest.mark.slow
